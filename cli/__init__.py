@@ -1,0 +1,1 @@
+"""The kvbm command line."""

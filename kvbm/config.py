@@ -1,0 +1,248 @@
+"""Typed configuration: YAML files in configs/ plus ``KVBM_*`` environment overrides.
+
+Every section is a ``msgspec.Struct``; unknown keys and wrong types are rejected at load with an
+error that names the field (``s3.max_concurrency: Expected `int`, got `str```).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from kvbm.errors import ConfigError
+
+SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mi": 1024**2, "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+          "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4}
+
+
+def parse_size(value: int | str, field: str = "size") -> int:
+    """``8MiB`` / ``2 GB`` / ``4096`` -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = SIZE_RE.match(str(value))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ConfigError(f"{field}: cannot read {value!r} as a size (e.g. 8MiB, 2GB, 4096)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvbm"
+
+
+class DeviceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """G1: device memory (CUDA when available, else CPU tensors stand in)."""
+
+    enabled: bool = True
+    capacity: int | str = "256MiB"
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+
+
+class HostConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """G2: a pool of fixed-size slots in shared memory (pinned on CUDA hosts)."""
+
+    enabled: bool = True
+    capacity: int | str = "1GiB"
+    shm_name: str = ""  # empty: a unique name per process
+    pin: bool = True
+
+
+class DiskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """G3: one file per block under ``dir``."""
+
+    enabled: bool = True
+    dir: str = ""  # empty: <cache dir>/disk
+    capacity: int | str = "16GiB"
+    o_direct: bool = True
+    fsync: bool = True
+    # G2->G3 frequency filter (as Dynamo's): only blocks read at least this often are written down.
+    min_hits_to_offload: int = 0
+
+
+class S3Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """G4: S3-compatible object storage."""
+
+    enabled: bool = True
+    endpoint: str = ""  # empty: the embedded SeaweedFS
+    region: str = "us-east-1"
+    bucket: str = "kvbm"
+    prefix: str = "kvbm"
+    access_key: str = ""  # empty: env / AWS credential chain
+    secret_key: str = ""
+    session_token: str = ""
+    addressing: Literal["path", "virtual"] = "path"
+    verify_tls: bool = True
+    create_bucket: bool = True
+    capacity: int | str = "1TiB"
+    client: Literal["aiobotocore", "nixl"] = "aiobotocore"
+    max_concurrency: int = 8
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 30.0
+    max_retries: int = 3
+    breaker_failures: int = 3
+    breaker_reset_s: float = 5.0
+    max_pending_writes: int = 64
+    shard_chars: int = 2
+
+
+class EmbeddedS3Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The local SeaweedFS that the default config starts."""
+
+    enabled: bool = True
+    dir: str = ""  # empty: <cache dir>/seaweedfs
+    port: int = 0  # 0: pick a free port
+    access_key: str = "kvbm"
+    secret_key: str = "kvbm-local-secret"
+
+
+class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How bytes move: NIXL (UCX for memory, POSIX for files) or plain copies/pread/pwrite."""
+
+    backend: Literal["auto", "nixl", "plain"] = "auto"
+    io_threads: int = 4
+
+
+class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    endpoint: str = "tcp://127.0.0.1:5557"
+    events_endpoint: str = "tcp://127.0.0.1:5558"
+    metrics_port: int = 9464  # 0 disables
+    request_timeout_s: float = 10.0
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_queue: int = 256
+    vllm_events: list[str] = []  # vLLM KV-event endpoints to subscribe to
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    block_bytes: int | str = "8MiB"
+    hash_scheme: Literal["kvbm", "vllm"] = "kvbm"
+    device: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
+    host: HostConfig = msgspec.field(default_factory=HostConfig)
+    disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
+    s3: S3Config = msgspec.field(default_factory=S3Config)
+    embedded_s3: EmbeddedS3Config = msgspec.field(default_factory=EmbeddedS3Config)
+    transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+    daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
+
+    def size(self, value: int | str, field: str) -> int:
+        return parse_size(value, field)
+
+    @property
+    def block_nbytes(self) -> int:
+        return parse_size(self.block_bytes, "block_bytes")
+
+    @property
+    def disk_dir(self) -> Path:
+        return Path(self.disk.dir) if self.disk.dir else default_cache_dir() / "disk"
+
+
+_BOOL_TRUE = {"1", "true", "yes", "on"}
+_BOOL_FALSE = {"0", "false", "no", "off"}
+
+
+def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> None:
+    """Apply ``KVBM_<SECTION>_<FIELD>`` (or ``KVBM_<FIELD>`` for top-level fields) to ``data``."""
+    sections = {f.name: f.type for f in msgspec.structs.fields(Config)}
+    for env_key, raw in environ.items():
+        if not env_key.startswith("KVBM_"):
+            continue
+        rest = env_key[5:].lower()
+        placed = False
+        for sec, typ in sections.items():
+            if isinstance(typ, type) and issubclass(typ, msgspec.Struct) and rest.startswith(sec + "_"):
+                field = rest[len(sec) + 1 :]
+                names = {f.name: f.type for f in msgspec.structs.fields(typ)}
+                if field in names:
+                    data.setdefault(sec, {})[field] = _coerce(raw, names[field], f"{sec}.{field}", env_key)
+                    placed = True
+                break
+        if not placed and rest in sections and not (
+            isinstance(sections[rest], type) and issubclass(sections[rest], msgspec.Struct)
+        ):
+            data[rest] = _coerce(raw, sections[rest], rest, env_key)
+
+
+def _coerce(raw: str, typ: Any, field: str, env_key: str) -> Any:
+    if typ is bool:
+        low = raw.strip().lower()
+        if low in _BOOL_TRUE:
+            return True
+        if low in _BOOL_FALSE:
+            return False
+        raise ConfigError(f"{field} (from ${env_key}): expected a boolean, got {raw!r}")
+    if typ is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{field} (from ${env_key}): expected an integer, got {raw!r}") from None
+    if typ is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{field} (from ${env_key}): expected a number, got {raw!r}") from None
+    if getattr(typ, "__origin__", None) is list:
+        return [s for s in (p.strip() for p in raw.split(",")) if s]
+    return raw  # str, size strings, literals: validated by msgspec below
+
+
+def _validate(cfg: Config) -> Config:
+    for field in ("block_bytes", "device.capacity", "host.capacity", "disk.capacity", "s3.capacity"):
+        obj: Any = cfg
+        *path, last = field.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        if parse_size(getattr(obj, last), field) < 0:
+            raise ConfigError(f"{field}: must be >= 0")
+    if cfg.block_nbytes <= 0:
+        raise ConfigError("block_bytes: must be positive")
+    if cfg.s3.max_concurrency < 1:
+        raise ConfigError("s3.max_concurrency: must be >= 1")
+    if cfg.s3.shard_chars not in range(0, 5):
+        raise ConfigError("s3.shard_chars: must be between 0 and 4")
+    if len(cfg.s3.bucket) < 3:
+        raise ConfigError(f"s3.bucket: {cfg.s3.bucket!r} is shorter than 3 characters")
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None) -> Config:
+    """Load ``path`` (default: the packaged configs/default.yaml), apply ``KVBM_*`` env, validate."""
+    environ = dict(os.environ if environ is None else environ)
+    if path is None and environ.get("KVBM_CONFIG"):
+        path = environ["KVBM_CONFIG"]
+    if path is None:
+        text = resources.files("kvbm.configs").joinpath("default.yaml").read_text()
+        source = "configs/default.yaml"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        source = str(path)
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping")
+    _env_overrides(data, environ)
+    try:
+        cfg = msgspec.convert(data, Config, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {_field_message(e)}") from None
+    return _validate(cfg)
+
+
+def _field_message(e: msgspec.ValidationError) -> str:
+    # msgspec says "... - at `$.s3.max_concurrency`"; put the field first.
+    msg = str(e)
+    m = re.search(r"- at `\$\.?(.*)`$", msg)
+    if m:
+        return f"{m.group(1) or '<root>'}: {msg[: m.start()].strip()}"
+    return msg

@@ -1,0 +1,111 @@
+"""The one interface every tier implements."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from kvbm.blocks import BlockKey
+
+
+class StoredBlock(msgspec.Struct, frozen=True):
+    """What a tier knows about a block it holds, without reading its payload."""
+
+    key: BlockKey
+    nbytes: int  # payload bytes
+    mtime: float = 0.0  # unix seconds of the last write
+    footprint: int = 0  # bytes the tier spends on it (slot size, file size, object size)
+
+
+class TierStats(msgspec.Struct):
+    """Counters every tier keeps; the daemon exports them as metrics."""
+
+    puts: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    deletes: int = 0
+    errors: int = 0
+    shed: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+class Tier(abc.ABC):
+    """A store of fixed-layout KV blocks addressed by :class:`BlockKey`.
+
+    Payloads are passed as buffer-protocol objects (``memoryview``, ``bytes``, numpy arrays, CPU
+    tensors via ``.numpy()``). ``get_into`` writes into a caller-owned buffer so that moves between
+    tiers need no intermediate copy. A block that fails its integrity checks is a miss (and is removed
+    and counted in ``stats.corrupt``); it is never returned.
+    """
+
+    name: str  # "G1", "G2", "G3", "G4"
+    kind: str  # "device", "host", "disk", "s3"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        self.capacity_bytes = capacity_bytes
+        self.stats = TierStats()
+
+    # -- data path -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def put(self, key: BlockKey, data: memoryview | bytes) -> None:
+        """Store ``data`` as block ``key`` (replacing any old copy). Raises TierFullError when full."""
+
+    @abc.abstractmethod
+    async def get_into(self, key: BlockKey, out: memoryview) -> int | None:
+        """Copy block ``key`` into ``out``; return its length, or None on a miss or a corrupt block."""
+
+    async def get(self, key: BlockKey) -> bytes | None:
+        """Block ``key`` as a new bytes object, or None."""
+        n = self.nbytes(key)
+        if n is None:
+            self.stats.misses += 1
+            return None
+        buf = bytearray(n)
+        got = await self.get_into(key, memoryview(buf))
+        return None if got is None else bytes(buf[:got])
+
+    @abc.abstractmethod
+    async def delete(self, key: BlockKey) -> bool:
+        """Remove block ``key``; True if it was there."""
+
+    # -- index ----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def nbytes(self, key: BlockKey) -> int | None:
+        """Payload length of a block this tier holds (from its index, no I/O), else None."""
+
+    def contains(self, key: BlockKey) -> bool:
+        return self.nbytes(key) is not None
+
+    @abc.abstractmethod
+    def scan(self) -> AsyncIterator[StoredBlock]:
+        """Every block this tier holds (re-reading its backing store where it has one)."""
+
+    @abc.abstractmethod
+    def footprint(self, nbytes: int) -> int:
+        """Bytes of capacity one block of ``nbytes`` payload consumes in this tier."""
+
+    @abc.abstractmethod
+    def used_bytes(self) -> int:
+        """Capacity currently consumed."""
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Open resources (re-index, connect). Idempotent."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources. Stored blocks in persistent tiers survive."""
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "tier": self.name,
+            "kind": self.kind,
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes(),
+            "stats": msgspec.structs.asdict(self.stats),
+        }
