@@ -1,0 +1,474 @@
+"""The block manager: decides where blocks live and moves them between tiers.
+
+Tiers are ordered fastest first (G1 device, G2 host, G3 disk, G4 S3; any subset). Policy:
+
+* **Offload is write-through.** A block stored into a tier is copied, in the background, to every
+  lower tier, so a block acknowledged as durable survives the loss of the faster tiers.
+* **Eviction demotes.** When a tier is full, its least-recently-used unpinned blocks leave; one that no
+  lower tier holds yet is first written to the next tier that has room (never silently dropped while
+  a lower tier could keep it).
+* **Frequency filter.** With ``min_hits_to_offload > 0``, G3 only receives blocks that were hit at
+  least that often (as Dynamo does for G2->G3, to spare the disk one-off blocks); they still go to G4.
+* **Onboard** finds the longest run of leading blocks held anywhere and brings them up to the target
+  tier, staging through G2 when they come from disk or S3.
+* **Pins** keep blocks that are being read or written from being evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import msgspec
+import numpy as np
+
+from kvbm.blocks import BlockKey
+from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
+from kvbm.registry import Registry
+from kvbm.tiers.base import Tier
+from kvbm.tiers.pool import SlotPoolTier
+
+log = logging.getLogger(__name__)
+
+
+class ManagerStats(msgspec.Struct):
+    lookups: int = 0
+    lookup_blocks: int = 0
+    lookup_hit_blocks: int = 0
+    onboards: int = 0
+    onboard_blocks: int = 0
+    onboard_seconds: float = 0.0
+    offloads: int = 0
+    offload_blocks: int = 0
+    cascade_writes: int = 0
+    cascade_failures: int = 0
+    shed_offloads: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    filtered: int = 0
+
+
+class BlockManager:
+    """Tracks blocks across tiers and moves them. Safe to use from one event loop."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        mover: object | None = None,
+        *,
+        min_hits_to_offload: int = 0,
+        max_pending_cascades: int = 1024,
+    ) -> None:
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise KvbmError(f"duplicate tier names: {names}")
+        self.tiers: list[Tier] = list(tiers)
+        self.by_name: dict[str, Tier] = {t.name: t for t in self.tiers}
+        self.registry = Registry(names)
+        self.mover = mover
+        self.min_hits_to_offload = min_hits_to_offload
+        self.max_pending_cascades = max_pending_cascades
+        self.stats = ManagerStats()
+        self._pending: set[asyncio.Task[None]] = set()
+        self._moves: dict[tuple[BlockKey, str], asyncio.Future[bool]] = {}
+        self._pools_registered = False
+        self._room_locks: dict[str, asyncio.Lock] = {}
+        self._reserved: dict[str, int] = {}
+        self._external: dict[BlockKey, tuple[str, int]] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    async def start(self, *, index: bool = True) -> None:
+        """Start every tier and (by default) index what the persistent ones already hold."""
+        for tier in self.tiers:
+            await tier.start()
+        if self.mover is not None and not self._pools_registered:
+            for tier in self.tiers:
+                if isinstance(tier, SlotPoolTier):
+                    self.mover.register(tier.pool)  # type: ignore[attr-defined]
+            self._pools_registered = True
+        if index:
+            for tier in self.tiers:
+                await self.index_tier(tier.name)
+
+    async def index_tier(self, name: str, namespace: str | None = None) -> int:
+        """Load what tier ``name`` holds into the registry (restart recovery); returns blocks found."""
+        tier = self.by_name[name]
+        n = 0
+        try:
+            async for sb in tier.scan():
+                if namespace is not None and sb.key.namespace != namespace:
+                    continue
+                self.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes))
+                n += 1
+        except TierUnavailableError as e:
+            log.warning("cannot index %s: %s", name, e)
+        return n
+
+    async def drain(self) -> None:
+        """Wait until every background cascade has finished."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.drain()
+        for tier in self.tiers:
+            await tier.close()
+
+    # -- queries ---------------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey]) -> list[str]:
+        """The fastest tier of each block in the longest leading run of ``keys`` held anywhere."""
+        found = self.registry.match_prefix(keys)
+        self.stats.lookups += 1
+        self.stats.lookup_blocks += len(keys)
+        self.stats.lookup_hit_blocks += len(found)
+        return found
+
+    def where(self, key: BlockKey) -> list[str]:
+        return self.registry.where(key)
+
+    def _below(self, name: str) -> list[Tier]:
+        i = [t.name for t in self.tiers].index(name)
+        return self.tiers[i + 1 :]
+
+    # -- writes ----------------------------------------------------------------------------------------
+    async def put(
+        self, key: BlockKey, data: memoryview | bytes, tier: str | None = None, *, cascade: bool = True
+    ) -> str:
+        """Store ``data`` as ``key`` in ``tier`` (default: the fastest) and write it through below."""
+        order = self.tiers if tier is None else [self.by_name[tier], *self._below(tier)]
+        for t in order:
+            try:
+                await self._store(t, key, data)
+            except (TierFullError, TierUnavailableError) as e:
+                log.debug("%s cannot take %s: %s", t.name, key, e)
+                continue
+            if cascade:
+                self._schedule_cascade(key, t.name)
+            return t.name
+        raise TierFullError(f"no tier could store {key}")
+
+    async def offload(self, keys: Sequence[BlockKey], *, durable: bool = False) -> int:
+        """Write blocks already held in a fast tier through to the lower tiers.
+
+        With ``durable`` the call returns once each block is on a persistent tier (disk or S3); it
+        returns how many blocks are durable (or, without it, how many cascades were started).
+        """
+        self.stats.offloads += 1
+        self.stats.offload_blocks += len(keys)
+        if durable:
+            results = await asyncio.gather(*(self._cascade(k) for k in keys))
+            return sum(results)
+        started = 0
+        for key in keys:
+            started += self._schedule_cascade(key, None)
+        return started
+
+    # -- external stores (a worker copies into G2 slots itself) ---------------------------------------
+    async def prepare_store(self, keys: Sequence[BlockKey], nbytes: int, tier: str = "G2") -> list[int | None]:
+        """Reserve a slot in pool tier ``tier`` for each key; None for keys already stored there.
+
+        The caller fills the slots (e.g. a GPU worker copying through shared memory) and then calls
+        :meth:`complete_store`. Slots stay reserved, and out of eviction's reach, until then.
+        """
+        pool = self.by_name[tier]
+        if not isinstance(pool, SlotPoolTier):
+            raise KvbmError(f"{tier} is not a slot pool")
+        slots: list[int | None] = []
+        try:
+            for key in keys:
+                if self.registry.holds(tier, key) or key in self._external:
+                    slots.append(None)
+                    continue
+                await self._reserve(pool, pool.footprint(nbytes))
+                try:
+                    slots.append(pool.allocate(key, nbytes))
+                except BaseException:
+                    self._unreserve(pool, pool.footprint(nbytes))
+                    raise
+                self._external[key] = (tier, nbytes)
+        except BaseException:
+            self.complete_store([k for k, s in zip(keys, slots, strict=False) if s is not None], ok=False)
+            raise
+        return slots
+
+    def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
+        """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below."""
+        done = 0
+        for key in keys:
+            ent = self._external.pop(key, None)
+            if ent is None:
+                continue
+            tier, nbytes = ent
+            pool = self.by_name[tier]
+            assert isinstance(pool, SlotPoolTier)
+            if ok:
+                pool.commit(key)
+                self.registry.add(tier, key, pool.footprint(nbytes))
+                done += 1
+                if cascade:
+                    self._schedule_cascade(key, tier)
+            else:
+                pool.abort(key)
+            self._unreserve(pool, pool.footprint(nbytes))
+        self.stats.offload_blocks += done
+        return done
+
+    def _schedule_cascade(self, key: BlockKey, from_tier: str | None) -> bool:
+        if len(self._pending) >= self.max_pending_cascades:
+            self.stats.shed_offloads += 1
+            return False
+        task = asyncio.get_running_loop().create_task(self._cascade(key))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return True
+
+    async def _cascade(self, key: BlockKey) -> bool:
+        """Copy ``key`` to every lower tier that lacks it; True if it ends on a persistent tier."""
+        where = self.registry.where(key)
+        if not where:
+            return False
+        durable = False
+        for tier in self._below(where[0]):
+            if self.registry.holds(tier.name, key):
+                durable = durable or tier.kind in ("disk", "s3")
+                continue
+            if tier.kind == "disk" and self.registry.hits(key) < self.min_hits_to_offload:
+                self.stats.filtered += 1
+                continue
+            try:
+                ok = await self._move(key, tier.name)
+            except (KvbmError, OSError) as e:
+                log.warning("cascade of %s to %s failed: %s", key, tier.name, e)
+                ok = False
+            if ok:
+                self.stats.cascade_writes += 1
+                durable = durable or tier.kind in ("disk", "s3")
+            else:
+                self.stats.cascade_failures += 1
+        return durable
+
+    async def _reserve(self, tier: Tier, footprint: int) -> None:
+        """Reserve ``footprint`` bytes in ``tier``, evicting LRU blocks as needed."""
+        lock = self._room_locks.setdefault(tier.name, asyncio.Lock())
+        async with lock:
+            need = footprint + self._reserved.get(tier.name, 0)
+            try:
+                victims = self.registry.victims(tier.name, need, tier.capacity_bytes)
+            except LookupError as e:
+                raise TierFullError(str(e)) from None
+            for victim in victims:
+                await self._evict(tier, victim)
+            self._reserved[tier.name] = self._reserved.get(tier.name, 0) + footprint
+
+    def _unreserve(self, tier: Tier, footprint: int) -> None:
+        self._reserved[tier.name] -= footprint
+
+    @asynccontextmanager
+    async def _room(self, tier: Tier, footprint: int) -> AsyncIterator[None]:
+        """Room for ``footprint`` bytes in ``tier`` for the duration of a write."""
+        await self._reserve(tier, footprint)
+        try:
+            yield
+        finally:
+            self._unreserve(tier, footprint)
+
+    async def _evict(self, tier: Tier, key: BlockKey) -> None:
+        below = self._below(tier.name)
+        if below and not any(self.registry.holds(t.name, key) for t in below):
+            with self.registry.pinned([key]):
+                for t in below:
+                    if t.kind == "disk" and self.registry.hits(key) < self.min_hits_to_offload:
+                        continue
+                    try:
+                        if await self._move(key, t.name):
+                            self.stats.demotions += 1
+                            break
+                    except (KvbmError, OSError) as e:
+                        log.warning("demotion of %s to %s failed: %s", key, t.name, e)
+        if self.registry.is_pinned(key, tier.name):
+            return
+        self.registry.remove(tier.name, key)
+        await tier.delete(key)
+        self.stats.evictions += 1
+
+    async def _store(self, tier: Tier, key: BlockKey, data: memoryview | bytes) -> None:
+        fp = tier.footprint(len(data))
+        async with self._room(tier, fp):
+            await tier.put(key, data)
+            self.registry.add(tier.name, key, fp)
+
+    # -- moves -----------------------------------------------------------------------------------------
+    async def _move(self, key: BlockKey, dst_name: str) -> bool:
+        """Copy ``key`` from the fastest tier holding it into ``dst_name`` (coalesced per key/tier)."""
+        if self.registry.holds(dst_name, key):
+            return True
+        slot = (key, dst_name)
+        fut = self._moves.get(slot)
+        if fut is not None:
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self._moves[slot] = fut
+        try:
+            ok = await self._do_move(key, self.by_name[dst_name])
+            fut.set_result(ok)
+            return ok
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # consumed here; waiters re-raise it
+            raise
+        finally:
+            del self._moves[slot]
+
+    def _sources(self, key: BlockKey, dst: Tier) -> list[str]:
+        """Tiers to copy ``key`` from: the nearest above ``dst`` first, then the nearest below."""
+        names = [t.name for t in self.tiers]
+        i = names.index(dst.name)
+        order = names[:i][::-1] + names[i + 1 :]
+        return [n for n in order if self.registry.holds(n, key)]
+
+    async def _do_move(self, key: BlockKey, dst: Tier) -> bool:
+        if self.registry.holds(dst.name, key):
+            return True
+        for src_name in self._sources(key, dst):
+            src = self.by_name[src_name]
+            n = src.nbytes(key)
+            if n is None:
+                self.registry.remove(src_name, key)  # the tier lost it (e.g. deleted behind our back)
+                continue
+            fp = dst.footprint(n)
+            with self.registry.pinned([key], src_name):
+                async with self._room(dst, fp):
+                    ok = await self._copy(key, src, dst, n)
+                    if ok:
+                        self.registry.add(dst.name, key, fp)
+            if ok:
+                return True
+            # A corrupt or vanished copy: forget it and try the next tier.
+            self.registry.remove(src_name, key)
+        return False
+
+    async def _copy(self, key: BlockKey, src: Tier, dst: Tier, n: int) -> bool:
+        if isinstance(src, SlotPoolTier) and isinstance(dst, SlotPoolTier):
+            view = src.block_tensor(key)
+            if view is None:
+                return False
+            slot = dst.allocate(key, n)
+            try:
+                if self.mover is not None:
+                    await asyncio.to_thread(self.mover.copy, [(view, dst.slot_tensor(slot, n))])  # type: ignore[attr-defined]
+                else:
+                    await asyncio.to_thread(dst.slot_tensor(slot, n).copy_, view)
+            except BaseException:
+                dst.abort(key)
+                raise
+            dst.commit(key)
+            return True
+        if isinstance(dst, SlotPoolTier) and not dst.pool.is_cuda:
+            slot = dst.allocate(key, n)
+            try:
+                got = await src.get_into(key, memoryview(dst.slot_tensor(slot, n).numpy()))
+            except BaseException:
+                dst.abort(key)
+                raise
+            if got is None:
+                dst.abort(key)
+                return False
+            dst.commit(key)
+            return True
+        if isinstance(src, SlotPoolTier) and not src.pool.is_cuda:
+            view = src.block_tensor(key)
+            if view is None:
+                return False
+            await dst.put(key, memoryview(view.numpy()))
+            return True
+        data = await src.get(key)
+        if data is None:
+            return False
+        await dst.put(key, data)
+        return True
+
+    # -- reads -----------------------------------------------------------------------------------------
+    async def onboard(self, keys: Sequence[BlockKey], to: str | None = None) -> int:
+        """Bring the longest leading run of ``keys`` held anywhere up into tier ``to`` (default G1).
+
+        Returns how many leading blocks are now in ``to``; a block that fails its integrity check on
+        the way ends the run there (it is a miss, never served).
+        """
+        target = self.by_name[to] if to else self.tiers[0]
+        t0 = time.perf_counter()
+        found = self.registry.match_prefix(keys)
+        run = list(keys[: len(found)])
+        self.registry.record_hit(run)
+        staging = self.by_name.get("G2") if target.kind == "device" else None
+        done = 0
+        with self.registry.pinned(run):
+            results = await asyncio.gather(
+                *(self._bring_up(k, target, staging) for k in run), return_exceptions=True
+            )
+        for r in results:
+            if r is not True:
+                if isinstance(r, BaseException):
+                    log.warning("onboard stopped: %s", r)
+                break
+            done += 1
+        self.stats.onboards += 1
+        self.stats.onboard_blocks += done
+        self.stats.onboard_seconds += time.perf_counter() - t0
+        return done
+
+    async def _bring_up(self, key: BlockKey, target: Tier, staging: Tier | None) -> bool:
+        if self.registry.holds(target.name, key):
+            self.registry.touch(target.name, key)
+            return True
+        where = self.registry.where(key)
+        from_slow = bool(where) and where[0] not in ("G1", "G2")
+        if staging is not None and staging.name not in where and from_slow and not await self._move(key, staging.name):
+            return False
+        return await self._move(key, target.name)
+
+    async def read(self, key: BlockKey) -> bytes | None:
+        """The block's bytes from the fastest tier that has a good copy."""
+        for name in self.registry.where(key):
+            data = await self.by_name[name].get(key)
+            if data is not None:
+                self.registry.record_hit([key])
+                return data
+            self.registry.remove(name, key)
+        return None
+
+    def device_tensor(self, key: BlockKey) -> object | None:
+        """The G1 view of an onboarded block (a CUDA tensor on a GPU host)."""
+        g1 = self.by_name.get("G1")
+        return g1.block_tensor(key) if isinstance(g1, SlotPoolTier) else None
+
+    async def delete(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None) -> int:
+        """Remove blocks from the given tiers (default all); returns copies removed."""
+        removed = 0
+        for key in keys:
+            for name in tiers or self.registry.where(key):
+                if self.registry.remove(name, key):
+                    removed += 1
+                await self.by_name[name].delete(key)
+        return removed
+
+    # -- reporting -------------------------------------------------------------------------------------
+    def describe(self) -> dict[str, object]:
+        tiers = []
+        for t in self.tiers:
+            d = t.describe()
+            d["blocks"] = self.registry.count(t.name)
+            tiers.append(d)
+        s = msgspec.structs.asdict(self.stats)
+        s["hit_rate"] = (self.stats.lookup_hit_blocks / self.stats.lookup_blocks) if self.stats.lookup_blocks else 0.0
+        s["pending_cascades"] = len(self._pending)
+        return {"tiers": tiers, "manager": s}
+
+
+def as_buffer(data: object) -> memoryview:
+    """A flat byte view of bytes/bytearray/numpy/CPU-tensor data."""
+    if hasattr(data, "numpy"):
+        data = data.numpy()  # type: ignore[union-attr]
+    return memoryview(np.ascontiguousarray(data).view(np.uint8).reshape(-1))  # type: ignore[call-overload]
