@@ -1,15 +1,25 @@
-"""``kvbm`` click group."""
+"""``kvbm``: one click group for every command."""
 
 from __future__ import annotations
 
+import logging
+import os
+
 import click
+
+from kvbm.cli.demo import demo
 
 
 @click.group()
 @click.version_option(package_name="kvbm")
-def main() -> None:
-    """kvbm: tiered KV-cache block manager (GPU -> host -> disk -> S3)."""
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def main(verbose: int) -> None:
+    """kvbm: tiered KV-cache block manager (G1 GPU -> G2 host -> G3 disk -> G4 S3)."""
+    level = os.environ.get("KVBM_LOG_LEVEL") or ("DEBUG" if verbose > 1 else "INFO" if verbose else "WARNING")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+
+main.add_command(demo)
 
 if __name__ == "__main__":
     main()

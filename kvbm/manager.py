@@ -448,7 +448,7 @@ class BlockManager:
         """Remove blocks from the given tiers (default all); returns copies removed."""
         removed = 0
         for key in keys:
-            for name in tiers or self.registry.where(key):
+            for name in self.registry.where(key) if tiers is None else tiers:
                 if self.registry.remove(name, key):
                     removed += 1
                 await self.by_name[name].delete(key)
