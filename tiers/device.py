@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kvbm.tiers.pool import SlotPoolTier
 
 

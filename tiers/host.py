@@ -13,6 +13,7 @@ import secrets
 from pathlib import Path
 
 import torch
+
 from kvbm.tiers.pool import SlotPoolTier
 
 log = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import torch
-from kvbm.tiers.base import StoredBlock, Tier
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierFullError
+from kvbm.tiers.base import StoredBlock, Tier
 
 
 def readonly_tensor(arr: np.ndarray) -> torch.Tensor:

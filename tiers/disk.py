@@ -1,0 +1,291 @@
+"""G3: one file per block on local disk.
+
+Layout: ``<dir>/<namespace>/<hash_hex[:2]>/<hash_hex>.kvb`` holding ``header || payload`` (a 4 KiB
+header so the payload is page-aligned for O_DIRECT). Writes go to ``.tmp-<pid>-<rand>`` in the same
+directory, are fsynced, renamed over the final name and the directory is fsynced: a crash leaves
+either the old block, the new one, or a temp file that :meth:`DiskTier.start` deletes — never a torn
+block. Every file operation runs on a small thread pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvbm.blocks import ALIGNED_HEADER_LEN, BlockKey, pack_header, unpack_header, verify
+from kvbm.errors import CorruptBlockError, TierFullError
+from kvbm.tiers.base import StoredBlock, Tier
+from kvbm.transfer import FileIO, PlainFileIO, round_up
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+TMP_PREFIX = ".tmp-"
+T = TypeVar("T")
+
+
+def _check_namespace(ns: str) -> str:
+    if not ns or "/" in ns or "\0" in ns or ns.startswith("."):
+        raise ValueError(f"namespace {ns!r} cannot name a directory")
+    return ns
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DiskTier(Tier):
+    name = "G3"
+    kind = "disk"
+
+    def __init__(
+        self,
+        dir: str | os.PathLike[str],
+        capacity_bytes: int,
+        file_io: FileIO | None = None,
+        fsync: bool = True,
+        o_direct: bool = True,
+        header_len: int = ALIGNED_HEADER_LEN,
+        *,
+        io_threads: int = 4,
+    ) -> None:
+        super().__init__(capacity_bytes)
+        self.dir = Path(dir)
+        self.file_io = file_io or PlainFileIO()
+        self.fsync = fsync
+        self.o_direct = o_direct
+        self.header_len = header_len
+        self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvbm-disk")
+        self._index: dict[BlockKey, tuple[int, float]] = {}  # key -> (payload bytes, mtime)
+        self._used = 0
+        self._reserved = 0  # footprint of puts in flight
+        self._started = False
+        self._start_lock: asyncio.Lock | None = None
+        self.tmp_removed = 0  # leftover temp files deleted by start()
+
+    # -- helpers -----------------------------------------------------------------------------------
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def path_for(self, key: BlockKey) -> Path:
+        h = key.hex
+        if not h:
+            raise ValueError(f"block key {key} has an empty hash")
+        return self.dir / _check_namespace(key.namespace) / h[:2] / f"{h}{SUFFIX}"
+
+    def footprint(self, nbytes: int) -> int:
+        return self.header_len + round_up(nbytes)
+
+    def used_bytes(self) -> int:
+        return self._used
+
+    def nbytes(self, key: BlockKey) -> int | None:
+        entry = self._index.get(key)
+        return None if entry is None else entry[0]
+
+    def _forget(self, key: BlockKey) -> bool:
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return False
+        self._used -= self.footprint(entry[0])
+        return True
+
+    def _remember(self, key: BlockKey, nbytes: int, mtime: float) -> None:
+        self._forget(key)
+        self._index[key] = (nbytes, mtime)
+        self._used += self.footprint(nbytes)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._started:
+                return
+            found, corrupt, tmp = await self._io(self._reindex)
+            self._index.clear()
+            self._used = 0
+            for key, (n, mtime) in found.items():
+                self._remember(key, n, mtime)
+            self.stats.corrupt += corrupt
+            self.tmp_removed += tmp
+            self._started = True
+            log.info("G3 %s: %d blocks (%d B), %d corrupt and %d temp files removed",
+                     self.dir, len(found), self._used, corrupt, tmp)
+
+    def _reindex(self) -> tuple[dict[BlockKey, tuple[int, float]], int, int]:
+        """Walk the tree: verify each header against its file name and size; drop what fails."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        found: dict[BlockKey, tuple[int, float]] = {}
+        corrupt = tmp = 0
+        for root, dirs, files in os.walk(self.dir):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            rel = Path(root).relative_to(self.dir).parts
+            for fname in files:
+                path = os.path.join(root, fname)
+                if fname.startswith(TMP_PREFIX):
+                    tmp += _unlink(path)
+                    continue
+                if len(rel) != 2 or not fname.endswith(SUFFIX):
+                    continue  # not ours
+                hex_ = fname[: -len(SUFFIX)]
+                try:
+                    key = BlockKey(rel[0], bytes.fromhex(hex_))
+                    if rel[1] != hex_[:2]:
+                        raise CorruptBlockError("file is in the wrong shard directory")
+                    head, size = self.file_io.read_header(path, self.header_len)
+                    hdr = unpack_header(head)
+                    if hdr.hash != key.hash or hdr.fingerprint != key.fingerprint:
+                        raise CorruptBlockError("header names another block")
+                    if not hdr.header_len + hdr.payload_len <= size <= hdr.header_len + round_up(hdr.payload_len):
+                        raise CorruptBlockError(f"file is {size} bytes for a {hdr.payload_len}-byte payload")
+                    found[key] = (hdr.payload_len, os.stat(path).st_mtime)
+                except FileNotFoundError:
+                    continue
+                except (CorruptBlockError, ValueError) as e:
+                    log.warning("G3: dropping %s: %s", path, e)
+                    corrupt += _unlink(path)
+        return found, corrupt, tmp
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # -- data path ---------------------------------------------------------------------------------
+    async def put(self, key: BlockKey, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+        n = len(view)
+        need = self.footprint(n)
+        old = self._index.get(key)
+        freed = self.footprint(old[0]) if old else 0
+        if self._used + self._reserved - freed + need > self.capacity_bytes:
+            self.stats.shed += 1
+            raise TierFullError(
+                f"G3 full: {self._used + self._reserved} of {self.capacity_bytes} B used, block needs {need}"
+            )
+        self._reserved += need
+        try:
+            mtime = await self._io(self._write, key, view)
+        except TierFullError:
+            self.stats.shed += 1
+            raise
+        except BaseException:
+            self.stats.errors += 1
+            raise
+        finally:
+            self._reserved -= need
+        self._remember(key, n, mtime)
+        self.stats.puts += 1
+        self.stats.bytes_in += n
+
+    def _write(self, key: BlockKey, view: memoryview) -> float:
+        final = self.path_for(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        header = pack_header(key, view, self.header_len)
+        try:
+            self.file_io.write_block(str(tmp), header, view, self.fsync, self.o_direct)
+            os.rename(tmp, final)
+        except BaseException as e:
+            _unlink(str(tmp))
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFullError(f"G3: no space left on {self.dir} for {key}") from e
+            raise
+        if self.fsync:
+            _fsync_dir(str(final.parent))
+        return time.time()
+
+    async def get_into(self, key: BlockKey, out: memoryview) -> int | None:
+        self.stats.gets += 1
+        n = self.nbytes(key)
+        if n is None:
+            self.stats.misses += 1
+            return None
+        if len(out) < n:
+            raise ValueError(f"buffer of {len(out)} bytes is too small for {key} ({n} bytes)")
+        try:
+            got = await self._io(self._read, key, out, n)
+        except FileNotFoundError:
+            self._forget(key)  # deleted underneath us
+            got = None
+        except CorruptBlockError as e:
+            log.warning("G3: corrupt block %s removed: %s", key, e)
+            self.stats.corrupt += 1
+            self._forget(key)
+            got = None
+        except OSError:
+            self.stats.errors += 1
+            raise
+        if got is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_out += got
+        return got
+
+    def _read(self, key: BlockKey, out: memoryview, n: int) -> int:
+        path = str(self.path_for(key))
+        try:
+            ino = os.stat(path).st_ino
+            head, payload = self.file_io.read_block(path, out, self.o_direct, self.header_len)
+            verify(key, unpack_header(head), payload, expected_len=n)
+        except (CorruptBlockError, ValueError) as e:
+            # Remove it unless a concurrent put already replaced it with a new file.
+            try:
+                if os.stat(path).st_ino == ino:
+                    _unlink(path)
+            except (OSError, UnboundLocalError):
+                pass
+            raise CorruptBlockError(str(e)) from e
+        return len(payload)
+
+    async def delete(self, key: BlockKey) -> bool:
+        if not self._forget(key):
+            return False
+        await self._io(_unlink, str(self.path_for(key)))
+        self.stats.deletes += 1
+        return True
+
+    # -- index -------------------------------------------------------------------------------------
+    async def scan(self) -> AsyncIterator[StoredBlock]:
+        for key, (n, mtime) in list(self._index.items()):
+            yield StoredBlock(key=key, nbytes=n, mtime=mtime, footprint=self.footprint(n))
+
+    # -- benchmarks --------------------------------------------------------------------------------
+    def drop_page_cache(self, key: BlockKey) -> bool:
+        """Evict a block file's pages from the page cache (for cold-read measurements)."""
+        try:
+            fd = os.open(self.path_for(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return True
+
+    def describe(self) -> dict[str, object]:
+        d = super().describe()
+        d.update(dir=str(self.dir), blocks=len(self._index), file_io=self.file_io.name,
+                 io_modes=dict(self.file_io.modes), o_direct=self.o_direct, fsync=self.fsync)
+        return d
+
+
+def _unlink(path: str) -> int:
+    try:
+        os.unlink(path)
+        return 1
+    except FileNotFoundError:
+        return 0

@@ -1,0 +1,779 @@
+"""G4: S3-compatible object storage (AWS S3, SeaweedFS, MinIO, ...).
+
+Key scheme
+----------
+One object per block::
+
+    {prefix}/{namespace}/{hash_hex[:shard_chars]}/{hash_hex}
+
+``namespace`` is ``BlockKey.namespace`` (``<model-slug>-<16 hex layout fingerprint>``), ``hash_hex`` the
+block hash in hex. The shard directory spreads keys over ``16**shard_chars`` prefixes (S3 partitions
+request rates per prefix); with ``shard_chars: 0`` it is left out, and an empty ``prefix`` drops the
+leading component. Keys under the prefix that do not parse this way are foreign and left alone.
+
+Object format
+-------------
+The body is :func:`kvbm.blocks.encode_block` (a 128-byte integrity header, then the payload), so the
+payload length is ``object size - 128``. Objects written by the aiobotocore path also carry user metadata
+(``x-amz-meta-kvbm-format``, ``-kvbm-namespace``, ``-kvbm-hash``, ``-kvbm-nbytes``, ``-kvbm-created``)
+so that listing tools need not read bodies; the NIXL OBJ path cannot set metadata, and the tools fall
+back to the key and size. Every read is verified with ``decode_block``; a corrupt object is a miss, is
+counted in ``stats.corrupt`` and is deleted.
+
+Data paths (``s3.client``)
+--------------------------
+* ``aiobotocore``: one shared client, at most ``max_concurrency`` requests in flight.
+* ``nixl``: the NIXL OBJ backend (aws-sdk-cpp) moves block bodies; its blocking calls run in a private
+  thread pool. Control calls (bucket checks, HEAD, LIST, DELETE) always use aiobotocore.
+
+Failure handling
+----------------
+A circuit breaker opens after ``breaker_failures`` consecutive failures: for ``breaker_reset_s`` reads
+are misses without I/O and writes are shed (``stats.shed``); then one probe request is let through
+(half-open) and a success closes it again. Writes beyond ``max_pending_writes`` in flight are shed too.
+A failed write is counted in ``stats.errors`` and never raises: the block is simply not in the index.
+Credentials are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as _dt
+import itertools
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvbm.blocks import FORMAT_VERSION, MIN_HEADER_LEN, BlockKey, decode_block, encode_block
+from kvbm.config import S3Config, parse_size
+from kvbm.errors import ConfigError, CorruptBlockError, TierFullError, TierUnavailableError
+from kvbm.tiers.base import StoredBlock, Tier
+
+log = logging.getLogger("kvbm.tiers.s3")
+
+HEADER_LEN = MIN_HEADER_LEN
+META_FORMAT = f"kvbm-block-v{FORMAT_VERSION}"
+_HEX_RE = re.compile(r"^[0-9a-f]{2,64}$")
+_NS_RE = re.compile(r"^.+-[0-9a-f]{16}$")
+_CRED_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidClientTokenId", "InvalidToken",
+               "ExpiredToken"}
+_MISS_CODES = {"NoSuchKey", "404", "NotFound"}
+DELETE_CHUNK = 1000
+
+
+class CircuitBreaker:
+    """closed -> (``failures`` in a row) -> open -> (``reset_s``) -> half-open -> one probe -> closed/open."""
+
+    def __init__(self, failures: int, reset_s: float, clock: Any = time.monotonic) -> None:
+        self.failures = max(1, failures)
+        self.reset_s = reset_s
+        self.clock = clock
+        self.state = "closed"
+        self.consecutive = 0
+        self.opened_at = 0.0
+        self.opens = 0
+        self._probing = False
+
+    def allow(self) -> bool:
+        if self.state == "closed":
+            return True
+        if self.state == "open":
+            if self.clock() - self.opened_at < self.reset_s:
+                return False
+            self.state = "half-open"
+            self._probing = False
+        if self._probing:
+            return False
+        self._probing = True
+        return True
+
+    def success(self) -> None:
+        if self.state != "closed":
+            log.info("S3 circuit breaker closed: endpoint answers again")
+        self.state = "closed"
+        self.consecutive = 0
+        self._probing = False
+
+    def failure(self) -> None:
+        self.consecutive += 1
+        if self.state == "half-open" or (self.state == "closed" and self.consecutive >= self.failures):
+            if self.state == "closed":
+                log.warning("S3 circuit breaker open after %d failures; retry in %.1fs",
+                            self.consecutive, self.reset_s)
+            self.state = "open"
+            self.opened_at = self.clock()
+            self.opens += 1
+            self._probing = False
+
+
+def _err_code(e: BaseException) -> str:
+    resp = getattr(e, "response", None)
+    if isinstance(resp, dict):
+        err = resp.get("Error") or {}
+        code = str(err.get("Code") or "")
+        if not code:
+            code = str((resp.get("ResponseMetadata") or {}).get("HTTPStatusCode") or "")
+        return code
+    return ""
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+class S3Tier(Tier):
+    """Blocks as objects in one bucket; see the module docstring for keys, format and failure handling."""
+
+    name = "G4"
+    kind = "s3"
+
+    def __init__(
+        self,
+        cfg: S3Config | None = None,
+        *,
+        endpoint: str | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        session_token: str | None = None,
+        capacity_bytes: int | None = None,
+        bucket: str | None = None,
+        prefix: str | None = None,
+        client: str | None = None,
+    ) -> None:
+        cfg = cfg or S3Config()
+        cap = parse_size(cfg.capacity, "s3.capacity") if capacity_bytes is None else capacity_bytes
+        super().__init__(cap)
+        self.cfg = cfg
+        self.endpoint = endpoint if endpoint is not None else (cfg.endpoint or None)
+        self.bucket = bucket if bucket is not None else cfg.bucket
+        self.prefix = (prefix if prefix is not None else cfg.prefix).strip("/")
+        self.client_kind = client or cfg.client
+        if self.client_kind not in ("aiobotocore", "nixl"):
+            raise ConfigError(f"s3.client: {self.client_kind!r} is not 'aiobotocore' or 'nixl'")
+        if len(self.bucket) < 3:
+            raise ConfigError(f"s3.bucket: {self.bucket!r} is shorter than 3 characters")
+        self.shard_chars = cfg.shard_chars
+        self._access_key = access_key if access_key is not None else (cfg.access_key or None)
+        self._secret_key = secret_key if secret_key is not None else (cfg.secret_key or None)
+        self._session_token = session_token if session_token is not None else (cfg.session_token or None)
+        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
+        self._index: dict[BlockKey, int] = {}
+        self._used = 0
+        self._pending_writes = 0
+        self._sem: asyncio.Semaphore | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._s3: Any = None
+        self._nixl: _NixlObj | None = None
+        self._started = False
+        self._warned_at = 0.0
+
+    # -- naming ----------------------------------------------------------------------------------
+    @property
+    def endpoint_name(self) -> str:
+        return self.endpoint or "AWS S3"
+
+    def _base(self) -> str:
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def object_key(self, key: BlockKey) -> str:
+        h = key.hash.hex()
+        shard = f"{h[: self.shard_chars]}/" if self.shard_chars else ""
+        return f"{self._base()}{key.namespace}/{shard}{h}"
+
+    def parse_key(self, s3_key: str) -> BlockKey | None:
+        """The BlockKey an object key names, or None for a key this scheme did not write."""
+        base = self._base()
+        if not s3_key.startswith(base):
+            return None
+        parts = s3_key[len(base) :].split("/")
+        if len(parts) != (3 if self.shard_chars else 2):
+            return None
+        ns, h = parts[0], parts[-1]
+        if not _NS_RE.match(ns) or not _HEX_RE.match(h) or len(h) % 2:
+            return None
+        if self.shard_chars and parts[1] != h[: self.shard_chars]:
+            return None
+        return BlockKey(ns, bytes.fromhex(h))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        import aiobotocore.session
+        from aiobotocore.config import AioConfig
+
+        cfg = self.cfg
+        self._sem = asyncio.Semaphore(cfg.max_concurrency)
+        self._stack = contextlib.AsyncExitStack()
+        session = aiobotocore.session.get_session()
+        aio_cfg = AioConfig(
+            connect_timeout=cfg.connect_timeout_s,
+            read_timeout=cfg.read_timeout_s,
+            retries={"max_attempts": max(0, cfg.max_retries) + 1, "mode": "standard"},
+            max_pool_connections=max(10, cfg.max_concurrency * 2),
+            s3={"addressing_style": cfg.addressing},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        kwargs: dict[str, Any] = {"region_name": cfg.region, "config": aio_cfg}
+        if self.endpoint:
+            kwargs["endpoint_url"] = self.endpoint
+        if not cfg.verify_tls:
+            kwargs["verify"] = False
+        if self._access_key and self._secret_key:
+            kwargs.update(aws_access_key_id=self._access_key, aws_secret_access_key=self._secret_key)
+            if self._session_token:
+                kwargs["aws_session_token"] = self._session_token
+        try:
+            self._s3 = await self._stack.enter_async_context(session.create_client("s3", **kwargs))
+            await self._check_bucket()
+            if self.client_kind == "nixl":
+                await self._start_nixl(session)
+        except BaseException:
+            await self._teardown()
+            raise
+        self._started = True
+        if cfg.scan_on_start:
+            async for _ in self.scan():
+                pass
+
+    async def _check_bucket(self) -> None:
+        import botocore.exceptions as bex
+
+        where = self.endpoint_name
+        try:
+            await self._s3.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
+            return
+        except bex.NoCredentialsError:
+            raise ConfigError(
+                f"no S3 credentials for {where}: set s3.access_key/s3.secret_key, AWS_* env or an AWS profile"
+            ) from None
+        except (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ReadTimeoutError,
+                bex.ConnectionClosedError) as e:
+            raise TierUnavailableError(f"S3 endpoint {where} unreachable: {_one_line(e)}") from None
+        except bex.ClientError as e:
+            code = _err_code(e)
+            if code in _CRED_CODES:
+                raise ConfigError(f"S3 credentials rejected by {where} ({code})") from None
+            if code in ("AccessDenied", "403", "Forbidden"):
+                raise ConfigError(f"S3 access to bucket {self.bucket!r} denied by {where} ({code})") from None
+            if code not in ("NoSuchBucket", "404"):
+                raise TierUnavailableError(f"S3 endpoint {where}: {code}: {_one_line(e)}") from None
+        except bex.BotoCoreError as e:
+            raise TierUnavailableError(f"S3 endpoint {where}: {_one_line(e)}") from None
+        # The bucket does not exist.
+        if not self.cfg.create_bucket:
+            raise ConfigError(f"S3 bucket {self.bucket!r} does not exist at {where} (s3.create_bucket is false)")
+        try:
+            kw: dict[str, Any] = {"Bucket": self.bucket}
+            if self.endpoint is None and self.cfg.region != "us-east-1":
+                kw["CreateBucketConfiguration"] = {"LocationConstraint": self.cfg.region}
+            await self._s3.create_bucket(**kw)
+        except bex.ClientError as e:
+            if _err_code(e) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise ConfigError(
+                    f"cannot create S3 bucket {self.bucket!r} at {where}: {_err_code(e)}: {_one_line(e)}"
+                ) from None
+        log.info("created S3 bucket %s at %s", self.bucket, where)
+
+    async def _start_nixl(self, session: Any) -> None:
+        ak, sk, tok = self._access_key, self._secret_key, self._session_token
+        if not (ak and sk):
+            creds = await session.get_credentials()
+            if creds is None:
+                raise ConfigError(f"no S3 credentials for the NIXL OBJ backend ({self.endpoint_name})")
+            frozen = await creds.get_frozen_credentials()
+            ak, sk, tok = frozen.access_key, frozen.secret_key, frozen.token
+        self._nixl = _NixlObj(self.cfg, self.endpoint, self.bucket, ak, sk, tok)
+        await self._nixl.start()
+        # create_backend accepts any secret; prove the credentials with a real write + read.
+        probe = f"{self._base()}.kvbm-probe/{uuid.uuid4().hex}"
+        body = b"kvbm-nixl-probe"
+        try:
+            await self._nixl.write(probe, body)
+            back = bytearray(len(body))
+            await self._nixl.read(probe, memoryview(back))
+            if bytes(back) != body:
+                raise TierUnavailableError("NIXL OBJ probe read back different bytes")
+        except TierUnavailableError as e:
+            code = await self._diagnose()
+            if code in _CRED_CODES:
+                raise ConfigError(f"S3 credentials rejected by {self.endpoint_name} ({code}, NIXL OBJ)") from None
+            raise TierUnavailableError(f"NIXL OBJ backend cannot use {self.endpoint_name}: {e}") from None
+        finally:
+            with contextlib.suppress(Exception):
+                await self._s3.delete_object(Bucket=self.bucket, Key=probe)
+
+    async def _diagnose(self) -> str:
+        """Error code of a small signed request (tells bad credentials from other failures)."""
+        try:
+            await self._s3.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
+            return ""
+        except Exception as e:
+            return _err_code(e)
+
+    async def close(self) -> None:
+        await self._teardown()
+        self._started = False
+
+    async def _teardown(self) -> None:
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            with contextlib.suppress(Exception):
+                await stack.aclose()
+        self._s3 = None
+
+    def _require_started(self) -> None:
+        if not self._started or self._s3 is None:
+            raise TierUnavailableError("S3 tier is not started (call await tier.start())")
+
+    # -- data path -------------------------------------------------------------------------------
+    def _meta(self, key: BlockKey, nbytes: int) -> dict[str, str]:
+        return {
+            "kvbm-format": META_FORMAT,
+            "kvbm-namespace": key.namespace,
+            "kvbm-hash": key.hash.hex(),
+            "kvbm-nbytes": str(nbytes),
+            "kvbm-created": f"{time.time():.3f}",
+        }
+
+    def _shed(self) -> None:
+        self.stats.shed += 1
+
+    def _failed(self, what: str, key: BlockKey | None, e: BaseException) -> None:
+        self.stats.errors += 1
+        self.breaker.failure()
+        now = time.monotonic()
+        if now - self._warned_at > 5.0:
+            self._warned_at = now
+            log.warning("S3 %s %s failed at %s: %s", what, key or "", self.endpoint_name, _one_line(e))
+
+    async def put(self, key: BlockKey, data: memoryview | bytes) -> None:
+        self._require_started()
+        n = memoryview(data).nbytes
+        fp = self.footprint(n)
+        old = self._index.get(key)
+        if old is None and self.capacity_bytes and self._used + fp > self.capacity_bytes:
+            raise TierFullError(f"G4 S3: {self._used + fp} bytes would exceed capacity {self.capacity_bytes}")
+        if self._pending_writes >= self.cfg.max_pending_writes or not self.breaker.allow():
+            self._shed()
+            return
+        self._pending_writes += 1
+        try:
+            body = encode_block(key, data)
+            okey = self.object_key(key)
+            assert self._sem is not None
+            async with self._sem:
+                if self._nixl is not None:
+                    await self._nixl.write(okey, body)
+                else:
+                    await self._s3.put_object(Bucket=self.bucket, Key=okey, Body=body, Metadata=self._meta(key, n))
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            self.breaker._probing = False
+            raise
+        except Exception as e:
+            self._failed("PUT", key, e)
+            return
+        finally:
+            self._pending_writes -= 1
+        self.breaker.success()
+        self._index_set(key, n)
+        self.stats.puts += 1
+        self.stats.bytes_in += n
+
+    async def get_into(self, key: BlockKey, out: memoryview) -> int | None:
+        self._require_started()
+        self.stats.gets += 1
+        if not self.breaker.allow():
+            self.stats.misses += 1
+            return None
+        okey = self.object_key(key)
+        try:
+            assert self._sem is not None
+            async with self._sem:
+                body = await self._fetch(key, okey)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            self.breaker._probing = False
+            raise
+        except Exception as e:
+            self._failed("GET", key, e)
+            self.stats.misses += 1
+            return None
+        self.breaker.success()
+        if body is None:
+            self._index_drop(key)
+            self.stats.misses += 1
+            return None
+        try:
+            payload = decode_block(key, body)
+        except CorruptBlockError as e:
+            log.warning("corrupt S3 object %s: %s (deleted)", okey, e)
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+            self._index_drop(key)
+            with contextlib.suppress(Exception):
+                await self._s3.delete_object(Bucket=self.bucket, Key=okey)
+            return None
+        n = payload.nbytes
+        if n > memoryview(out).nbytes:
+            raise ValueError(f"{key}: block is {n} bytes, buffer has {memoryview(out).nbytes}")
+        memoryview(out).cast("B")[:n] = payload
+        self._index_set(key, n)
+        self.stats.hits += 1
+        self.stats.bytes_out += n
+        return n
+
+    async def _fetch(self, key: BlockKey, okey: str) -> bytes | bytearray | None:
+        """The object body, or None if there is no such object."""
+        if self._nixl is None:
+            try:
+                resp = await self._s3.get_object(Bucket=self.bucket, Key=okey)
+            except Exception as e:
+                if _err_code(e) in _MISS_CODES:
+                    return None
+                raise
+            async with resp["Body"] as stream:
+                return await stream.read()
+        n = self._index.get(key)
+        if n is None:
+            size = await self._head_size(okey)
+            if size is None:
+                return None
+        else:
+            size = n + HEADER_LEN
+        buf = bytearray(size)
+        try:
+            await self._nixl.read(okey, memoryview(buf))
+        except TierUnavailableError:
+            # Gone (deleted by another node, or a different size now) or a real failure: ask HEAD.
+            real = await self._head_size(okey)
+            if real is None:
+                return None
+            if real != size:
+                buf = bytearray(real)
+                await self._nixl.read(okey, memoryview(buf))
+            else:
+                raise
+        return buf
+
+    async def _head_size(self, okey: str) -> int | None:
+        try:
+            resp = await self._s3.head_object(Bucket=self.bucket, Key=okey)
+        except Exception as e:
+            if _err_code(e) in _MISS_CODES:
+                return None
+            raise
+        return int(resp["ContentLength"])
+
+    async def delete(self, key: BlockKey) -> bool:
+        self._require_started()
+        okey = self.object_key(key)
+        existed = key in self._index
+        try:
+            if not existed:
+                existed = await self._head_size(okey) is not None
+            await self._s3.delete_object(Bucket=self.bucket, Key=okey)
+        except Exception as e:
+            self.stats.errors += 1
+            raise TierUnavailableError(f"S3 DELETE {okey} at {self.endpoint_name}: {_one_line(e)}") from None
+        self._index_drop(key)
+        if existed:
+            self.stats.deletes += 1
+        return existed
+
+    # -- index -----------------------------------------------------------------------------------
+    def _index_set(self, key: BlockKey, n: int) -> None:
+        old = self._index.get(key)
+        if old is not None:
+            self._used -= self.footprint(old)
+        self._index[key] = n
+        self._used += self.footprint(n)
+
+    def _index_drop(self, key: BlockKey) -> None:
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._used -= self.footprint(old)
+
+    def nbytes(self, key: BlockKey) -> int | None:
+        return self._index.get(key)
+
+    def footprint(self, nbytes: int) -> int:
+        return nbytes + HEADER_LEN
+
+    def used_bytes(self) -> int:
+        return self._used
+
+    async def scan(self) -> AsyncIterator[StoredBlock]:  # type: ignore[override]
+        """List every block under the prefix (paging) and rebuild the index from it."""
+        self._require_started()
+        before = set(self._index)
+        seen: set[BlockKey] = set()
+        async for bkey, _okey, size, mtime in self.list_objects():
+            if bkey is None or size < HEADER_LEN:
+                continue
+            seen.add(bkey)
+            n = size - HEADER_LEN
+            self._index_set(bkey, n)
+            yield StoredBlock(key=bkey, nbytes=n, mtime=mtime.timestamp() if mtime else 0.0, footprint=size)
+        for k in before - seen:
+            self._index_drop(k)
+
+    # -- batch operations (CLI: status, purge) ---------------------------------------------------
+    async def list_objects(
+        self, namespace: str | None = None, key_prefix: str | None = None
+    ) -> AsyncIterator[tuple[BlockKey | None, str, int, _dt.datetime | None]]:
+        """``(BlockKey or None for a foreign key, s3 key, size, last_modified)`` for every object under
+        ``{prefix}/[{namespace}/][{key_prefix}]``; ``key_prefix`` is a raw key prefix relative to that
+        (e.g. ``"llama-"`` for every namespace of a model slug, or ``"ab/"`` for one shard)."""
+        self._require_started()
+        list_prefix = self._base()
+        if namespace:
+            list_prefix += f"{namespace.strip('/')}/"
+        if key_prefix:
+            list_prefix += key_prefix.lstrip("/")
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": list_prefix, "MaxKeys": 1000}
+            if token:
+                kw["ContinuationToken"] = token
+            try:
+                resp = await self._s3.list_objects_v2(**kw)
+            except Exception as e:
+                raise TierUnavailableError(f"S3 LIST {list_prefix!r} at {self.endpoint_name}: {_one_line(e)}") from None
+            for obj in resp.get("Contents", ()) or ():
+                k = obj["Key"]
+                yield self.parse_key(k), k, int(obj.get("Size", 0)), obj.get("LastModified")
+            if not resp.get("IsTruncated"):
+                break
+            token = resp.get("NextContinuationToken")
+            if not token:
+                break
+
+    async def head_many(self, keys: Iterable[BlockKey]) -> dict[BlockKey, dict[str, Any] | None]:
+        """HEAD each block (``max_concurrency`` at a time): ``{key: {size, nbytes, last_modified, metadata}}``
+        or None where there is no object. Updates the index."""
+        self._require_started()
+        assert self._sem is not None
+        sem = self._sem
+
+        async def one(k: BlockKey) -> tuple[BlockKey, dict[str, Any] | None]:
+            okey = self.object_key(k)
+            async with sem:
+                try:
+                    r = await self._s3.head_object(Bucket=self.bucket, Key=okey)
+                except Exception as e:
+                    if _err_code(e) in _MISS_CODES:
+                        return k, None
+                    raise TierUnavailableError(f"S3 HEAD {okey} at {self.endpoint_name}: {_one_line(e)}") from None
+            size = int(r["ContentLength"])
+            meta = r.get("Metadata") or {}
+            nb = int(meta["kvbm-nbytes"]) if str(meta.get("kvbm-nbytes", "")).isdigit() else size - HEADER_LEN
+            return k, {"s3_key": okey, "size": size, "nbytes": nb, "last_modified": r.get("LastModified"),
+                       "metadata": meta}
+
+        out = dict(await asyncio.gather(*(one(k) for k in dict.fromkeys(keys))))
+        for k, v in out.items():
+            if v is None:
+                self._index_drop(k)
+            elif v["size"] >= HEADER_LEN:
+                self._index_set(k, v["nbytes"])
+        return out
+
+    async def delete_many(self, s3_keys: Iterable[str]) -> tuple[int, list[tuple[str, str, str]]]:
+        """DeleteObjects in chunks of 1000: ``(deleted, [(key, code, message), ...])``."""
+        self._require_started()
+        keys = list(dict.fromkeys(s3_keys))
+        deleted = 0
+        errors: list[tuple[str, str, str]] = []
+        for i in range(0, len(keys), DELETE_CHUNK):
+            chunk = keys[i : i + DELETE_CHUNK]
+            try:
+                resp = await self._s3.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True}
+                )
+            except Exception as e:
+                errors.extend((k, _err_code(e) or type(e).__name__, _one_line(e)) for k in chunk)
+                continue
+            failed = {err["Key"]: err for err in resp.get("Errors", ()) or ()}
+            for k in chunk:
+                if k in failed:
+                    errors.append((k, str(failed[k].get("Code", "")), str(failed[k].get("Message", ""))))
+                    continue
+                deleted += 1
+                bk = self.parse_key(k)
+                if bk is not None:
+                    self._index_drop(bk)
+        self.stats.deletes += deleted
+        return deleted, errors
+
+    async def usage(self) -> dict[str, dict[str, Any]]:
+        """Per namespace: ``{objects, bytes, oldest, newest}`` (bytes are object sizes; times are datetimes)."""
+        out: dict[str, dict[str, Any]] = {}
+        async for bkey, _k, size, mtime in self.list_objects():
+            if bkey is None:
+                continue
+            u = out.setdefault(bkey.namespace, {"objects": 0, "bytes": 0, "oldest": None, "newest": None})
+            u["objects"] += 1
+            u["bytes"] += size
+            if mtime is not None:
+                if u["oldest"] is None or mtime < u["oldest"]:
+                    u["oldest"] = mtime
+                if u["newest"] is None or mtime > u["newest"]:
+                    u["newest"] = mtime
+        return out
+
+    def describe(self) -> dict[str, object]:
+        d = super().describe()
+        d.update(
+            endpoint=self.endpoint_name, bucket=self.bucket, prefix=self.prefix, client=self.client_kind,
+            breaker=self.breaker.state, pending_writes=self._pending_writes, indexed_blocks=len(self._index),
+        )
+        return d
+
+    @classmethod
+    def from_config(
+        cls, cfg: S3Config, endpoint: str | None = None, credentials: tuple[str, ...] | None = None, **kw: Any
+    ) -> S3Tier:
+        return make_s3_tier(cfg, endpoint, credentials, **kw)
+
+
+def make_s3_tier(
+    cfg: S3Config,
+    endpoint: str | None = None,
+    credentials: tuple[str, ...] | None = None,
+    **kw: Any,
+) -> S3Tier:
+    """An S3Tier for ``cfg``. ``endpoint`` overrides ``cfg.endpoint`` (e.g. the embedded SeaweedFS).
+    Credentials: ``credentials`` (access, secret[, token]) if given, else ``cfg.access_key``/``secret_key``,
+    else ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` from the environment, else the AWS credential chain
+    (resolved by botocore when the tier starts)."""
+    ak = sk = tok = None
+    if credentials:
+        ak, sk = credentials[0], credentials[1]
+        tok = credentials[2] if len(credentials) > 2 else None
+    elif cfg.access_key and cfg.secret_key:
+        ak, sk, tok = cfg.access_key, cfg.secret_key, cfg.session_token or None
+    elif os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        ak, sk = os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]
+        tok = os.environ.get("AWS_SESSION_TOKEN") or None
+    return S3Tier(cfg, endpoint=endpoint or cfg.endpoint or None, access_key=ak, secret_key=sk,
+                  session_token=tok, **kw)
+
+
+class _NixlObj:
+    """The NIXL OBJ backend, driven from a private thread pool (its calls block)."""
+
+    _agent_ids = itertools.count()
+
+    def __init__(self, cfg: S3Config, endpoint: str | None, bucket: str, ak: str, sk: str, tok: str | None):
+        self.cfg = cfg
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self._ak, self._sk, self._tok = ak, sk, tok
+        self._agent: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._dev_ids = itertools.count(1)
+
+    def _params(self) -> dict[str, str]:
+        p = {
+            "bucket": self.bucket,
+            "create_bucket": "false",
+            "region": self.cfg.region,
+            "access_key": self._ak,
+            "secret_key": self._sk,
+            "use_virtual_addressing": "true" if self.cfg.addressing == "virtual" else "false",
+            "req_checksum": "supported",
+            "num_threads": str(max(2, self.cfg.max_concurrency)),
+        }
+        if self._tok:
+            p["session_token"] = self._tok
+        if self.endpoint:
+            scheme, _, host = self.endpoint.partition("://")
+            p["scheme"] = scheme or "http"
+            p["endpoint_override"] = host.rstrip("/")
+        return p
+
+    async def start(self) -> None:
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        except ImportError as e:
+            raise ConfigError(f"s3.client is 'nixl' but NIXL cannot be imported: {e}") from None
+
+        def make() -> Any:
+            conf = nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            agent = nixl_agent(f"kvbm-s3-{os.getpid()}-{next(self._agent_ids)}", conf)
+            agent.create_backend("OBJ", self._params())
+            return agent
+
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.max_concurrency), thread_name_prefix="kvbm-nixl")
+        try:
+            self._agent = await asyncio.get_running_loop().run_in_executor(self._pool, make)
+        except Exception as e:
+            self.close()
+            # Never echo the parameters: they hold the secret.
+            raise TierUnavailableError(f"NIXL OBJ backend did not start: {type(e).__name__}") from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._agent = None
+
+    def _xfer(self, op: str, okey: str, buf: memoryview) -> None:
+        import numpy as np
+
+        agent = self._agent
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        addr, n = int(arr.ctypes.data), int(arr.size)
+        dev = next(self._dev_ids) % (1 << 30)
+        local = agent.register_memory([(addr, n, 0, "")], "DRAM")
+        try:
+            remote = agent.register_memory([(0, n, dev, okey)], "OBJ")
+            try:
+                handle = agent.initialize_xfer(
+                    op, agent.get_xfer_descs([(addr, n, 0)], "DRAM"), agent.get_xfer_descs([(0, n, dev)], "OBJ"),
+                    agent.name,
+                )
+                try:
+                    state = agent.transfer(handle)
+                    delay = 0.0002
+                    while state == "PROC":
+                        time.sleep(delay)
+                        delay = min(delay * 2, 0.005)
+                        state = agent.check_xfer_state(handle)
+                    if state != "DONE":
+                        raise RuntimeError(f"transfer state {state}")
+                finally:
+                    agent.release_xfer_handle(handle)
+            finally:
+                agent.deregister_memory(remote)
+        finally:
+            agent.deregister_memory(local)
+
+    async def _run(self, op: str, okey: str, buf: memoryview) -> None:
+        if self._agent is None or self._pool is None:
+            raise TierUnavailableError("NIXL OBJ backend is closed")
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._xfer, op, okey, buf)
+        try:
+            # On timeout the worker thread finishes on its own; it holds its own reference to ``buf``.
+            await asyncio.wait_for(fut, self.cfg.nixl_timeout_s)
+        except asyncio.TimeoutError:
+            raise TierUnavailableError(f"NIXL OBJ {op} {okey}: no answer in {self.cfg.nixl_timeout_s:g}s") from None
+        except Exception as e:
+            raise TierUnavailableError(f"NIXL OBJ {op} {okey}: {type(e).__name__}: {_one_line(e)}") from None
+
+    async def write(self, okey: str, body: bytes | bytearray) -> None:
+        # NIXL registers memory by address; bytes are immutable but readable, which is all WRITE needs.
+        await self._run("WRITE", okey, memoryview(body))
+
+    async def read(self, okey: str, out: memoryview) -> None:
+        await self._run("READ", okey, out)
