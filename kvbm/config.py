@@ -91,6 +91,11 @@ class S3Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     breaker_reset_s: float = 5.0
     max_pending_writes: int = 64
     shard_chars: int = 2
+    # List the bucket at start() to fill the index. Off by default: BlockManager.start(index=True)
+    # already scans every tier, and CLI commands that only list/purge need no index.
+    scan_on_start: bool = False
+    # Deadline for one NIXL OBJ transfer (aws-sdk-cpp itself retries a dead endpoint for ~25 s).
+    nixl_timeout_s: float = 10.0
 
 
 class EmbeddedS3Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -118,6 +123,16 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_message_bytes: int = 4 * 1024 * 1024
     max_queue: int = 256
     vllm_events: list[str] = []  # vLLM KV-event endpoints to subscribe to
+    vllm_replay: list[str] = []  # their replay endpoints, by position ("" or missing: no replay)
+    vllm_events_mode: Literal["auto", "bind", "connect"] = "auto"  # auto: bind tcp (vLLM connects), connect ipc
+    metrics_host: str = "127.0.0.1"
+    worker_timeout_s: float = 60.0  # a silent worker's pins and unfinished stores are released after this
+    barrier_timeout_s: float = 30.0
+    max_inflight: int = 1024  # requests handled at once; beyond it the daemon stops reading (ZMQ backpressure)
+    curve_secret_key: str = ""  # Z85; set with curve_public_key to require CURVE encryption
+    curve_public_key: str = ""
+    curve_clients_dir: str = ""  # directory of allowed client public keys (empty: any client with the server key)
+    log_format: Literal["json", "text"] = "json"
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

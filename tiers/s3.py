@@ -724,7 +724,9 @@ class _NixlObj:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            # Do not wait for a transfer stuck in aws-sdk-cpp's retries (~25 s on a dead endpoint); the
+            # thread keeps its own references to the agent and buffer and ends by itself.
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         self._agent = None
 

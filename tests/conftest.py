@@ -1,0 +1,39 @@
+"""Shared fixtures: a real SeaweedFS (the embedded S3 endpoint) for the S3 tier and server tests."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kvbm.s3server import EmbeddedS3, weed_runs
+
+
+@pytest.fixture(scope="session")
+def weed_binary() -> str:
+    ok, why = weed_runs()
+    if not ok:
+        pytest.skip(f"SeaweedFS not available: {why}")
+    return why
+
+
+@pytest.fixture(scope="session")
+def s3_server(weed_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedS3]:
+    """One SeaweedFS for the whole session (stopped with SIGTERM, SIGKILL after 2 s)."""
+    srv = EmbeddedS3(tmp_path_factory.mktemp("seaweedfs"), weed=weed_binary, bucket="kvbm-test",
+                     stop_timeout_s=2.0, reuse=False)
+    with srv:
+        yield srv
+
+
+@pytest.fixture
+def s3_prefix(s3_server: EmbeddedS3) -> str:
+    """A fresh key prefix per test, inside the session bucket ``s3_server.bucket``."""
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def s3_bucket(s3_server: EmbeddedS3) -> str:
+    """A fresh, not yet created bucket name (>= 3 chars, lowercase)."""
+    return f"kvbm-{uuid.uuid4().hex[:12]}"
