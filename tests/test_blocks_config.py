@@ -43,7 +43,7 @@ def test_wrong_key_length_or_fingerprint_is_a_mismatch():
 
 def test_sizes_parse():
     assert parse_size("8MiB") == 8 << 20 and parse_size("2GB") == 2_000_000_000 and parse_size(4096) == 4096
-    with pytest.raises(ConfigError, match="host.capacity"):
+    with pytest.raises(ConfigError, match=r"host\.capacity"):
         parse_size("lots", "host.capacity")
 
 

@@ -69,8 +69,8 @@ def test_only_full_blocks_are_hashed_and_hashes_chain():
     hs2 = prefix_hashes(other, 64)
     assert hs2[:10] == hs[:10] and hs2[10] != hs[10]
     # A change in block 0 changes every later hash (chaining).
-    hs3 = prefix_hashes([1] + toks[1:], 64)
-    assert all(a != b for a, b in zip(hs, hs3))
+    hs3 = prefix_hashes([1, *toks[1:]], 64)
+    assert all(a != b for a, b in zip(hs, hs3, strict=True))
     assert prefix_hashes(toks[:63], 64) == []
 
 
