@@ -1,0 +1,588 @@
+"""The kvbm daemon: serves workers over ZeroMQ and wires their requests to the BlockManager.
+
+One ROUTER socket takes requests (see :mod:`kvbm.protocol`); each is handled in its own task so a slow
+offload never holds up a lookup. Offloads are bounded: with ``max_queue`` PrepareStore/CommitStore
+requests in flight a new PrepareStore is answered :class:`~kvbm.protocol.Shed`. With ``max_inflight``
+requests of any kind in flight the daemon stops reading (ZeroMQ queues, then the clients time out).
+Bad frames get an Error reply (or are dropped) and are counted; none stops the daemon.
+
+Pins: blocks onboarded for a worker stay pinned in G2 until it sends Release or Unregister, or its
+lease (``worker_timeout_s`` since its last request) runs out; its unfinished stores are aborted then.
+The daemon publishes its own block events on ``events_endpoint`` (topic ``kvbm``) and follows vLLM
+KV-event streams (``vllm_events``), exposing them in Stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import time
+from collections import Counter
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvbm import protocol as p
+from kvbm.blocks import BlockKey
+from kvbm.config import Config
+from kvbm.errors import KvbmError, TierFullError
+from kvbm.kvevents import KVEventSubscriber, describe_views
+from kvbm.manager import BlockManager
+from kvbm.metrics import MetricsServer
+from kvbm.tiers.pool import SlotPoolTier
+
+log = logging.getLogger(__name__)
+
+STORE_TIER = "G2"
+
+
+class DaemonStats(msgspec.Struct):
+    requests: int = 0
+    replies: int = 0
+    dropped: int = 0
+    shed: int = 0
+    offload_seconds: float = 0.0
+    onboard_seconds: float = 0.0
+    lookup_seconds: float = 0.0
+    events_published: int = 0
+    registered: int = 0
+    expired_workers: int = 0
+    errors: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class WorkerState:
+    """What the daemon holds on behalf of one registered worker."""
+
+    def __init__(self, token: str, msg: p.Register) -> None:
+        self.token = token
+        self.worker_id = msg.worker_id
+        self.engine_id = msg.engine_id
+        self.tp_rank = msg.tp_rank
+        self.tp_size = msg.tp_size
+        self.layout = msg.layout
+        self.namespace = msg.layout.namespace
+        self.pins: Counter[BlockKey] = Counter()
+        self.prepared: set[BlockKey] = set()
+        self.last_seen = time.monotonic()
+
+
+class _Handled(Exception):
+    """Raised by a handler to answer with an Error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Daemon:
+    """Binds the daemon's sockets and serves until :meth:`stop`."""
+
+    def __init__(self, cfg: Config, manager: BlockManager, *, ctx: zmq.asyncio.Context | None = None) -> None:
+        self.cfg = cfg
+        self.dc = cfg.daemon
+        self.manager = manager
+        self.stats = DaemonStats()
+        self.workers: dict[str, WorkerState] = {}
+        self.endpoint = self.dc.endpoint
+        self.events_endpoint = self.dc.events_endpoint
+        self.metrics_port: int | None = None
+        self.ready = asyncio.Event()
+        self._ctx = ctx or zmq.asyncio.Context()
+        self._own_ctx = ctx is None
+        self._router: zmq.asyncio.Socket | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._auth: Any = None
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._inflight = 0
+        self._offloads = 0
+        self._slot_free = asyncio.Event()
+        self._event_seq = 0
+        self._barriers: dict[tuple[str, str], tuple[set[int], asyncio.Future[None]]] = {}
+        self._subs: list[KVEventSubscriber] = []
+        self._metrics: MetricsServer | None = None
+        # Quick requests are answered inline by the receive loop; the others each get a task.
+        self._inline: dict[type, Any] = {
+            p.Unregister: self._unregister,
+            p.Ping: self._ping,
+            p.Lookup: self._lookup,
+            p.Release: self._release,
+            p.Stats: self._stats,
+        }
+        self._handlers: dict[type, Any] = {
+            p.Register: self._register,
+            p.PrepareStore: self._prepare,
+            p.CommitStore: self._commit,
+            p.Onboard: self._onboard,
+            p.Barrier: self._barrier,
+            p.Evict: self._evict,
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    @property
+    def g2(self) -> SlotPoolTier:
+        tier = self.manager.by_name.get(STORE_TIER)
+        if not isinstance(tier, SlotPoolTier):
+            raise KvbmError("the daemon needs a G2 host tier (workers share its slots)")
+        return tier
+
+    def _bind(self) -> None:
+        dc = self.dc
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # libzmq drops the connection of a peer that sends more than this; between max_message_bytes
+        # and it, the daemon still answers with an Error.
+        router.setsockopt(zmq.MAXMSGSIZE, 4 * dc.max_message_bytes + 1024)
+        if dc.curve_secret_key:
+            if not zmq.has("curve"):
+                raise KvbmError("daemon.curve_secret_key is set but libzmq has no CURVE support")
+            if dc.curve_clients_dir:
+                from zmq.auth.asyncio import AsyncioAuthenticator
+
+                self._auth = AsyncioAuthenticator(self._ctx)
+                self._auth.start()
+                self._auth.configure_curve(domain="*", location=dc.curve_clients_dir)
+            router.curve_server = True
+            router.curve_secretkey = dc.curve_secret_key.encode()
+            router.curve_publickey = dc.curve_public_key.encode()
+        _prepare_ipc(dc.endpoint)
+        router.bind(dc.endpoint)
+        self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._router = router
+        if dc.events_endpoint:
+            pub = self._ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.SNDHWM, 10_000)
+            _prepare_ipc(dc.events_endpoint)
+            pub.bind(dc.events_endpoint)
+            self.events_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._pub = pub
+
+    async def run(self) -> None:
+        """Start the manager (re-indexing persistent tiers), bind, and serve until :meth:`stop`."""
+        _ = self.g2
+        await self.manager.start()
+        self._bind()
+        for i, ep in enumerate(self.dc.vllm_events):
+            replay = self.dc.vllm_replay[i] if i < len(self.dc.vllm_replay) else ""
+            sub = KVEventSubscriber(ep, replay, mode=self.dc.vllm_events_mode, ctx=self._ctx)
+            sub.open()
+            self._subs.append(sub)
+            self._spawn(sub.run())
+        if self.dc.metrics_port:
+            self._metrics = MetricsServer(self.snapshot, self.dc.metrics_host, max(self.dc.metrics_port, 0))
+            self.metrics_port = await self._metrics.start()
+        self._spawn(self._reaper())
+        logj("daemon.started", endpoint=self.endpoint, events=self.events_endpoint, metrics_port=self.metrics_port,
+             tiers=[t.name for t in self.manager.tiers], blocks=len(self.manager.registry), pid=os.getpid())
+        self.ready.set()
+        recv = asyncio.ensure_future(self._recv_loop())
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if recv.done() and not recv.cancelled() and recv.exception() is not None:
+                raise recv.exception()  # type: ignore[misc]
+        finally:
+            recv.cancel()
+            stop.cancel()
+            await self._shutdown()
+
+    async def stop(self) -> None:
+        self._stop.set()
+
+    async def _shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for w in list(self.workers.values()):
+            self._drop_worker(w, "shutdown")
+        for sub in self._subs:
+            sub.close()
+        if self._metrics is not None:
+            await self._metrics.close()
+        if self._auth is not None:
+            self._auth.stop()
+        for s in (self._router, self._pub):
+            if s is not None:
+                s.close(0)
+        await self.manager.drain()
+        if self._own_ctx:
+            self._ctx.term()
+        logj("daemon.stopped", **{k: v for k, v in msgspec.structs.asdict(self.stats).items() if k != "errors"})
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- receive / dispatch ---------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        assert self._router is not None
+        while True:
+            while self._inflight >= self.dc.max_inflight:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+            frames = await self._router.recv_multipart()
+            try:
+                self._dispatch(frames)
+            except Exception:  # never let one request take the daemon down
+                log.exception("dispatch failed")
+                self.stats.dropped += 1
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        self.stats.requests += 1
+        if len(frames) == 2:
+            ident, envelope, payload = frames[0], [], frames[1]
+        elif len(frames) == 3 and frames[1] == b"":
+            ident, envelope, payload = frames[0], [b""], frames[2]
+        else:
+            self.stats.dropped += 1
+            self._count_error("frames")
+            return
+        route = [ident, *envelope]
+        try:
+            msg = p.decode_request(payload, self.dc.max_message_bytes)
+        except p.ProtocolError as e:
+            self._error(route, e.rid, e.code, e.message)
+            return
+        worker = None
+        if not isinstance(msg, p.Register):
+            worker = self.workers.get(msg.token)
+            if worker is None:
+                self._error(route, msg.rid, p.E_UNREGISTERED, "unknown worker token; send Register first")
+                return
+            worker.last_seen = time.monotonic()
+        inline = self._inline.get(type(msg))
+        if inline is not None:
+            try:
+                reply = inline(msg, worker)
+            except Exception as e:
+                self._fail(route, msg, e)
+            else:
+                reply.rid = msg.rid
+                self._send(route, reply)
+            return
+        offload = isinstance(msg, (p.PrepareStore, p.CommitStore))
+        if isinstance(msg, p.PrepareStore) and self._offloads >= self.dc.max_queue:
+            self.stats.shed += 1
+            self._send(route, p.Shed(rid=msg.rid))
+            return
+        self._inflight += 1
+        self._offloads += offload
+        task = self._spawn(self._handle(route, msg, worker))
+        task.add_done_callback(lambda _t: self._done(offload))
+
+    def _done(self, offload: bool) -> None:
+        self._inflight -= 1
+        self._offloads -= offload
+        self._slot_free.set()
+
+    async def _handle(self, route: list[bytes], msg: Any, worker: WorkerState | None) -> None:
+        try:
+            reply = await self._handlers[type(msg)](msg, worker)
+        except Exception as e:
+            self._fail(route, msg, e)
+            return
+        reply.rid = msg.rid
+        self._send(route, reply)
+
+    def _fail(self, route: list[bytes], msg: Any, e: Exception) -> None:
+        if isinstance(e, _Handled):
+            code = e.code
+        elif isinstance(e, TierFullError):
+            code = p.E_FULL
+        elif isinstance(e, (KvbmError, ValueError)):
+            code = p.E_BAD_REQUEST
+        else:
+            log.exception("%s failed", type(msg).__name__, exc_info=e)
+            code = p.E_INTERNAL
+        self._error(route, msg.rid, code, str(e) if code != p.E_INTERNAL else f"{type(e).__name__}: {e}")
+
+    def _send(self, route: list[bytes], msg: Any) -> None:
+        assert self._router is not None
+        try:
+            buf = p.encode(msg, self.dc.max_message_bytes)
+        except p.ProtocolError as e:
+            buf = p.encode(p.Error(rid=msg.rid, code=e.code, message=e.message))
+        try:
+            self._router.send_multipart([*route, buf], flags=zmq.NOBLOCK)
+            self.stats.replies += 1
+        except zmq.ZMQError as e:  # peer gone / HWM: the reply is lost, the client times out
+            self.stats.dropped += 1
+            log.debug("reply dropped: %s", e)
+
+    def _error(self, route: list[bytes], rid: int, code: str, message: str) -> None:
+        self._count_error(code)
+        logj("request.error", code=code, rid=rid, message=message[:200], level=logging.DEBUG)
+        self._send(route, p.Error(rid=rid, code=code, message=message))
+
+    def _count_error(self, code: str) -> None:
+        self.stats.errors[code] = self.stats.errors.get(code, 0) + 1
+
+    # -- handlers -------------------------------------------------------------------------------------
+    async def _register(self, msg: p.Register, _w: None) -> p.Registered:
+        g2 = self.g2
+        layout = msg.layout
+        if layout.block_nbytes > g2.slot_bytes:
+            raise _Handled(p.E_BAD_REQUEST, f"layout blocks are {layout.block_nbytes} B; G2 slots {g2.slot_bytes} B")
+        if not 0 <= msg.tp_rank < max(msg.tp_size, 1):
+            raise _Handled(p.E_BAD_REQUEST, f"tp_rank {msg.tp_rank} outside [0, {msg.tp_size})")
+        for old in [w for w in self.workers.values() if w.worker_id == msg.worker_id]:
+            self._drop_worker(old, "re-registered")
+        token = secrets.token_hex(16)
+        self.workers[token] = WorkerState(token, msg)
+        self.stats.registered += 1
+        logj("worker.registered", worker=msg.worker_id, engine=msg.engine_id, rank=msg.tp_rank,
+             namespace=layout.namespace)
+        return p.Registered(
+            token=token, namespace=layout.namespace, shm_name=getattr(g2, "shm_name", ""),
+            slot_bytes=g2.slot_bytes, num_slots=g2.num_slots, capacity_bytes=g2.capacity_bytes,
+            block_nbytes=layout.block_nbytes,
+        )
+
+    def _unregister(self, _msg: p.Unregister, w: WorkerState) -> p.Released:
+        return p.Released(count=self._drop_worker(w, "unregistered"))
+
+    def _ping(self, _msg: p.Ping, _w: WorkerState) -> p.Pong:
+        return p.Pong()
+
+    def _lookup(self, msg: p.Lookup, _w: WorkerState) -> p.LookupReply:
+        t0 = time.perf_counter()
+        tiers = self.manager.lookup(msg.keys())
+        self.stats.lookup_seconds += time.perf_counter() - t0
+        return p.LookupReply(matched=len(tiers), tiers=tiers)
+
+    def _check_store(self, msg: p.PrepareStore | p.CommitStore, w: WorkerState) -> None:
+        if msg.namespace != w.namespace:
+            raise _Handled(p.E_BAD_REQUEST, f"namespace {msg.namespace!r} is not this worker's ({w.namespace!r})")
+
+    async def _prepare(self, msg: p.PrepareStore, w: WorkerState) -> p.Slots:
+        self._check_store(msg, w)
+        if not 0 < msg.nbytes <= self.g2.slot_bytes:
+            raise _Handled(p.E_BAD_REQUEST, f"nbytes {msg.nbytes} outside (0, {self.g2.slot_bytes}]")
+        t0 = time.perf_counter()
+        keys = msg.keys()
+        try:
+            slots = await self.manager.prepare_store(keys, msg.nbytes, STORE_TIER)
+        finally:
+            self.stats.offload_seconds += time.perf_counter() - t0
+        w.prepared.update(k for k, s in zip(keys, slots, strict=True) if s is not None)
+        if w.token not in self.workers:  # dropped while we waited: give the slots back
+            self.manager.complete_store([k for k, s in zip(keys, slots, strict=True) if s is not None], ok=False)
+            raise _Handled(p.E_UNREGISTERED, "worker left")
+        return p.Slots(slots=slots)
+
+    async def _commit(self, msg: p.CommitStore, w: WorkerState) -> p.Ack:
+        self._check_store(msg, w)
+        t0 = time.perf_counter()
+        keys = msg.keys()
+        mine = [k for k in keys if k in w.prepared]
+        w.prepared.difference_update(mine)
+        stored = self.manager.complete_store(mine, msg.ok, cascade=not msg.durable)
+        durable = 0
+        try:
+            if msg.ok:
+                if stored:
+                    self._publish(p.BlocksStored(namespace=msg.namespace, hashes=[k.hash for k in mine]))
+                if msg.durable:
+                    held = [k for k in keys if self.manager.where(k)]
+                    durable = await self.manager.offload(held, durable=True)
+        finally:
+            self.stats.offload_seconds += time.perf_counter() - t0
+        return p.Ack(stored=stored, durable=durable)
+
+    async def _onboard(self, msg: p.Onboard, w: WorkerState) -> p.Onboarded:
+        t0 = time.perf_counter()
+        keys = msg.keys()
+        reg = self.manager.registry
+        reg.pin(keys)  # before the await, so nothing we bring up is evicted before the worker reads it
+        try:
+            n = await self.manager.onboard(keys, to=STORE_TIER)
+        except BaseException:
+            reg.unpin(keys)
+            raise
+        g2 = self.g2
+        slots: list[int] = []
+        nbytes: list[int] = []
+        for k in keys[:n]:
+            slot, nb = g2.slot_of(k), g2.nbytes(k)
+            if slot is None or nb is None:
+                break
+            slots.append(slot)
+            nbytes.append(nb)
+        n = len(slots)
+        reg.unpin(keys[n:])
+        if w.token in self.workers:
+            w.pins.update(keys[:n])
+        else:
+            reg.unpin(keys[:n])
+            n, slots, nbytes = 0, [], []
+        self.stats.onboard_seconds += time.perf_counter() - t0
+        if n:
+            self._publish(p.BlocksOnboarded(namespace=msg.namespace, hashes=msg.hashes[:n], worker_id=w.worker_id))
+        return p.Onboarded(count=n, slots=slots, nbytes=nbytes)
+
+    def _release(self, msg: p.Release, w: WorkerState) -> p.Released:
+        return p.Released(count=self._unpin(w, msg.keys()))
+
+    def _unpin(self, w: WorkerState, keys: list[BlockKey]) -> int:
+        done = [k for k in keys if w.pins[k] > 0]
+        for k in done:
+            w.pins[k] -= 1
+            if w.pins[k] == 0:
+                del w.pins[k]
+        self.manager.registry.unpin(done)
+        return len(done)
+
+    def _drop_worker(self, w: WorkerState, why: str) -> int:
+        """Forget a worker: release its pins and abort its unfinished stores."""
+        if self.workers.pop(w.token, None) is None:
+            return 0
+        pins = sum(w.pins.values())
+        for k, n in w.pins.items():
+            self.manager.registry.unpin([k] * n)
+        w.pins.clear()
+        if w.prepared:
+            self.manager.complete_store(list(w.prepared), ok=False)
+            w.prepared.clear()
+        logj("worker.dropped", worker=w.worker_id, why=why, pins=pins)
+        return pins
+
+    def _stats(self, _msg: p.Stats, _w: WorkerState) -> p.StatsReply:
+        return p.StatsReply(stats=self.snapshot())
+
+    async def _barrier(self, msg: p.Barrier, w: WorkerState) -> p.BarrierReply:
+        world = msg.world_size or w.tp_size
+        key = (msg.engine_id, str(msg.step))
+        ent = self._barriers.get(key)
+        if ent is None:
+            ent = (set(), asyncio.get_running_loop().create_future())
+            self._barriers[key] = ent
+        ranks, fut = ent
+        ranks.add(msg.rank)
+        if len(ranks) >= world and not fut.done():
+            fut.set_result(None)
+            self._barriers.pop(key, None)
+        timeout = msg.timeout_s or self.dc.barrier_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            if self._barriers.get(key) is ent:
+                self._barriers.pop(key, None)
+            return p.BarrierReply(arrived=len(ranks), complete=False)
+        return p.BarrierReply(arrived=len(ranks), complete=True)
+
+    async def _evict(self, msg: p.Evict, _w: WorkerState) -> p.Evicted:
+        names = [t.name for t in self.manager.tiers]
+        tiers = msg.tiers or names
+        bad = [t for t in tiers if t not in names]
+        if bad:
+            raise _Handled(p.E_BAD_REQUEST, f"unknown tiers {bad}; have {names}")
+        reg = self.manager.registry
+        if msg.hashes is not None:
+            keys = [BlockKey(msg.namespace, h) for h in msg.hashes]
+        else:
+            seen: dict[BlockKey, None] = {}
+            for t in tiers:
+                seen.update((k, None) for k in reg.keys(t) if k.namespace == msg.namespace)
+            keys = list(seen)
+        free = [k for k in keys if not reg.is_pinned(k)]
+        present = [k for k in free if any(reg.holds(t, k) for t in tiers)]
+        removed = await self.manager.delete(present, tiers) if present else 0
+        if present:
+            self._publish(p.BlocksRemoved(namespace=msg.namespace, hashes=[k.hash for k in present],
+                                          tier=",".join(tiers)))
+        return p.Evicted(removed=removed, skipped=len(keys) - len(free))
+
+    # -- events, leases, reporting ---------------------------------------------------------------------
+    def _publish(self, event: Any) -> None:
+        if self._pub is None:
+            return
+        buf = p.encode(p.EventBatch(ts=time.time(), events=[event]), 1 << 62)
+        try:
+            self._pub.send_multipart([p.EVENTS_TOPIC, self._event_seq.to_bytes(8, "big"), buf], flags=zmq.NOBLOCK)
+            self._event_seq += 1
+            self.stats.events_published += 1
+        except zmq.ZMQError:
+            self.stats.dropped += 1
+
+    async def _reaper(self) -> None:
+        period = max(0.05, min(1.0, self.dc.worker_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            cutoff = time.monotonic() - self.dc.worker_timeout_s
+            for w in [w for w in self.workers.values() if w.last_seen < cutoff]:
+                self.stats.expired_workers += 1
+                self._drop_worker(w, "lease expired")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The manager's description plus the daemon's counters and the vLLM engines' views."""
+        snap = self.manager.describe()
+        d = msgspec.structs.asdict(self.stats)
+        d["errors"] = dict(self.stats.errors)
+        d.update(
+            queue_depth=self._offloads, inflight=self._inflight, workers=len(self.workers),
+            pins=sum(sum(w.pins.values()) for w in self.workers.values()),
+        )
+        snap["daemon"] = d
+        snap["engines"] = describe_views(self._subs)
+        return snap
+
+
+def _prepare_ipc(endpoint: str) -> None:
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        if path and not path.startswith("@"):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+# -- structured logs -------------------------------------------------------------------------------------
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg and any ``kv`` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update(getattr(record, "kv", {}))
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(fmt: str = "json", level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s %(message)s %(kv)s", defaults={"kv": ""}))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def logj(event: str, level: int = logging.INFO, **kv: Any) -> None:
+    """Log ``event`` with structured fields."""
+    if log.isEnabledFor(level):
+        log.log(level, event, extra={"kv": kv})
+
+
+async def serve(cfg: Config, manager: BlockManager) -> None:
+    """Run a daemon until cancelled or stopped by a signal."""
+    daemon = Daemon(cfg, manager)
+    loop = asyncio.get_running_loop()
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(daemon.stop()))
+    await daemon.run()

@@ -1,0 +1,296 @@
+"""Wire protocol between workers and the kvbm daemon (msgpack over ZeroMQ).
+
+Every message is a tagged ``msgspec.Struct`` (``"type"`` names it) carrying the protocol version
+``v`` and a request id ``rid`` that the reply echoes. Requests (except :class:`Register`) carry the
+worker ``token`` handed out by :class:`Registered`. Blocks are named by one ``namespace`` (the layout's)
+plus a list of chained block hashes. A request is one frame; a DEALER sends ``[payload]`` and the
+daemon's ROUTER answers ``[payload]`` (a REQ's empty delimiter frame is accepted and echoed).
+
+The daemon also publishes its own block events on a PUB socket as ``[b"kvbm", seq(8 bytes, big
+endian), msgpack(EventBatch)]``: the same framing vLLM uses for its KV-event stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from kvbm.blocks import BlockKey
+from kvbm.errors import KvbmError
+from kvbm.layout import KVLayout
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+EVENTS_TOPIC = b"kvbm"
+
+
+class ProtocolError(KvbmError):
+    """A frame that is not a valid message of this protocol version; ``code`` says why."""
+
+    def __init__(self, code: str, message: str, rid: int = 0) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.rid = rid
+
+
+class _Msg(msgspec.Struct, tag_field="type", tag=True, kw_only=True, gc=False):
+    v: int = PROTOCOL_VERSION
+    rid: int = 0
+
+
+class _Req(_Msg, kw_only=True):
+    token: str = ""
+
+
+class _Blocks(_Req, kw_only=True):
+    namespace: str
+    hashes: list[bytes]
+
+    def keys(self) -> list[BlockKey]:
+        return [BlockKey(self.namespace, h) for h in self.hashes]
+
+
+# -- requests ----------------------------------------------------------------------------------------
+class Register(_Req, kw_only=True):
+    """Announce a worker (one TP rank of one engine) and its KV layout."""
+
+    worker_id: str
+    engine_id: str
+    layout: KVLayout
+    tp_rank: int = 0
+    tp_size: int = 1
+    g1_capacity_blocks: int = 0
+
+
+class Unregister(_Req, kw_only=True):
+    """The worker is leaving: its pins and unfinished stores are released."""
+
+
+class Ping(_Req, kw_only=True):
+    """Keep the worker's lease alive."""
+
+
+class Lookup(_Blocks, kw_only=True):
+    """How many leading blocks are held anywhere, and the fastest tier of each."""
+
+
+class PrepareStore(_Blocks, kw_only=True):
+    """Reserve a G2 slot per block (the worker then copies the bytes into shared memory)."""
+
+    nbytes: int
+
+
+class CommitStore(_Blocks, kw_only=True):
+    """Commit (``ok``) or abort prepared slots; ``durable`` waits until they are on disk/S3."""
+
+    ok: bool = True
+    durable: bool = False
+
+
+class Onboard(_Blocks, kw_only=True):
+    """Bring the leading held run into G2 and pin it there for this worker until :class:`Release`."""
+
+
+class Release(_Blocks, kw_only=True):
+    """Drop this worker's pins on blocks it onboarded."""
+
+
+class Stats(_Req, kw_only=True):
+    """The manager's and the daemon's counters."""
+
+
+class Barrier(_Req, kw_only=True):
+    """Wait until all ``world_size`` TP ranks of ``engine_id`` reached ``step`` (or time out)."""
+
+    engine_id: str
+    step: int | str
+    rank: int
+    world_size: int = 0  # 0: the registered tp_size
+    timeout_s: float = 0.0  # 0: the daemon's default
+
+
+class Evict(_Req, kw_only=True):
+    """Remove blocks (``hashes``, or every block of ``namespace`` when None) from ``tiers`` (all if None).
+
+    Blocks pinned by a worker are skipped.
+    """
+
+    namespace: str
+    hashes: list[bytes] | None = None
+    tiers: list[str] | None = None
+
+
+# -- replies -----------------------------------------------------------------------------------------
+class Registered(_Msg, kw_only=True):
+    token: str
+    namespace: str
+    shm_name: str
+    slot_bytes: int
+    num_slots: int
+    capacity_bytes: int
+    block_nbytes: int
+
+
+class Pong(_Msg, kw_only=True):
+    pass
+
+
+class LookupReply(_Msg, kw_only=True):
+    matched: int
+    tiers: list[str]
+
+
+class Slots(_Msg, kw_only=True):
+    slots: list[int | None]  # None: already stored (nothing to copy)
+
+
+class Shed(_Msg, kw_only=True):
+    """The daemon is overloaded and dropped this offload; the worker may retry later."""
+
+    retry_after_ms: int = 100
+
+
+class Ack(_Msg, kw_only=True):
+    stored: int
+    durable: int = 0
+
+
+class Onboarded(_Msg, kw_only=True):
+    count: int
+    slots: list[int]
+    nbytes: list[int]
+
+
+class Released(_Msg, kw_only=True):
+    count: int
+
+
+class StatsReply(_Msg, kw_only=True):
+    stats: dict[str, Any]
+
+
+class BarrierReply(_Msg, kw_only=True):
+    arrived: int
+    complete: bool
+
+
+class Evicted(_Msg, kw_only=True):
+    removed: int
+    skipped: int = 0
+
+
+class Error(_Msg, kw_only=True):
+    code: str
+    message: str = ""
+
+
+Request = Union[  # noqa: UP007 - msgspec wants a Union of tagged structs
+    Register, Unregister, Ping, Lookup, PrepareStore, CommitStore, Onboard, Release, Stats, Barrier, Evict
+]
+Reply = Union[  # noqa: UP007
+    Registered, Pong, LookupReply, Slots, Shed, Ack, Onboarded, Released, StatsReply, BarrierReply, Evicted, Error
+]
+
+# Error codes.
+E_MALFORMED = "malformed"
+E_VERSION = "version"
+E_UNKNOWN_TYPE = "unknown_type"
+E_TOO_LARGE = "too_large"
+E_UNREGISTERED = "unregistered"
+E_BAD_REQUEST = "bad_request"
+E_INTERNAL = "internal"
+E_TIMEOUT = "timeout"
+E_FULL = "full"
+
+
+# -- daemon block events -----------------------------------------------------------------------------
+class _Event(msgspec.Struct, tag_field="type", tag=True, kw_only=True, gc=False):
+    namespace: str
+    hashes: list[bytes]
+    tier: str = "G2"
+
+
+class BlocksStored(_Event, kw_only=True):
+    pass
+
+
+class BlocksRemoved(_Event, kw_only=True):
+    pass
+
+
+class BlocksOnboarded(_Event, kw_only=True):
+    worker_id: str = ""
+
+
+Event = Union[BlocksStored, BlocksRemoved, BlocksOnboarded]  # noqa: UP007
+
+
+class EventBatch(msgspec.Struct, kw_only=True, gc=False):
+    ts: float
+    events: list[Event]
+    v: int = PROTOCOL_VERSION
+
+
+# -- codec -------------------------------------------------------------------------------------------
+class _Header(msgspec.Struct, gc=False):
+    """Just enough of any message to tell why it did not decode."""
+
+    type: Any = None
+    v: Any = None
+    rid: Any = 0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_req_decoder = msgspec.msgpack.Decoder(Request)
+_rep_decoder = msgspec.msgpack.Decoder(Reply)
+_hdr_decoder = msgspec.msgpack.Decoder(_Header)
+_event_decoder = msgspec.msgpack.Decoder(EventBatch)
+_REQ_TAGS = {c.__name__ for c in Request.__args__}  # type: ignore[attr-defined]
+_REP_TAGS = {c.__name__ for c in Reply.__args__}  # type: ignore[attr-defined]
+
+
+def encode(msg: _Msg | EventBatch, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
+    """One message as msgpack; raises ProtocolError when it exceeds ``max_bytes``."""
+    buf = _encoder.encode(msg)
+    if len(buf) > max_bytes:
+        raise ProtocolError(E_TOO_LARGE, f"{type(msg).__name__} is {len(buf)} bytes > {max_bytes}")
+    return buf
+
+
+def _decode(buf: bytes | memoryview, decoder: msgspec.msgpack.Decoder, tags: set[str], max_bytes: int) -> Any:
+    if len(buf) > max_bytes:
+        raise ProtocolError(E_TOO_LARGE, f"{len(buf)} bytes > {max_bytes}")
+    try:
+        msg = decoder.decode(buf)
+    except Exception as e:  # ValidationError, DecodeError, or a __post_init__ error (e.g. a bad layout)
+        try:
+            hdr = _hdr_decoder.decode(buf)
+        except Exception:
+            raise ProtocolError(E_MALFORMED, f"not a msgpack message: {e}") from None
+        rid = hdr.rid if isinstance(hdr.rid, int) else 0
+        if hdr.v != PROTOCOL_VERSION:
+            raise ProtocolError(E_VERSION, f"protocol version {hdr.v!r}, expected {PROTOCOL_VERSION}", rid) from None
+        if hdr.type not in tags:
+            raise ProtocolError(E_UNKNOWN_TYPE, f"unknown message type {hdr.type!r}", rid) from None
+        raise ProtocolError(E_MALFORMED, f"{hdr.type}: {e}", rid) from None
+    if msg.v != PROTOCOL_VERSION:
+        raise ProtocolError(E_VERSION, f"protocol version {msg.v}, expected {PROTOCOL_VERSION}", msg.rid)
+    return msg
+
+
+def decode_request(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Request:
+    """Decode and validate one request; raises ProtocolError (with the rid when it could be read)."""
+    return _decode(buf, _req_decoder, _REQ_TAGS, max_bytes)  # type: ignore[no-any-return]
+
+
+def decode_reply(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Reply:
+    return _decode(buf, _rep_decoder, _REP_TAGS, max_bytes)  # type: ignore[no-any-return]
+
+
+def decode_events(buf: bytes | memoryview) -> EventBatch:
+    try:
+        return _event_decoder.decode(buf)
+    except Exception as e:
+        raise ProtocolError(E_MALFORMED, f"bad event batch: {e}") from None

@@ -1,0 +1,421 @@
+"""The daemon in a subprocess, over real sockets: round trips through G2 shared memory, concurrency,
+fuzzing, backpressure, leases, kill -9 recovery, metrics and the vLLM KV-event view."""
+
+import asyncio
+import glob
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from kvbm import protocol as p
+from kvbm.blocks import BlockKey
+from kvbm.client import AsyncWorkerClient, DaemonError, DaemonUnavailable, Overloaded, WorkerClient
+from kvbm.layout import KVLayout
+
+SLOT = 64 * 1024
+LAYOUT = KVLayout(model="tiny", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=SLOT)
+NB = LAYOUT.block_nbytes
+
+
+def keys(n, tag=b"", ns=LAYOUT.namespace):
+    return [BlockKey(ns, (tag + i.to_bytes(4, "big")).ljust(32, b"\x00")) for i in range(n)]
+
+
+def payload(key):
+    rng = np.random.default_rng(int.from_bytes(key.hash[:8], "big") ^ len(key.hash))
+    return rng.integers(0, 256, NB, dtype=np.uint8)
+
+
+class DaemonProc:
+    """``python -m kvbm.cli.serve`` with a config in ``tmp``; restartable on the same disk dir."""
+
+    def __init__(self, tmp, *, host="4MiB", fsync=False, **daemon):
+        self.tmp = tmp
+        self.endpoint = f"ipc://{tmp}/kvbm.sock"
+        d = {"endpoint": self.endpoint, "events_endpoint": f"ipc://{tmp}/events.sock", "metrics_port": -1,
+             "max_message_bytes": 256 * 1024, **daemon}
+        cfg = {
+            "block_bytes": SLOT,
+            "device": {"enabled": False},
+            "host": {"capacity": host},
+            "disk": {"dir": str(tmp / "disk"), "capacity": "256MiB", "fsync": fsync, "o_direct": False},
+            "s3": {"enabled": False},
+            "embedded_s3": {"enabled": False},
+            "transfer": {"backend": "plain"},
+            "daemon": d,
+        }
+        self.cfg_path = tmp / "kvbm.yaml"
+        self.cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
+        self.log_path = tmp / "daemon.log"
+        self.proc = None
+        self.info = {}
+
+    def start(self, timeout=30):
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvbm.cli.serve", "--config", str(self.cfg_path)],
+                                         stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                for line in f:
+                    if b'"daemon.started"' in line:
+                        self.info = json.loads(line)
+                        return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited: {self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon did not start: {self.log_path.read_text()[-3000:]}")
+
+    def kill9(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self.killed = self.proc.pid  # its G2 pool stays in /dev/shm until the next serve removes it
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+                raise
+        for pid in (self.proc.pid, getattr(self, "killed", None)):
+            for f in glob.glob(f"/dev/shm/kvbm-g2-{pid}-*"):
+                os.unlink(f)
+
+    def client(self, **kw):
+        return WorkerClient(self.endpoint, timeout_s=kw.pop("timeout_s", 10.0), **kw)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = DaemonProc(tmp_path_factory.mktemp("kvbmd"), host="8MiB").start()
+    yield d
+    d.stop()
+    assert d.proc.returncode == 0, d.log_path.read_text()[-3000:]
+
+
+def test_register_lookup_store_load_round_trip_is_byte_exact(daemon):
+    with daemon.client() as c:
+        reg = c.register(LAYOUT, worker_id="rt")
+        assert reg.namespace == LAYOUT.namespace and reg.slot_bytes == SLOT and reg.shm_name
+        ks = keys(6, b"rt")
+        data = [payload(k) for k in ks]
+        assert c.lookup(ks).matched == 0
+        ack = c.store(ks[:4], data[:4], durable=True)
+        assert (ack.stored, ack.durable) == (4, 4)
+        # Storing again is a no-op in G2 (slots come back None) but still durable.
+        assert c.store(ks[:4], data[:4], durable=True).stored == 0
+        look = c.lookup(ks)
+        assert look.matched == 4 and look.tiers == ["G2"] * 4
+        outs = [np.zeros(NB, np.uint8) for _ in ks]
+        assert c.load(ks, outs) == 4  # the leading held run only
+        for i in range(4):
+            assert np.array_equal(outs[i], data[i])
+        assert not outs[4].any()
+        # Torch tensors and bytes work as sources and sinks too.
+        import torch
+
+        t_out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(2)]
+        assert c.store(ks[4:6], [torch.from_numpy(data[4]), data[5].tobytes()]).stored == 2
+        assert c.load(ks[4:6], t_out) == 2
+        assert bytes(t_out[0].numpy()) == data[4].tobytes() and bytes(t_out[1].numpy()) == data[5].tobytes()
+        st = c.stats()
+        assert st["daemon"]["pins"] == 0  # load released its pins
+        assert {t["tier"] for t in st["tiers"]} == {"G2", "G3"}
+        # Evict from G2 only: lookups now find the blocks on disk, and load brings them back.
+        ev = c.evict(ks[:2], tiers=["G2"])
+        assert ev.removed == 2
+        assert c.lookup(ks[:2]).tiers == ["G3", "G3"]
+        outs = [np.zeros(NB, np.uint8) for _ in range(2)]
+        assert c.load(ks[:2], outs) == 2 and np.array_equal(outs[1], data[1])
+
+
+def test_errors_are_typed(daemon):
+    with daemon.client() as c:
+        with pytest.raises(DaemonError) as ei:
+            c.lookup(keys(1))  # not registered yet
+        assert ei.value.code == p.E_UNREGISTERED
+        c.register(LAYOUT, worker_id="errs")
+        with pytest.raises(DaemonError) as ei:
+            c.store(keys(1, b"x", ns="other-0123456789abcdef"), [payload(keys(1)[0])])
+        assert ei.value.code == p.E_BAD_REQUEST
+        with pytest.raises(DaemonError) as ei:
+            c.evict(keys(1), tiers=["G9"])
+        assert ei.value.code == p.E_BAD_REQUEST
+        big = KVLayout(model="big", num_layers=8, num_kv_heads=8, head_size=128, block_bytes=8 << 20)
+        with pytest.raises(DaemonError):
+            WorkerClient(daemon.endpoint, timeout_s=5).register(big)  # blocks larger than a G2 slot
+        # A barrier that not every rank reaches times out with complete=False.
+        rep = c.barrier("lonely", step=1, rank=0, world_size=2, timeout_s=0.3)
+        assert not rep.complete and rep.arrived == 1
+    with pytest.raises(DaemonUnavailable):
+        WorkerClient(f"ipc://{daemon.tmp}/nobody.sock", timeout_s=0.3).register(LAYOUT)
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_curve_encryption_requires_the_server_key(tmp_path):
+    pub, sec = zmq.curve_keypair()
+    d = DaemonProc(tmp_path, curve_public_key=pub.decode(), curve_secret_key=sec.decode()).start()
+    try:
+        with WorkerClient(d.endpoint, timeout_s=5, curve_server_key=pub.decode()) as c:
+            c.register(LAYOUT, worker_id="curve")
+            assert c.lookup(keys(1)).matched == 0
+        with pytest.raises(DaemonUnavailable):  # plain-text clients get no answer
+            WorkerClient(d.endpoint, timeout_s=0.5).register(LAYOUT)
+    finally:
+        d.stop()
+
+
+def test_eight_workers_concurrently(daemon):
+    errors = []
+    shared = keys(4, b"shared")
+
+    def worker(i):
+        try:
+            with daemon.client() as c:
+                c.register(LAYOUT, worker_id=f"w{i}", engine_id="e8", tp_rank=i, tp_size=8)
+                mine = shared + keys(12, b"w%d" % i)
+                data = [payload(k) for k in mine]
+                for lo in range(0, len(mine), 4):
+                    ack = c.store(mine[lo:lo + 4], data[lo:lo + 4], durable=lo == 0)
+                    assert ack.stored <= 4
+                assert c.barrier("e8", step=1, rank=i, timeout_s=20).complete
+                assert c.lookup(mine).matched == len(mine)
+                outs = [np.zeros(NB, np.uint8) for _ in mine]
+                assert c.load(mine, outs) == len(mine)
+                for o, d in zip(outs, data, strict=True):
+                    assert np.array_equal(o, d)
+        except BaseException as e:
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    with daemon.client() as c:
+        c.register(LAYOUT, worker_id="check")
+        st = c.stats()
+        assert st["daemon"]["pins"] == 0
+        assert c.lookup(shared).matched == 4
+
+
+def test_fuzzed_frames_never_kill_the_daemon(daemon):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(daemon.endpoint)
+    rng = random.Random(1234)
+    good = p.encode(p.Ping(rid=1, token="nobody"))
+    reg = p.encode(p.Register(rid=2, worker_id="fz", engine_id="e", layout=LAYOUT))
+    frames = [[bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 200)))] for _ in range(100)]
+    frames += [[good[:n]] for n in range(len(good))]  # every truncation
+    frames += [[reg[:n]] for n in range(0, len(reg), 7)]
+    frames += [
+        [msgspec.msgpack.encode({"type": "Ping", "v": 99, "rid": 5})],
+        [msgspec.msgpack.encode({"type": "Explode", "v": 1, "rid": 6})],
+        [msgspec.msgpack.encode({"type": "Lookup", "v": 1, "rid": 7, "namespace": "n", "hashes": "nope"})],
+        [b"\x00" * (256 * 1024 + 1)],  # oversized
+        [good, good, good],  # wrong frame count: dropped
+        [b"", b"", good],
+        [p.encode(p.Pong(rid=8))],  # a reply sent as a request
+    ]
+    for f in frames:
+        s.send_multipart(f)
+    replies = 0
+    while s.poll(1000):
+        reply = p.decode_reply(s.recv_multipart()[-1])
+        assert isinstance(reply, p.Error)
+        replies += 1
+    assert replies >= 100
+    s.close(0)
+    assert daemon.proc.poll() is None
+    with daemon.client() as c:
+        c.register(LAYOUT, worker_id="after-fuzz")
+        c.ping()
+        st = c.stats()["daemon"]
+        for code in (p.E_MALFORMED, p.E_VERSION, p.E_UNKNOWN_TYPE, p.E_TOO_LARGE, p.E_UNREGISTERED):
+            assert st["errors"].get(code, 0) >= 1, (code, st["errors"])
+        assert st["dropped"] >= 1
+
+
+def test_metrics_endpoint_and_block_events(daemon):
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, p.EVENTS_TOPIC)
+    sub.connect(daemon.info["events"])
+    time.sleep(0.3)  # PUB/SUB slow joiner
+    with daemon.client() as c:
+        c.register(LAYOUT, worker_id="ev")
+        ks = keys(2, b"ev")
+        c.store(ks, [payload(k) for k in ks])
+        assert sub.poll(5000)
+        topic, seq, body = sub.recv_multipart()
+        assert topic == b"kvbm" and len(seq) == 8
+        ev = p.decode_events(body).events[0]
+        assert isinstance(ev, p.BlocksStored) and ev.hashes == [k.hash for k in ks]
+    sub.close(0)
+    port = daemon.info["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'kvbm_tier_blocks{tier="G2"}' in text and "kvbm_daemon_shed_total" in text
+    assert "kvbm_tier_corrupt_total" in text and "kvbm_daemon_queue_depth" in text
+
+
+def test_offloads_are_shed_under_load_while_lookups_answer(tmp_path):
+    d = DaemonProc(tmp_path, host="8MiB", fsync=True, max_queue=2).start()
+    try:
+        async def go():
+            c = AsyncWorkerClient(d.endpoint, timeout_s=20)
+            await c.register(LAYOUT, worker_id="load")
+            batches = [keys(2, b"L%d" % i) for i in range(40)]
+            data = [[payload(k) for k in b] for b in batches]
+            stores = [asyncio.ensure_future(c.store(b, x, durable=True)) for b, x in zip(batches, data, strict=True)]
+            t0 = time.perf_counter()
+            look = await c.lookup(keys(3, b"nothing"))
+            lookup_s = time.perf_counter() - t0
+            results = await asyncio.gather(*stores, return_exceptions=True)
+            shed = [r for r in results if isinstance(r, Overloaded)]
+            done = [r for r in results if isinstance(r, p.Ack)]
+            assert len(shed) + len(done) == len(results), results
+            st = await c.stats()
+            await c.close()
+            return look, lookup_s, len(shed), len(done), st
+        look, lookup_s, shed, done, st = asyncio.run(go())
+        assert look.matched == 0 and lookup_s < 2.0
+        assert shed >= 1 and done >= 1
+        assert st["daemon"]["shed"] == shed and st["daemon"]["queue_depth"] == 0
+    finally:
+        d.stop()
+
+
+def test_pins_are_released_when_a_worker_goes_silent(tmp_path):
+    d = DaemonProc(tmp_path, host="1MiB", worker_timeout_s=1.0).start()
+    try:
+        a, b = d.client(), d.client()
+        a.register(LAYOUT, worker_id="a")
+        b.register(LAYOUT, worker_id="b")
+        ks = keys(4, b"pin")
+        a.store(ks, [payload(k) for k in ks])
+        rep = a.request(p.Onboard(namespace=LAYOUT.namespace, hashes=[k.hash for k in ks]), p.Onboarded)
+        assert rep.count == 4
+        assert b.stats()["daemon"]["pins"] == 4
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            st = b.stats()["daemon"]
+            if st["pins"] == 0:
+                break
+            time.sleep(0.2)
+        assert st["pins"] == 0 and st["expired_workers"] >= 1
+        # Its lease is gone; the client registers again by itself and carries on.
+        old = a.token
+        a.ping()
+        assert a.token != old
+        new, a.token = a.token, old
+        with pytest.raises(DaemonError) as ei:  # the stale token is refused (Release is never resent)
+            a.request(p.Release(namespace=LAYOUT.namespace, hashes=[]), p.Released)
+        assert ei.value.code == p.E_UNREGISTERED
+        a.token = new
+        a.close()
+        b.close()
+    finally:
+        d.stop()
+
+
+def test_durable_blocks_survive_kill9_and_no_torn_block_is_served(tmp_path):
+    d = DaemonProc(tmp_path, host="2MiB", fsync=True).start()
+    acked, attempted = [], []
+    stop = threading.Event()
+
+    def writer():
+        c = d.client(timeout_s=8)  # generous: fsync on a loaded 2-core box can be slow
+        c.register(LAYOUT, worker_id="writer")
+        i = 0
+        try:
+            while not stop.is_set():
+                ks = keys(2, b"k9-%d-" % i)
+                attempted.extend(ks)
+                c.store(ks, [payload(k) for k in ks], durable=True)
+                acked.extend(ks)
+                i += 1
+        except (DaemonUnavailable, DaemonError):
+            pass
+        finally:
+            c._detach()
+            c._reset()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    deadline = time.monotonic() + 20
+    while len(acked) < 16 and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    d.kill9()  # mid-offload: the writer is storing continuously
+    stop.set()
+    t.join(30)
+    try:
+        assert len(acked) >= 16, d.log_path.read_text()[-2000:]
+        d.start()
+        assert not glob.glob(f"/dev/shm/kvbm-g2-{d.killed}-*")  # serve removed the dead daemon's pool
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="reader")
+            assert c.lookup(acked).matched == len(acked)
+            for lo in range(0, len(acked), 8):  # G2 holds 32 blocks: onboard in chunks
+                chunk = acked[lo:lo + 8]
+                outs = [np.zeros(NB, np.uint8) for _ in chunk]
+                assert c.load(chunk, outs) == len(chunk)
+                for k, o in zip(chunk, outs, strict=True):
+                    assert np.array_equal(o, payload(k)), k
+            # Blocks that were in flight: either absent or exactly right, never torn.
+            for k in attempted[len(acked):]:
+                out = np.zeros(NB, np.uint8)
+                if c.load([k], [out]):
+                    assert np.array_equal(out, payload(k))
+    finally:
+        d.stop()
+
+
+def test_daemon_follows_a_vllm_event_stream(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = DaemonProc(tmp_path, vllm_events=[f"tcp://127.0.0.1:{port}"]).start()
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(f"tcp://127.0.0.1:{port}")  # vLLM connects to a concrete tcp endpoint
+    try:
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="v")
+            time.sleep(0.5)
+            for seq in range(5):
+                ev = {"type": "BlockStored", "block_hashes": [seq * 2, seq * 2 + 1], "parent_block_hash": None,
+                      "token_ids": [1] * 32, "block_size": 16, "lora_id": None, "medium": "GPU",
+                      "lora_name": None}
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [ev]])])
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                eng = c.stats()["engines"]
+                if eng and next(iter(eng.values()))["events"] == 5:
+                    break
+                time.sleep(0.1)
+            view = next(iter(eng.values()))
+            assert view["blocks"] == {"GPU": 10} and view["last_seq"] == 4
+    finally:
+        pub.close(0)
+        d.stop()
