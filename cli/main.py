@@ -8,6 +8,10 @@ import os
 import click
 
 from kvbm.cli.demo import demo
+from kvbm.cli.prewarm import prewarm
+from kvbm.cli.purge import purge
+from kvbm.cli.serve import serve
+from kvbm.cli.status import status
 
 
 @click.group()
@@ -20,6 +24,10 @@ def main(verbose: int) -> None:
 
 
 main.add_command(demo)
+main.add_command(status)
+main.add_command(purge)
+main.add_command(prewarm)
+main.add_command(serve)
 
 if __name__ == "__main__":
     main()

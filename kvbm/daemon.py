@@ -256,10 +256,12 @@ class Daemon:
         worker = None
         if not isinstance(msg, p.Register):
             worker = self.workers.get(msg.token)
-            if worker is None:
+            # Monitors (kvbm status, health checks) may read stats without registering.
+            if worker is None and not isinstance(msg, p.Stats):
                 self._error(route, msg.rid, p.E_UNREGISTERED, "unknown worker token; send Register first")
                 return
-            worker.last_seen = time.monotonic()
+            if worker is not None:
+                worker.last_seen = time.monotonic()
         inline = self._inline.get(type(msg))
         if inline is not None:
             try:
@@ -456,7 +458,7 @@ class Daemon:
         logj("worker.dropped", worker=w.worker_id, why=why, pins=pins)
         return pins
 
-    def _stats(self, _msg: p.Stats, _w: WorkerState) -> p.StatsReply:
+    def _stats(self, _msg: p.Stats, _w: WorkerState | None) -> p.StatsReply:
         return p.StatsReply(stats=self.snapshot())
 
     async def _barrier(self, msg: p.Barrier, w: WorkerState) -> p.BarrierReply:

@@ -1,0 +1,417 @@
+"""KvbmConnector: kvbm embedded in vLLM (v1 KV-connector API) as an offload/onboard connector.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KvbmConnector",
+                           "kv_connector_module_path": "kvbm.integrations.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"daemon": "tcp://127.0.0.1:5557",
+                                                          "model_name": "llama-3.1-8b",
+                                                          "vllm_blocks_per_kvbm_block": 1}}'
+
+* Scheduler side (EngineCore process): asks the daemon for the longest stored prefix of each new
+  request, hands the worker side the vLLM block ids to fill (loads) and the full blocks to save, and
+  reports the connector's health in ``kv_transfer_params`` when a request finishes.
+* Worker side (one per TP rank): copies whole vLLM blocks of every layer between the paged KV cache and
+  the daemon's G2 slots (shared memory); the daemon cascades them to disk and S3. Blocks are copied as
+  the engine stores them (opaque bytes), never re-laid out per token: vLLM's CPU backend interleaves K
+  and V inside a block in an ISA-specific order.
+* A kvbm block spans ``k`` vLLM blocks and is keyed by vLLM's own hash of its last vLLM block, so kvbm
+  and vLLM's KV events agree on identity (the namespace carries the layout fingerprint per TP rank).
+* Every kvbm failure (daemon down, a checksum miss, S3 down) turns into a miss or a load error that vLLM
+  recomputes (the connector switches ``kv_load_failure_policy`` to ``recompute`` unless the extra
+  config asks for ``fail``); it is logged once and never raises into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvbm import protocol as p
+from kvbm.blocks import BlockKey
+from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
+from kvbm.layout import DTYPE_BYTES, KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvbm.vllm")
+
+RETRY_AFTER_S = 5.0
+MAX_RETRY_AFTER_S = 60.0
+
+
+@dataclass
+class BlockTransfer:
+    """kvbm blocks of one request and, for each, the ``k`` vLLM block ids it covers."""
+
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[list[int]]
+
+
+@dataclass
+class KvbmConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).replace("torch.", "")
+    return name if name in DTYPE_BYTES else "bfloat16"
+
+
+def layout_for(vllm_config: VllmConfig, tp_rank: int, block_tokens: int, model_name: str) -> KVLayout:
+    """The kvbm layout of one TP rank's KV cache; its fingerprint keys everything that rank stores."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    cache_dtype = cc.cache_dtype if cc.cache_dtype not in (None, "auto") else mc.dtype
+    platform = "cpu" if not torch.cuda.is_available() else "cuda"
+    return KVLayout(
+        model=f"{model_name}@vllm-{platform}-bs{cc.block_size}",
+        num_layers=mc.get_num_layers(pc),
+        num_kv_heads=mc.get_total_num_kv_heads(),
+        head_size=mc.get_head_size(),
+        dtype=_dtype_name(cache_dtype),
+        kv_factor=1 if getattr(mc, "use_mla", False) else 2,
+        tp_rank=tp_rank,
+        tp_size=pc.tensor_parallel_size,
+        tokens_per_block=block_tokens,
+        block_bytes=max(1, block_tokens) * 1,  # unused when tokens_per_block is set
+    )
+
+
+class _Link:
+    """A daemon client that degrades instead of failing: errors mark it down for a few seconds."""
+
+    def __init__(self, endpoint: str, layout: KVLayout, engine_id: str, worker_id: str, timeout_s: float):
+        self.endpoint, self.layout, self.engine_id, self.worker_id = endpoint, layout, engine_id, worker_id
+        self.timeout_s = timeout_s
+        self.client: WorkerClient | None = None
+        self.down_until = 0.0
+        self.degraded_reason = ""
+        self.warned = False
+        self.failures = 0
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.degraded_reason)
+
+    def get(self) -> WorkerClient | None:
+        if self.client is not None:
+            return self.client
+        if time.monotonic() < self.down_until:
+            return None
+        client = WorkerClient(self.endpoint, timeout_s=self.timeout_s)
+        try:
+            client.register(self.layout, worker_id=self.worker_id, engine_id=self.engine_id)
+        except (DaemonUnavailable, DaemonError, OSError) as e:
+            client.close()
+            self.fail(e)
+            return None
+        self.client = client
+        if self.degraded_reason:
+            log.warning("kvbm: daemon %s is back", self.endpoint)
+        self.degraded_reason = ""
+        self.warned = False
+        self.failures = 0
+        return client
+
+    def fail(self, e: BaseException) -> None:
+        self.degraded_reason = f"{type(e).__name__}: {e}"
+        # Back off (5 s, 10 s, ... 60 s) so a dead daemon costs the engine one timeout now and then.
+        self.failures += 1
+        self.down_until = time.monotonic() + min(MAX_RETRY_AFTER_S, RETRY_AFTER_S * 2 ** (self.failures - 1))
+        if not self.warned:
+            log.warning("kvbm: daemon %s unavailable, recomputing instead (%s)", self.endpoint, e)
+            self.warned = True
+        if self.client is not None:
+            self.client._reset()  # drop the socket so a late reply is never read as the next one
+            self.client = None
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+@dataclass
+class _ReqState:
+    hashes: list[bytes]  # one per kvbm block (vLLM hash of the last vLLM block in it)
+    num_tokens: int
+    local_tokens: int = 0  # vLLM's own prefix-cache hit when the request was admitted
+    block_ids: list[int] = field(default_factory=list)
+    load: BlockTransfer | None = None
+    saved_blocks: int = 0  # kvbm blocks of this request already handed to the worker to save
+
+
+class KvbmConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector backed by the kvbm daemon."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        self.endpoint = str(extra.get("daemon") or os.environ.get("KVBM_DAEMON")
+                            or os.environ.get("KVBM_DAEMON_ENDPOINT") or "tcp://127.0.0.1:5557")
+        self.k = int(extra.get("vllm_blocks_per_kvbm_block", 1))
+        if self.k < 1:
+            raise ValueError("kv_connector_extra_config.vllm_blocks_per_kvbm_block must be >= 1")
+        self.vllm_block_size = vllm_config.cache_config.block_size
+        self.block_tokens = self.k * self.vllm_block_size
+        self.model_name = str(extra.get("model_name") or vllm_config.model_config.served_model_name
+                              or vllm_config.model_config.model)
+        self.timeout_s = float(extra.get("timeout_s", 5.0))
+        self.save = bool(extra.get("save", True))
+        self.load = bool(extra.get("load", True))
+        self.engine_id = str(ktc.engine_id or "vllm")
+        if str(extra.get("load_failure_policy", "recompute")) == "recompute":
+            # kvbm is a cache: a block that cannot be loaded is recomputed, never an error.
+            ktc.kv_load_failure_policy = "recompute"
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if role == KVConnectorRole.SCHEDULER:
+            # One scheduler serves all TP ranks: a prefix counts only if every rank stored it.
+            self._links = [
+                _Link(self.endpoint, layout_for(vllm_config, r, self.block_tokens, self.model_name),
+                      self.engine_id, f"{self.engine_id}-scheduler-r{r}", self.timeout_s)
+                for r in range(self.tp_size)
+            ]
+            self._reqs: dict[str, _ReqState] = {}
+            self._stats = {"lookups": 0, "hit_blocks": 0, "loads": 0, "saves": 0}
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.tp_rank = get_tensor_model_parallel_rank()
+            self.layout = layout_for(vllm_config, self.tp_rank, self.block_tokens, self.model_name)
+            self._link = _Link(self.endpoint, self.layout, self.engine_id,
+                               f"{self.engine_id}-worker-r{self.tp_rank}-{os.getpid()}", self.timeout_s)
+            self._kv: list[tuple[str, torch.Tensor, int]] = []  # (layer, cache, block dim)
+            self._block_bytes = 0
+            self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------------------------------------
+    # scheduler side
+    # ------------------------------------------------------------------------------------------------
+    def _kvbm_hashes(self, request: Request) -> list[bytes]:
+        return [bytes(h) for h in request.block_hashes[self.k - 1 :: self.k]]
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        hashes = self._kvbm_hashes(request)
+        self._reqs[request.request_id] = _ReqState(hashes=hashes, num_tokens=request.num_tokens,
+                                                   local_tokens=num_computed_tokens)
+        if not self.load or not hashes or num_computed_tokens % self.block_tokens:
+            return 0, False
+        # Leave at least one token to compute: vLLM needs logits for the last prompt token.
+        max_blocks = (request.num_tokens - 1) // self.block_tokens
+        matched = self._lookup(hashes[:max_blocks])
+        self._stats["lookups"] += 1
+        self._stats["hit_blocks"] += matched
+        ext = matched * self.block_tokens - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        return ext, False
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        matched = len(hashes)
+        for link in self._links:
+            client = link.get()
+            if client is None:
+                return 0
+            try:
+                matched = min(matched, client.lookup([BlockKey(client.namespace, h) for h in hashes]).matched)
+            except (DaemonUnavailable, DaemonError, OSError) as e:
+                link.fail(e)
+                return 0
+        return matched
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        st.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens <= 0:
+            return
+        # External tokens follow the local prefix-cache hit (request.num_computed_tokens is still 0 here).
+        local_blocks = st.local_tokens // self.block_tokens
+        n = num_external_tokens // self.block_tokens
+        idx = range(local_blocks, local_blocks + n)
+        st.load = BlockTransfer(
+            request.request_id, [st.hashes[i] for i in idx],
+            [st.block_ids[i * self.k : (i + 1) * self.k] for i in idx],
+        )
+        st.saved_blocks = local_blocks + n  # loaded blocks are already stored
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvbmConnectorMetadata()
+        for st in self._reqs.values():
+            if st.load is not None:
+                meta.loads.append(st.load)
+                self._stats["loads"] += len(st.load.hashes)
+                st.load = None
+        if self.save:
+            for new in scheduler_output.scheduled_new_reqs:
+                self._plan_save(meta, new.req_id, new.num_computed_tokens,
+                                scheduler_output.num_scheduled_tokens.get(new.req_id, 0), None)
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                new_ids = cached.new_block_ids[i] if cached.new_block_ids else None
+                self._plan_save(meta, req_id, cached.num_computed_tokens[i],
+                                scheduler_output.num_scheduled_tokens.get(req_id, 0), new_ids)
+        return meta
+
+    def _plan_save(self, meta: KvbmConnectorMetadata, req_id: str, computed: int, scheduled: int,
+                   new_block_ids: Any) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        if new_block_ids:
+            st.block_ids.extend(new_block_ids[0])
+        # Blocks whose every token is computed by the end of this step, prompt and output alike.
+        done = min(len(st.hashes), (computed + scheduled) // self.block_tokens, len(st.block_ids) // self.k)
+        if done > st.saved_blocks:
+            idx = range(st.saved_blocks, done)
+            meta.saves.append(BlockTransfer(req_id, [st.hashes[i] for i in idx],
+                                            [st.block_ids[i * self.k : (i + 1) * self.k] for i in idx]))
+            self._stats["saves"] += len(idx)
+            st.saved_blocks = done
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        return None
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        degraded = [link.degraded_reason for link in self._links if link.degraded]
+        params: dict[str, Any] = {"kvbm": {"degraded": bool(degraded), "endpoint": self.endpoint, **self._stats}}
+        if degraded:
+            params["kvbm"]["reason"] = degraded[0]
+        return False, params
+
+    # ------------------------------------------------------------------------------------------------
+    # worker side
+    # ------------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        self._kv = []
+        per_block = 0
+        for name in sorted(kv_caches):
+            t = kv_caches[name]
+            # The block dimension: [num_blocks, ...] on CPU, [2, num_blocks, ...] for flash layouts.
+            dims = [d for d, s in enumerate(t.shape) if s == num_blocks] if num_blocks else [0]
+            bdim = dims[0] if dims else 0
+            self._kv.append((name, t, bdim))
+            per_block += t.select(bdim, 0).numel() * t.element_size()
+        self._block_bytes = per_block * self.k
+        if self._block_bytes != self.layout.block_nbytes:
+            log.info("kvbm: engine block is %d B, layout arithmetic says %d B; storing the engine's bytes",
+                     self._block_bytes, self.layout.block_nbytes)
+
+    def _copy_blocks(self, slot_view: torch.Tensor, vblocks: list[int], to_engine: bool) -> None:
+        off = 0
+        for _name, cache, bdim in self._kv:
+            for b in vblocks:
+                blk = cache.select(bdim, b)
+                n = blk.numel() * blk.element_size()
+                host = slot_view[off : off + n].view(blk.dtype).view(blk.shape)
+                if to_engine:
+                    blk.copy_(host, non_blocking=False)
+                else:
+                    host.copy_(blk, non_blocking=False)
+                off += n
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvbmConnectorMetadata) or not meta.loads:
+            return
+        for tr in meta.loads:
+            self._load_one(tr)
+
+    def _load_one(self, tr: BlockTransfer) -> None:
+        loaded = 0
+        client = self._link.get()
+        if client is not None:
+            ns = client.namespace
+            try:
+                rep = client.request(p.Onboard(namespace=ns, hashes=tr.hashes), p.Onboarded)
+                try:
+                    g2 = client.g2
+                    assert g2 is not None
+                    for i in range(rep.count):
+                        if rep.nbytes[i] != self._block_bytes:
+                            break
+                        self._copy_blocks(g2.slot_tensor(rep.slots[i], rep.nbytes[i]), tr.block_ids[i], True)
+                        loaded += 1
+                finally:
+                    if rep.count:
+                        client.request(p.Release(namespace=ns, hashes=tr.hashes[: rep.count]), p.Released)
+            except (DaemonUnavailable, DaemonError, OSError) as e:
+                self._link.fail(e)
+        if loaded < len(tr.hashes):
+            # vLLM recomputes from the first block that did not arrive.
+            for ids in tr.block_ids[loaded:]:
+                self._load_errors.update(ids)
+            log.info("kvbm: request %s loaded %d/%d blocks; the rest is recomputed", tr.req_id, loaded,
+                     len(tr.hashes))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvbmConnectorMetadata) or not meta.saves:
+            return
+        client = self._link.get()
+        if client is None:
+            return
+        for tr in meta.saves:
+            try:
+                self._save_one(client, tr)
+            except (DaemonUnavailable, DaemonError, OSError) as e:
+                self._link.fail(e)
+                return
+
+    def _save_one(self, client: WorkerClient, tr: BlockTransfer) -> None:
+        ns = client.namespace
+        try:
+            slots = client.request(p.PrepareStore(namespace=ns, hashes=tr.hashes, nbytes=self._block_bytes),
+                                   p.Slots).slots
+        except DaemonError as e:
+            if e.code == "shed":
+                return  # the daemon is saturated: skip this save, the engine keeps going
+            raise
+        g2 = client.g2
+        assert g2 is not None
+        ok = True
+        try:
+            for slot, vblocks in zip(slots, tr.block_ids, strict=True):
+                if slot is not None:
+                    self._copy_blocks(g2.slot_tensor(slot, self._block_bytes), vblocks, False)
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            client.request(p.CommitStore(namespace=ns, hashes=tr.hashes, ok=ok), p.Ack)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for link in getattr(self, "_links", []) or [getattr(self, "_link", None)]:
+            if link is not None:
+                link.close()
