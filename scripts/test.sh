@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install (idempotent) and run the whole test suite. Extra arguments go to pytest.
+# Install (idempotent) and run the whole test suite, the vLLM end-to-end test included.
+# Extra arguments go to pytest. KVBM_EXTRAS=test skips installing vLLM (its test is then skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+KVBM_EXTRAS=${KVBM_EXTRAS-vllm,bench} bash scripts/install.sh
 exec .venv/bin/python -m pytest -q "$@"
