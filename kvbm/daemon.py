@@ -106,6 +106,8 @@ class Daemon:
         self._event_seq = 0
         self._barriers: dict[tuple[str, str], tuple[set[int], asyncio.Future[None]]] = {}
         self._subs: list[KVEventSubscriber] = []
+        self._pending_events: dict[tuple[str, str, str], list[bytes]] = {}
+        self._flush_scheduled = False
         self._metrics: MetricsServer | None = None
         # Quick requests are answered inline by the receive loop; the others each get a task.
         self._inline: dict[type, Any] = {
@@ -170,6 +172,7 @@ class Daemon:
         _ = self.g2
         await self.manager.start()
         self._bind()
+        self.manager.registry.listeners.append(self._on_registry)
         for i, ep in enumerate(self.dc.vllm_events):
             replay = self.dc.vllm_replay[i] if i < len(self.dc.vllm_replay) else ""
             sub = KVEventSubscriber(ep, replay, mode=self.dc.vllm_events_mode, ctx=self._ctx)
@@ -391,12 +394,9 @@ class Daemon:
         stored = self.manager.complete_store(mine, msg.ok, cascade=not msg.durable)
         durable = 0
         try:
-            if msg.ok:
-                if stored:
-                    self._publish(p.BlocksStored(namespace=msg.namespace, hashes=[k.hash for k in mine]))
-                if msg.durable:
-                    held = [k for k in keys if self.manager.where(k)]
-                    durable = await self.manager.offload(held, durable=True)
+            if msg.ok and msg.durable:
+                held = [k for k in keys if self.manager.where(k)]
+                durable = await self.manager.offload(held, durable=True)
         finally:
             self.stats.offload_seconds += time.perf_counter() - t0
         return p.Ack(stored=stored, durable=durable)
@@ -499,16 +499,32 @@ class Daemon:
         free = [k for k in keys if not reg.is_pinned(k)]
         present = [k for k in free if any(reg.holds(t, k) for t in tiers)]
         removed = await self.manager.delete(present, tiers) if present else 0
-        if present:
-            self._publish(p.BlocksRemoved(namespace=msg.namespace, hashes=[k.hash for k in present],
-                                          tier=",".join(tiers)))
         return p.Evicted(removed=removed, skipped=len(keys) - len(free))
 
     # -- events, leases, reporting ---------------------------------------------------------------------
-    def _publish(self, event: Any) -> None:
+    def _on_registry(self, kind: str, tier: str, key: BlockKey) -> None:
+        """Every tier change the manager makes (stores, cascades, evictions, demotions) becomes an event."""
         if self._pub is None:
             return
-        buf = p.encode(p.EventBatch(ts=time.time(), events=[event]), 1 << 62)
+        self._pending_events.setdefault((kind, tier, key.namespace), []).append(key.hash)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_events)
+
+    def _flush_events(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending_events = self._pending_events, {}
+        events: list[Any] = []
+        for (kind, tier, ns), hashes in pending.items():
+            cls = p.BlocksStored if kind == "stored" else p.BlocksRemoved
+            events.append(cls(namespace=ns, hashes=hashes, tier=tier))
+        if events:
+            self._publish(*events)
+
+    def _publish(self, *events: Any) -> None:
+        if self._pub is None:
+            return
+        buf = p.encode(p.EventBatch(ts=time.time(), events=list(events)), 1 << 62)
         try:
             self._pub.send_multipart([p.EVENTS_TOPIC, self._event_seq.to_bytes(8, "big"), buf], flags=zmq.NOBLOCK)
             self._event_seq += 1

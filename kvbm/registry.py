@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvbm.blocks import BlockKey
@@ -25,6 +25,12 @@ class Registry:
         # (tier, key) -> count; tier None pins the block in every tier.
         self._pins: dict[tuple[str | None, BlockKey], int] = {}
         self._hits: dict[BlockKey, int] = {}
+        # Called as listener(kind, tier, key) with kind "stored" or "removed", outside the lock.
+        self.listeners: list[Callable[[str, str, BlockKey], None]] = []
+
+    def _emit(self, kind: str, tier: str, key: BlockKey) -> None:
+        for fn in self.listeners:
+            fn(kind, tier, key)
 
     # -- membership ------------------------------------------------------------------------------
     def add(self, tier: str, key: BlockKey, footprint: int) -> None:
@@ -35,6 +41,8 @@ class Registry:
                 self._used[tier] -= old
             lru[key] = footprint
             self._used[tier] += footprint
+        if old is None and self.listeners:
+            self._emit("stored", tier, key)
 
     def remove(self, tier: str, key: BlockKey) -> bool:
         with self._lock:
@@ -44,7 +52,9 @@ class Registry:
             self._used[tier] -= fp
             if not any(key in self._lru[t] for t in self.tiers):
                 self._hits.pop(key, None)
-            return True
+        if self.listeners:
+            self._emit("removed", tier, key)
+        return True
 
     def holds(self, tier: str, key: BlockKey) -> bool:
         return key in self._lru[tier]
