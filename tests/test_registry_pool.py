@@ -97,3 +97,21 @@ def test_host_pool_is_shared_memory_visible_to_another_mapping_and_full_is_an_er
 def test_host_pool_attach_fails_cleanly_for_unknown_name():
     with pytest.raises(FileNotFoundError):
         HostTier.attach("kvbm-no-such-pool", 1 << 20, 1 << 20)
+
+
+def test_named_pool_left_by_a_dead_owner_is_replaced_but_a_live_one_is_not(tmp_path):
+    import subprocess
+    import sys
+
+    name = f"kvbm-test-{os.getpid()}-named"
+    code = ("import os, sys; from kvbm.tiers.host import HostTier; "
+            f"HostTier(1 << 20, 1 << 20, {name!r}); print('up', flush=True); os.kill(os.getpid(), 9)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip() == "up" and shm_path(name).exists()  # killed: the pool file stayed
+    g2 = HostTier(1 << 20, 1 << 20, name)  # the dead owner's pool is taken over
+    try:
+        with pytest.raises(FileExistsError, match="in use"):
+            HostTier(1 << 20, 1 << 20, name)
+    finally:
+        g2.release()
+    assert not shm_path(name).exists()

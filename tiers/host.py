@@ -6,6 +6,7 @@ the same slots by name with :meth:`HostTier.attach` and copies into/out of them 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -68,8 +69,8 @@ class HostTier(SlotPoolTier):
         self.shm_name = shm_name or f"kvbm-g2-{os.getpid()}-{secrets.token_hex(4)}"
         self.owner = create
         path = shm_path(self.shm_name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        self._lock_fd: int | None = None
+        fd = self._create(path) if create else os.open(path, os.O_RDWR)
         try:
             if create:
                 os.ftruncate(fd, size)
@@ -81,10 +82,35 @@ class HostTier(SlotPoolTier):
             if create:
                 path.unlink(missing_ok=True)
             raise
-        os.close(fd)
+        if create:
+            self._lock_fd = fd  # held open with its flock for as long as this process owns the pool
+        else:
+            os.close(fd)
         pool = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.pinned = pin and _pin(pool.data_ptr(), size)
         super().__init__(pool, slot_bytes)
+
+    def _create(self, path: Path) -> int:
+        """Create the pool file, taking over one left behind by an owner that died (e.g. kill -9).
+
+        The owner holds an exclusive flock on the file while it lives, so a pool that can be locked
+        has no owner and is replaced; one that cannot is in use and is an error.
+        """
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise FileExistsError(f"shared pool {self.shm_name} is in use by a running process") from None
+            os.close(fd)
+            log.warning("G2: replacing pool %s left by a process that died", self.shm_name)
+            path.unlink(missing_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
 
     @classmethod
     def attach(cls, shm_name: str, capacity_bytes: int, slot_bytes: int, pin: bool = True) -> HostTier:
@@ -108,6 +134,9 @@ class HostTier(SlotPoolTier):
         self._mm = None  # type: ignore[assignment]
         if self.owner:
             shm_path(self.shm_name).unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
