@@ -1,0 +1,228 @@
+"""``kvbm purge``: delete cached blocks from the bucket and/or the disk tier, safely."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import click
+
+from kvbm.cli.common import config_option, human_bytes, load, one_line_errors
+from kvbm.cli.status import daemon_options, find_daemon
+from kvbm.errors import ConfigError, KvbmError
+from kvbm.maintenance import (
+    DeleteResult,
+    Entry,
+    Selector,
+    delete_bucket,
+    delete_disk,
+    iter_bucket,
+    iter_disk,
+    open_bucket,
+    parse_duration,
+    parse_size,
+    plan_purge,
+)
+
+
+def _duration(_ctx: Any, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param=param) from None
+
+
+def _size(_ctx: Any, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        n = parse_size(value, "--max-bytes")
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param=param) from None
+    if n < 0:
+        raise click.BadParameter("must be >= 0", param=param)
+    return n
+
+
+def _plan_lines(plan: list[Entry]) -> list[str]:
+    groups: dict[tuple[str, str], list[int]] = {}
+    for e in plan:
+        g = groups.setdefault((e.store, e.namespace), [0, 0])
+        g[0] += 1
+        g[1] += e.size
+    return [f"  {store:<6} {ns}: {n} blocks, {human_bytes(b)}" for (store, ns), (n, b) in sorted(groups.items())]
+
+
+@click.command("purge")
+@config_option
+@click.option("--older-than", "older_than", metavar="AGE", callback=_duration,
+              help="Blocks last written more than AGE ago (s/m/h/d/w, e.g. 7d, 12h, 1d12h).")
+@click.option("--namespace", "namespaces", multiple=True, metavar="NS",
+              help="Only this layout namespace (<model-slug>-<16 hex>); repeatable.")
+@click.option("--model", metavar="SLUG", help="Only namespaces of this model (e.g. meta-llama/Llama-3.1-8B).")
+@click.option("--prefix", metavar="KEY", help="Blocks whose key starts with KEY, relative to kvbm's prefix: "
+              "<namespace>/<shard>/<hash> (e.g. 'llama-3-8b-0123456789abcdef/ab').")
+@click.option("--all", "all_", is_flag=True,
+              help="Every block in scope (of --namespace/--model, or of every namespace).")
+@click.option("--max-bytes", metavar="SIZE", callback=_size,
+              help="Keep each namespace at most SIZE (e.g. 10GiB) per store, deleting its oldest blocks first.")
+@click.option("--from", "from_", type=click.Choice(["bucket", "disk", "both"]), default="both", show_default=True,
+              help="Which store to purge.")
+@click.option("--dry-run", is_flag=True, help="Only show what would be deleted (count and bytes).")
+@click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation (needed without a terminal).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@daemon_options
+@one_line_errors
+def purge(config_path: str | None, older_than: float | None, namespaces: tuple[str, ...], model: str | None,
+          prefix: str | None, all_: bool, max_bytes: int | None, from_: str, dry_run: bool, yes: bool,
+          as_json: bool, daemon_endpoint: str | None, direct: bool, daemon_timeout: float) -> None:
+    """Delete cached KV blocks by age, namespace, model, key prefix or size budget.
+
+    Scope with --namespace / --model / --prefix; choose with --older-than, --max-bytes, --prefix or
+    --all (at least one is required: a bare `kvbm purge` deletes nothing). Criteria add up: with both
+    an age and a budget, blocks older than the age go, then the oldest of the rest until each namespace
+    fits in the budget.
+
+    Only kvbm block keys are ever deleted: objects under the configured s3.prefix that parse as
+    <namespace>/<shard>/<hash>, and <namespace>/<hh>/<hash>.kvb files in the disk directory. Other
+    objects in the same bucket are never touched. Deletes go 1,000 keys per request; the run is
+    idempotent, so an interrupted purge is finished by running it again. A running daemon is told
+    which blocks went, so its index stays true (best effort).
+
+    \b
+    Examples:
+      kvbm purge --older-than 7d --dry-run
+      kvbm purge --model meta-llama/Llama-3.1-8B --all --yes
+      kvbm purge --max-bytes 200GiB --from bucket --yes      # nightly budget (see scripts/cron)
+    """
+    if namespaces and model:
+        raise click.UsageError("give --namespace or --model, not both")
+    cfg = load(config_path)
+    base = cfg.s3.prefix.strip("/")
+    if prefix and base and prefix.lstrip("/").startswith(base + "/"):
+        prefix = prefix.lstrip("/")[len(base) + 1 :]  # a full object key was given: make it relative
+    sel = Selector(namespaces=namespaces, model=model, prefix=prefix, older_than_s=older_than, all=all_,
+                   max_bytes=max_bytes, shard_chars=cfg.s3.shard_chars)
+    if not sel.has_criterion:
+        what = "--namespace/--model only narrow the scope; " if (namespaces or model) else ""
+        raise click.UsageError(f"nothing selected: {what}give --older-than, --max-bytes, --prefix or --all")
+    use_disk = from_ in ("disk", "both") and cfg.disk.enabled
+    use_bucket = from_ in ("bucket", "both") and cfg.s3.enabled
+    if from_ == "bucket" and not cfg.s3.enabled:
+        raise click.ClickException("--from bucket, but the S3 tier is disabled in this config")
+    if from_ == "disk" and not cfg.disk.enabled:
+        raise click.ClickException("--from disk, but the disk tier is disabled in this config")
+    say = (lambda *_a, **_k: None) if as_json else click.echo
+    if daemon_endpoint and not dry_run:  # named explicitly: it must answer before anything is deleted
+        link, _why = find_daemon(cfg, daemon_endpoint, direct, daemon_timeout)
+        if link is not None:
+            link.close()
+    loop = asyncio.new_event_loop()
+    tier = None
+    try:
+        entries: list[Entry] = []
+        if use_disk:
+            entries += list(iter_disk(cfg.disk_dir, sel))
+        if use_bucket:
+            tier = loop.run_until_complete(open_bucket(cfg))
+
+            async def listing() -> list[Entry]:
+                return [e async for e in iter_bucket(tier, sel)]
+
+            entries += loop.run_until_complete(listing())
+        plan = plan_purge(entries, sel)
+        total = sum(e.size for e in plan)
+        where = " and ".join(w for w, on in (("bucket", use_bucket), ("disk", use_disk)) if on) or "nothing"
+        say(f"{'would delete' if dry_run else 'to delete'}: {len(plan)} blocks, {human_bytes(total)} "
+            f"(of {len(entries)} in scope, from {where})")
+        for line in _plan_lines(plan):
+            say(line)
+        summary: dict[str, Any] = {"dry_run": dry_run, "selected": len(plan), "selected_bytes": total,
+                                   "in_scope": len(entries), "deleted": 0, "bytes_freed": 0, "errors": 0}
+        if dry_run or not plan:
+            if not plan:
+                say("nothing to delete")
+            if as_json:
+                click.echo(json.dumps(summary))
+            return
+        if not yes:
+            if not sys.stdin.isatty():
+                raise click.ClickException(f"refusing to delete {len(plan)} blocks without confirmation: "
+                                           "no terminal to ask on (pass --yes, or --dry-run to look first)")
+            click.confirm(f"Delete {len(plan)} blocks ({human_bytes(total)})?", abort=True)
+        res = DeleteResult()
+        t0 = time.perf_counter()
+        try:
+            with click.progressbar(length=len(plan), label="deleting", file=sys.stderr,
+                                   hidden=as_json) as bar:
+                if use_disk:
+                    delete_disk(cfg.disk_dir, plan, bar.update, into=res)
+                if tier is not None and not res.interrupted:
+                    loop.run_until_complete(delete_bucket(tier, plan, bar.update, into=res))
+        except KeyboardInterrupt:
+            res.interrupted = "interrupted (Ctrl-C)"
+        seconds = time.perf_counter() - t0
+        notice = _tell_daemon(cfg, res.done, use_disk, use_bucket, daemon_endpoint, direct, daemon_timeout)
+        summary.update(deleted=res.deleted, bytes_freed=res.bytes, errors=len(res.errors), seconds=round(seconds, 3),
+                       keys_per_s=round(res.deleted / seconds, 1) if seconds > 0 else None,
+                       interrupted=res.interrupted or None, daemon=notice,
+                       error_samples=[{"key": k, "error": m} for k, m in res.errors[:20]])
+        if as_json:
+            click.echo(json.dumps(summary))
+        else:
+            say(f"deleted {res.deleted} of {len(plan)} blocks, freed {human_bytes(res.bytes)} in {seconds:.1f}s; "
+                f"{len(res.errors)} errors")
+            for k, m in res.errors[:5]:
+                say(f"  error: {k}: {m}")
+            say(f"daemon: {notice}")
+        if res.interrupted:
+            raise click.ClickException(f"purge stopped early ({res.interrupted}); run the same command again "
+                                       "to finish")
+        if res.errors:
+            raise click.ClickException(f"{len(res.errors)} blocks could not be deleted")
+    finally:
+        pending = asyncio.all_tasks(loop)
+        for task in pending:  # e.g. a DeleteObjects request cut short by Ctrl-C
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if tier is not None:
+            loop.run_until_complete(tier.close())
+        loop.close()
+
+
+def _tell_daemon(cfg: Any, done: list[Entry], disk: bool, bucket: bool, endpoint: str | None, direct: bool,
+                 timeout_s: float) -> str:
+    """Best effort: ask a running daemon to drop the deleted blocks from its index (G3/G4 only)."""
+    if not done:
+        return "nothing to tell"
+    try:
+        link, why = find_daemon(cfg, endpoint, direct, timeout_s)
+    except click.ClickException as e:
+        return f"not told ({e.message})"
+    if link is None:
+        return f"not told ({why})" if why != "--direct" else "not told (--direct)"
+    try:
+        kinds = {"disk": disk, "s3": bucket}
+        tiers = [t["tier"] for t in link.stats().get("tiers", []) if kinds.get(t.get("kind"))]
+        if not tiers:
+            return "told nothing (the daemon has no disk/S3 tier)"
+        by_ns: dict[str, dict[bytes, None]] = {}
+        for e in done:
+            by_ns.setdefault(e.namespace, {})[e.key.hash] = None
+        removed = skipped = 0
+        for ns, hashes in by_ns.items():
+            r, s = link.evict(ns, list(hashes), tiers)
+            removed += r
+            skipped += s
+        return f"{link.endpoint} dropped {removed} index entries from {','.join(tiers)}" + (
+            f" ({skipped} pinned, left)" if skipped else "")
+    except KvbmError as e:
+        return f"not told ({' '.join(str(e).split())[:200]})"
+    finally:
+        link.close()

@@ -1,0 +1,203 @@
+"""``kvbm status``: what a running daemon holds, or what the disk directory and the bucket hold."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from kvbm.cli.common import config_option, human_bytes, load, one_line_errors
+from kvbm.config import Config, parse_size
+from kvbm.errors import KvbmError
+from kvbm.maintenance import DaemonLink, Selector, daemon_reachable, iso, iter_bucket, iter_disk, open_bucket, summarize
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# -- shared by status, purge and prewarm --------------------------------------------------------------------
+def daemon_options(fn: F) -> F:
+    """``--daemon``, ``--direct`` and ``--timeout``."""
+    fn = click.option("--timeout", "daemon_timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+                      help="Seconds to wait for the daemon's answer.")(fn)
+    fn = click.option("--direct", is_flag=True,
+                      help="Do not talk to a daemon; work on the disk directory and the bucket directly.")(fn)
+    fn = click.option("--daemon", "daemon_endpoint", metavar="ENDPOINT", envvar="KVBM_DAEMON", default=None,
+                      help="Daemon endpoint (e.g. tcp://127.0.0.1:5557, ipc:///run/kvbm.sock); $KVBM_DAEMON. "
+                           "Given explicitly, an unreachable daemon is an error; otherwise daemon.endpoint of "
+                           "the config is tried quickly and the command works directly when nothing answers.")(fn)
+    return fn
+
+
+def find_daemon(cfg: Config, endpoint: str | None, direct: bool, timeout_s: float) -> tuple[DaemonLink | None, str]:
+    """A registered link to the daemon, or (None, why not). An explicit ``endpoint`` that does not answer
+    raises ClickException; the configured default falls back quietly."""
+    if direct:  # wins over --daemon / $KVBM_DAEMON
+        return None, "--direct"
+    explicit = bool(endpoint)
+    ep = endpoint or cfg.daemon.endpoint
+    ok, why = daemon_reachable(ep)
+    if ok:
+        try:
+            return DaemonLink(ep, timeout_s, cfg.daemon.curve_public_key).open(), ""
+        except KvbmError as e:
+            why = f"daemon at {ep} did not answer: {' '.join(str(e).split())[:200]}"
+    elif not why.startswith("bad"):
+        why = f"no daemon at {ep}: {why}"
+    if explicit:
+        raise click.ClickException(why)
+    return None, why
+
+
+# -- status -------------------------------------------------------------------------------------------------
+async def storage_report(cfg: Config, disk: bool = True, bucket: bool = True) -> dict[str, Any]:
+    """Per-namespace usage of the disk directory and the bucket (what ``status --direct`` prints)."""
+    out: dict[str, Any] = {"mode": "direct"}
+    if disk and cfg.disk.enabled:
+        entries = await asyncio.to_thread(lambda: list(iter_disk(cfg.disk_dir)))
+        out["disk"] = {"dir": str(cfg.disk_dir), "capacity_bytes": parse_size(cfg.disk.capacity, "disk.capacity"),
+                       **_usage(summarize(entries))}
+    if bucket and cfg.s3.enabled:
+        tier = await open_bucket(cfg)
+        try:
+            foreign = [0]
+            entries = [e async for e in iter_bucket(tier, Selector(shard_chars=tier.shard_chars), foreign)]
+            out["bucket"] = {"endpoint": tier.endpoint_name, "bucket": tier.bucket, "prefix": tier.prefix,
+                             "reachable": True, **_usage(summarize(entries)), "foreign_objects": foreign[0]}
+        finally:
+            await tier.close()
+    return out
+
+
+def _usage(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def fmt(u: dict[str, Any]) -> dict[str, Any]:
+        return {"objects": u["objects"], "bytes": u["bytes"], "oldest": iso(u["oldest"]), "newest": iso(u["newest"])}
+
+    total = summary.pop("*")
+    return {"namespaces": {ns: fmt(u) for ns, u in sorted(summary.items())}, "total": fmt(total)}
+
+
+def daemon_report(link: DaemonLink) -> dict[str, Any]:
+    stats = link.stats()
+    tiers = []
+    for t in stats.get("tiers", []):
+        st = t.get("stats", {}) or {}
+        looked = st.get("hits", 0) + st.get("misses", 0)
+        row = {"tier": t.get("tier"), "kind": t.get("kind"), "capacity_bytes": t.get("capacity_bytes"),
+               "used_bytes": t.get("used_bytes"), "blocks": t.get("blocks"),
+               "hit_rate": round(st.get("hits", 0) / looked, 4) if looked else None, "errors": st.get("errors", 0)}
+        if t.get("kind") == "s3":
+            row.update(endpoint=t.get("endpoint"), bucket=t.get("bucket"), breaker=t.get("breaker"),
+                       pending_writes=t.get("pending_writes"))
+        tiers.append(row)
+    d = dict(stats.get("daemon", {}) or {})
+    mgr = stats.get("manager", {}) or {}
+    s3 = next((t for t in tiers if t["kind"] == "s3"), None)
+    return {
+        "mode": "daemon", "endpoint": link.endpoint,
+        "workers": max(0, int(d.get("workers", 0)) - 1),  # not counting this command's own registration
+        "queue_depth": d.get("queue_depth", 0), "inflight": max(0, int(d.get("inflight", 0))),
+        "pins": d.get("pins", 0), "requests": d.get("requests", 0), "shed": d.get("shed", 0),
+        "pending_cascades": mgr.get("pending_cascades", 0), "hit_rate": mgr.get("hit_rate"),
+        "tiers": tiers,
+        "s3": None if s3 is None else {"endpoint": s3.get("endpoint"), "bucket": s3.get("bucket"),
+                                       "breaker": s3.get("breaker"), "healthy": s3.get("breaker") == "closed",
+                                       "errors": s3.get("errors")},
+        "engines": stats.get("engines", {}),
+    }
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+            .rstrip() for r in rows]
+
+
+def _ns_table(part: dict[str, Any]) -> list[str]:
+    rows = [["namespace", "blocks", "bytes", "oldest", "newest"]]
+    for ns, u in [*part["namespaces"].items(), ("TOTAL", part["total"])]:
+        rows.append([ns, str(u["objects"]), human_bytes(u["bytes"]), u["oldest"] or "-", u["newest"] or "-"])
+    return ["  " + line for line in _table(rows, {1, 2})]
+
+
+def render_storage(rep: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    if "disk" in rep:
+        d = rep["disk"]
+        lines.append(f"disk {d['dir']} (capacity {human_bytes(d['capacity_bytes'])})")
+        lines += _ns_table(d)
+    if "bucket" in rep:
+        b = rep["bucket"]
+        lines.append(f"bucket {b['bucket']} at {b['endpoint']}, prefix {b['prefix'] or '(none)'}/")
+        lines += _ns_table(b)
+        if b["foreign_objects"]:
+            lines.append(f"  {b['foreign_objects']} other objects under the prefix are not kvbm blocks (ignored)")
+    if not lines:
+        lines.append("no disk or S3 tier is enabled in this config")
+    return lines
+
+
+def render_daemon(rep: dict[str, Any]) -> list[str]:
+    hr = rep["hit_rate"]
+    lines = [f"daemon {rep['endpoint']}: {rep['workers']} workers, queue {rep['queue_depth']}, "
+             f"in flight {rep['inflight']}, pins {rep['pins']}, pending write-throughs {rep['pending_cascades']}, "
+             f"lookup hit rate {'-' if hr is None else f'{hr:.1%}'}"]
+    rows = [["tier", "kind", "capacity", "used", "blocks", "hit rate", "errors"]]
+    for t in rep["tiers"]:
+        rows.append([str(t["tier"]), str(t["kind"]), human_bytes(t["capacity_bytes"] or 0),
+                     human_bytes(t["used_bytes"] or 0), str(t["blocks"]),
+                     "-" if t["hit_rate"] is None else f"{t['hit_rate']:.1%}", str(t["errors"])])
+    lines += ["  " + line for line in _table(rows, {2, 3, 4, 5, 6})]
+    s3 = rep["s3"]
+    if s3:
+        state = "healthy" if s3["healthy"] else f"UNHEALTHY (circuit breaker {s3['breaker']})"
+        lines.append(f"S3 {s3['bucket']} at {s3['endpoint']}: {state}, {s3['errors']} errors")
+    return lines
+
+
+@click.command("status")
+@config_option
+@daemon_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@one_line_errors
+def status(config_path: str | None, daemon_endpoint: str | None, direct: bool, daemon_timeout: float,
+           as_json: bool) -> None:
+    """Show what the cache holds.
+
+    With a running daemon (--daemon, $KVBM_DAEMON, or daemon.endpoint of the config) it prints the
+    daemon's view: each tier's capacity, use, blocks and hit rate, connected workers, queues and the
+    S3 tier's health. With --direct, or when no daemon answers, it inspects storage itself: the disk
+    directory and the bucket, with blocks, bytes and the oldest/newest block per model namespace.
+
+    \b
+    Examples:
+      kvbm status                      # daemon if one answers, else storage
+      kvbm status --direct --json      # storage, machine-readable
+      KVBM_S3_ENDPOINT=https://s3.example.com KVBM_S3_BUCKET=kv kvbm status --direct
+
+    Exits non-zero with a one-line reason when an explicitly named daemon does not answer, or when the
+    bucket is unreachable, missing, or refuses the credentials.
+    """
+    cfg = load(config_path)
+    link, why = find_daemon(cfg, daemon_endpoint, direct, daemon_timeout)
+    if link is not None:
+        try:
+            rep = daemon_report(link)
+        finally:
+            link.close()
+        lines = render_daemon(rep)
+    else:
+        rep = asyncio.run(storage_report(cfg))
+        if why and why != "--direct":
+            rep["daemon"] = why
+        lines = render_storage(rep)
+    if as_json:
+        click.echo(json.dumps(rep, indent=2, default=str))
+    else:
+        click.echo("\n".join(lines))
+    s3 = rep.get("s3") if rep["mode"] == "daemon" else None
+    if s3 and not s3["healthy"]:
+        raise click.ClickException(f"the daemon's S3 tier at {s3['endpoint']} is unhealthy "
+                                   f"(circuit breaker {s3['breaker']})")
