@@ -7,6 +7,7 @@ import os
 
 import click
 
+from kvbm.cli.bench import bench
 from kvbm.cli.demo import demo
 from kvbm.cli.prewarm import prewarm
 from kvbm.cli.purge import purge
@@ -24,6 +25,7 @@ def main(verbose: int) -> None:
 
 
 main.add_command(demo)
+main.add_command(bench)
 main.add_command(status)
 main.add_command(purge)
 main.add_command(prewarm)

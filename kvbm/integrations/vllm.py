@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +178,7 @@ class KvbmConnector(KVConnectorBase_V1):
         self.timeout_s = float(extra.get("timeout_s", 5.0))
         self.save = bool(extra.get("save", True))
         self.load = bool(extra.get("load", True))
+        self.async_load = bool(extra.get("async_load", True))
         self.engine_id = str(ktc.engine_id or "vllm")
         if str(extra.get("load_failure_policy", "recompute")) == "recompute":
             # kvbm is a cache: a block that cannot be loaded is recomputed, never an error.
@@ -201,6 +203,11 @@ class KvbmConnector(KVConnectorBase_V1):
             self._kv: list[tuple[str, torch.Tensor, int]] = []  # (layer, cache, block dim)
             self._block_bytes = 0
             self._load_errors: set[int] = set()
+            # Async loads run on their own thread with their own daemon session (a client is single-threaded).
+            self._load_link = _Link(self.endpoint, self.layout, self.engine_id,
+                                    f"{self.engine_id}-loader-r{self.tp_rank}-{os.getpid()}", self.timeout_s)
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")
+            self._loading: dict[str, Future[set[int]]] = {}
 
     # ------------------------------------------------------------------------------------------------
     # scheduler side
@@ -222,7 +229,7 @@ class KvbmConnector(KVConnectorBase_V1):
         ext = matched * self.block_tokens - num_computed_tokens
         if ext <= 0:
             return 0, False
-        return ext, False
+        return ext, self.async_load
 
     def _lookup(self, hashes: list[bytes]) -> int:
         matched = len(hashes)
@@ -336,11 +343,40 @@ class KvbmConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvbmConnectorMetadata) or not meta.loads:
             return
         for tr in meta.loads:
-            self._load_one(tr)
+            if self.async_load:
+                # The request waits (WAITING_FOR_REMOTE_KVS) while other requests keep stepping.
+                self._loading[tr.req_id] = self._loader.submit(self._load_one, tr, self._load_link)
+            else:
+                self._load_errors.update(self._load_one(tr, self._link))
 
-    def _load_one(self, tr: BlockTransfer) -> None:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not self._loading:
+            return None, None
+        done = {rid for rid, fut in self._loading.items() if fut.done()}
+        for rid in done:
+            # Reported in this same pass: vLLM reads load errors right after get_finished.
+            self._load_errors.update(self._loading.pop(rid).result())
+        return None, done or None
+
+    def _load_one(self, tr: BlockTransfer, link: _Link) -> set[int]:
+        """Copy the request's kvbm blocks into its vLLM blocks; returns the vLLM block ids that failed."""
         loaded = 0
-        client = self._link.get()
+        try:
+            loaded = self._onboard(tr, link)
+        except Exception as e:  # a loader thread must never take the engine down
+            log.warning("kvbm: load for request %s failed: %s", tr.req_id, e)
+        failed: set[int] = set()
+        if loaded < len(tr.hashes):
+            # vLLM recomputes from the first block that did not arrive.
+            for ids in tr.block_ids[loaded:]:
+                failed.update(ids)
+            log.info("kvbm: request %s loaded %d/%d blocks; the rest is recomputed", tr.req_id, loaded,
+                     len(tr.hashes))
+        return failed
+
+    def _onboard(self, tr: BlockTransfer, link: _Link) -> int:
+        loaded = 0
+        client = link.get()
         if client is not None:
             ns = client.namespace
             try:
@@ -357,13 +393,8 @@ class KvbmConnector(KVConnectorBase_V1):
                     if rep.count:
                         client.request(p.Release(namespace=ns, hashes=tr.hashes[: rep.count]), p.Released)
             except (DaemonUnavailable, DaemonError, OSError) as e:
-                self._link.fail(e)
-        if loaded < len(tr.hashes):
-            # vLLM recomputes from the first block that did not arrive.
-            for ids in tr.block_ids[loaded:]:
-                self._load_errors.update(ids)
-            log.info("kvbm: request %s loaded %d/%d blocks; the rest is recomputed", tr.req_id, loaded,
-                     len(tr.hashes))
+                link.fail(e)
+        return loaded
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -412,6 +443,9 @@ class KvbmConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        for link in getattr(self, "_links", []) or [getattr(self, "_link", None)]:
+        if hasattr(self, "_loader"):
+            self._loader.shutdown(wait=True)
+        links = getattr(self, "_links", None) or [getattr(self, "_link", None), getattr(self, "_load_link", None)]
+        for link in links:
             if link is not None:
                 link.close()

@@ -1,0 +1,187 @@
+"""``kvbm bench``: throughput and latency benchmarks (tiers, manager, long-doc-qa).
+
+Each subcommand prints a table, writes JSON with ``--json PATH`` (machine description, options and
+every figure) and draws a PNG with ``--plot PATH``. Runs use temp dirs, a dedicated bucket prefix on
+a loopback S3 endpoint (a fresh embedded SeaweedFS unless ``--s3-endpoint`` names one) and clean up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import click
+
+from kvbm.config import parse_size
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in value.split(",") if s.strip())
+
+
+def _emit(report: dict[str, Any], json_path: str | None, plot_path: str | None, plot: Any) -> None:
+    from kvbm.bench.common import write_json
+
+    if plot_path:
+        try:
+            plot(report, plot_path)
+            report.setdefault("plots", []).append(plot_path)
+            click.echo(f"plot: {plot_path}")
+        except ImportError as e:
+            click.echo(f"no plot ({e}); pip install 'kvbm[bench]'", err=True)
+    if json_path:
+        write_json(json_path, report)
+        click.echo(f"json: {json_path}")
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks of kvbm's data paths (not tests: they measure this machine)."""
+    logging.getLogger("kvbm").setLevel(logging.WARNING)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's python API logs every agent at INFO
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+s3_opts = [
+    click.option("--s3-endpoint", default=None, help="Use this loopback S3 endpoint instead of a fresh SeaweedFS."),
+    click.option("--s3-access-key", default="", envvar="AWS_ACCESS_KEY_ID", show_envvar=True),
+    click.option("--s3-secret-key", default="", envvar="AWS_SECRET_ACCESS_KEY", show_envvar=True),
+    click.option("--s3-bucket", default="kvbm-bench", show_default=True,
+                 help="Bucket (objects go under a fresh prefix)."),
+]
+
+
+def with_s3(fn: Any) -> Any:
+    for opt in reversed(s3_opts):
+        fn = opt(fn)
+    return fn
+
+
+@bench.command("tiers")
+@click.option("--block-size", default="8MiB", show_default=True, help="Block size (e.g. 8MiB, 512KiB).")
+@click.option("--blocks", default=64, show_default=True, help="Blocks per run.")
+@click.option("--repeats", default=3, show_default=True, help="Runs per path (the median is reported).")
+@click.option("--groups", default="memory,disk,s3", show_default=True, help="Which groups of paths to run.")
+@click.option("--s3-clients", default="aiobotocore,nixl", show_default=True, help="S3Tier clients to run.")
+@click.option("--file-io", default="auto", show_default=True,
+              help="transfer.backend values for G3 (auto, plain, nixl), comma separated.")
+@click.option("--disk-modes", default="direct,buffered", show_default=True, help="G3 with O_DIRECT and/or buffered.")
+@click.option("--boto3-threads", default=8, show_default=True, help="Threads of the boto3 baseline.")
+@click.option("--s3-concurrency", default=8, show_default=True, help="s3.max_concurrency of the kvbm S3 tier.")
+@click.option("--s3-reference/--no-s3-reference", default=True, show_default=True,
+              help="Also time plain aiobotocore (the S3Tier's library) without kvbm.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
+@with_s3
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Draw a PNG here.")
+@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+def tiers_cmd(block_size: str, blocks: int, repeats: int, groups: str, s3_clients: str, file_io: str,
+              disk_modes: str, boto3_threads: int, s3_concurrency: int, s3_reference: bool, workdir: str | None,
+              s3_endpoint: str | None,
+              s3_access_key: str, s3_secret_key: str, s3_bucket: str, json_path: str | None, plot_path: str | None,
+              markdown: bool) -> None:
+    """Throughput of G1<->G2, G2<->G3 and G2<->G4 through the manager, each next to a raw baseline."""
+    from kvbm.bench.report import plot_tiers, tiers_table
+    from kvbm.bench.tiers import TiersOptions, run_tiers
+
+    if blocks < 1 or repeats < 1:
+        raise click.BadParameter("--blocks and --repeats must be >= 1")
+    opts = TiersOptions(
+        block_bytes=parse_size(block_size, "--block-size"), blocks=blocks, repeats=repeats, groups=_csv(groups),
+        s3_clients=_csv(s3_clients), file_io=_csv(file_io), disk_modes=_csv(disk_modes),
+        boto3_threads=boto3_threads, s3_concurrency=s3_concurrency, s3_reference=s3_reference, workdir=workdir,
+        s3_endpoint=s3_endpoint,
+        s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
+    )
+    report = asyncio.run(run_tiers(opts, click.echo))
+    click.echo("")
+    click.echo(tiers_table(report, markdown))
+    _emit(report, json_path, plot_path, plot_tiers)
+
+
+@bench.command("manager")
+@click.option("--registered", default=1_000_000, show_default=True, help="Blocks registered for the lookup figures.")
+@click.option("--prefix-blocks", default=1000, show_default=True, help="Blocks per looked-up prefix.")
+@click.option("--lookups", default=1000, show_default=True, help="In-process lookups timed.")
+@click.option("--daemon", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+              help="Also measure through the daemon's socket (when kvbm.daemon exists).")
+@click.option("--daemon-events", default=50_000, show_default=True, help="Block events sent through the daemon.")
+@click.option("--daemon-batch", default=64, show_default=True, help="Blocks per store request.")
+@click.option("--daemon-lookups", default=500, show_default=True, help="Lookups timed through the daemon.")
+@click.option("--onboard-blocks", default=32, show_default=True, help="Blocks per onboard (overhead figure).")
+@click.option("--block-size", default="8MiB", show_default=True, help="Block size of the onboard figure.")
+@click.option("--repeats", default=3, show_default=True, help="Onboard repeats (median).")
+@click.option("--groups", default="ingest,lookup,memory,daemon,onboard", show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
+@with_s3
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, daemon_events: int, daemon_batch: int,
+                daemon_lookups: int, onboard_blocks: int, block_size: str, repeats: int, groups: str,
+                workdir: str | None, s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str, s3_bucket: str,
+                json_path: str | None, markdown: bool) -> None:
+    """Event ingest rate, prefix lookup latency, index memory per block and onboard overhead."""
+    from kvbm.bench.manager import ManagerOptions, run_manager
+    from kvbm.bench.report import manager_table
+
+    if registered < prefix_blocks:
+        raise click.BadParameter("--registered must be >= --prefix-blocks")
+    opts = ManagerOptions(
+        registered=registered, prefix_blocks=prefix_blocks, lookups=lookups, daemon=daemon,
+        daemon_events=max(daemon_events, prefix_blocks + daemon_batch), daemon_batch=daemon_batch,
+        daemon_lookups=daemon_lookups, onboard_blocks=onboard_blocks,
+        block_bytes=parse_size(block_size, "--block-size"),
+        onboard_repeats=repeats, groups=_csv(groups), workdir=workdir, s3_endpoint=s3_endpoint,
+        s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
+    )
+    report = asyncio.run(run_manager(opts, click.echo))
+    click.echo("")
+    click.echo(manager_table(report, markdown))
+    _emit(report, json_path, None, None)
+
+
+@bench.command("long-doc-qa")
+@click.option("--doc-lengths", default="1024,4096,8192", show_default=True, help="Document lengths in tokens.")
+@click.option("--docs", default=2, show_default=True, help="Documents per length.")
+@click.option("--queries", default=2, show_default=True, help="Queries per document (per source).")
+@click.option("--query-tokens", default=32, show_default=True, help="Question tokens after the document.")
+@click.option("--order", type=click.Choice(["tile", "random"]), default="tile", show_default=True)
+@click.option("--inflight", default=1, show_default=True, help="Requests in flight at once.")
+@click.option("--sources", default="recompute,G2,G3,G4", show_default=True, help="Where hits come from.")
+@click.option("--layers", default=4, show_default=True)
+@click.option("--hidden", default=256, show_default=True)
+@click.option("--heads", default=4, show_default=True)
+@click.option("--vocab", default=32000, show_default=True)
+@click.option("--tokens-per-block", default=256, show_default=True)
+@click.option("--s3-client", type=click.Choice(["aiobotocore", "nixl"]), default="aiobotocore", show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
+@with_s3
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="TTFT vs length PNG.")
+@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+def longdoc_cmd(doc_lengths: str, docs: int, queries: int, query_tokens: int, order: str, inflight: int, sources: str,
+                layers: int, hidden: int, heads: int, vocab: int, tokens_per_block: int, s3_client: str, seed: int,
+                workdir: str | None, s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str, s3_bucket: str,
+                json_path: str | None, plot_path: str | None, markdown: bool) -> None:
+    """TTFT of document QA: recompute vs kvbm hits from G2, G3 and G4, by document length."""
+    from kvbm.bench.longdoc import LongDocOptions, run_longdoc
+    from kvbm.bench.report import longdoc_table, plot_longdoc
+
+    lengths = tuple(int(x) for x in _csv(doc_lengths))
+    if any(n < tokens_per_block for n in lengths):
+        raise click.BadParameter("every document must hold at least one block", param_hint="--doc-lengths")
+    if docs < 1 or queries < 1 or inflight < 1 or query_tokens < 1:
+        raise click.BadParameter("--docs, --queries, --query-tokens and --inflight must be >= 1")
+    opts = LongDocOptions(
+        doc_lengths=lengths, docs=docs, queries=queries, query_tokens=query_tokens, order=order, inflight=inflight,
+        sources=_csv(sources), layers=layers, hidden=hidden, heads=heads, vocab=vocab,
+        tokens_per_block=tokens_per_block, s3_client=s3_client, seed=seed, workdir=workdir,
+        s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
+    )
+    report = asyncio.run(run_longdoc(opts, click.echo))
+    click.echo("")
+    click.echo(longdoc_table(report, markdown))
+    _emit(report, json_path, plot_path, plot_longdoc)

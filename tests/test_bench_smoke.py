@@ -1,0 +1,135 @@
+"""Smoke tests of ``kvbm bench``: a tiny configuration of each bench runs and its JSON has every figure.
+
+Benchmarks are not tests: nothing here asserts a timing, only that the figures are there and sane.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvbm.cli.bench import bench
+
+pytestmark = pytest.mark.s3
+
+
+def _s3_args(srv) -> list[str]:
+    return ["--s3-endpoint", srv.endpoint, "--s3-access-key", srv.access_key, "--s3-secret-key", srv.secret_key,
+            "--s3-bucket", srv.bucket]
+
+
+def _run(args: list[str]) -> str:
+    res = CliRunner().invoke(bench, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def _check_machine(report: dict) -> None:
+    m = report["machine"]
+    assert m["cpu_count"] >= 1 and m["python"] and m["torch"] and m["memory_bytes"] > 0
+
+
+def _no_leftovers(tmp_path: Path) -> None:
+    assert not any(tmp_path.glob("kvbm-bench-*")), "temp dirs left behind"
+    assert not list(Path("/dev/shm").glob(f"kvbm-g2-{os.getpid()}-*")), "G2 pools left in /dev/shm"
+
+
+def _objects(srv, prefix: str = "kvbm-bench-") -> list[str]:
+    from kvbm.bench.common import boto3_client
+
+    cli = boto3_client({"endpoint": srv.endpoint, "access_key": srv.access_key, "secret_key": srv.secret_key})
+    try:
+        resp = cli.list_objects_v2(Bucket=srv.bucket, Prefix=prefix)
+        return [o["Key"] for o in resp.get("Contents", ()) or ()]
+    finally:
+        cli.close()
+
+
+def test_bench_tiers_tiny(s3_server, tmp_path):
+    out = tmp_path / "tiers.json"
+    png = tmp_path / "tiers.png"
+    text = _run(["tiers", "--block-size", "256KiB", "--blocks", "4", "--repeats", "1", "--workdir", str(tmp_path),
+                 "--json", str(out), "--plot", str(png), *_s3_args(s3_server)])
+    assert "G4->G2 GET" in text
+    rep = json.loads(out.read_text())
+    _check_machine(rep)
+    paths = {(r["path"], r["kvbm"]) for r in rep["rows"]}
+    names = {p for p, _ in paths}
+    assert {"G2->G1 copy", "G1->G2 copy", "G2->G3 write", "G3->G2 read cold", "G3->G2 read warm", "G2->G4 PUT",
+            "G4->G2 GET"} <= names
+    clients = rep["paths"]["s3_clients"]
+    assert "aiobotocore" in clients
+    for r in rep["rows"]:
+        assert r["baseline_MBps"] > 0
+        if r["kvbm"] != "-":
+            assert r["MBps"] > 0 and r["ratio"] > 0 and r["cpu_s_per_GB"] >= 0
+    assert png.stat().st_size > 1000
+    _no_leftovers(tmp_path)
+    assert not _objects(s3_server), "bench objects left in the bucket"
+
+
+def test_bench_manager_tiny(s3_server, tmp_path):
+    out = tmp_path / "manager.json"
+    _run(["manager", "--registered", "3000", "--prefix-blocks", "100", "--lookups", "20", "--daemon-events", "400",
+          "--daemon-lookups", "10", "--onboard-blocks", "3", "--block-size", "64KiB", "--repeats", "1",
+          "--workdir", str(tmp_path), "--json", str(out), *_s3_args(s3_server)])
+    rep = json.loads(out.read_text())
+    _check_machine(rep)
+    metrics = {(r["metric"], r["via"].split(" ")[0]) for r in rep["rows"]}
+    assert ("block events ingested", "registry.add") in metrics
+    assert ("lookup 100-block prefix p99", "manager.lookup") in metrics
+    assert any(m == "index memory per block" for m, _ in metrics)
+    assert {"onboard overhead vs raw G3 transfer", "onboard overhead vs raw G4 transfer"} <= {m for m, _ in metrics}
+    if rep["daemon"]["available"]:
+        assert ("block events ingested", "daemon") in metrics
+    for r in rep["rows"]:
+        assert isinstance(r["value"], float | int)
+    _no_leftovers(tmp_path)
+    assert not _objects(s3_server)
+
+
+def test_bench_long_doc_qa_tiny(s3_server, tmp_path):
+    out = tmp_path / "ldqa.json"
+    png = tmp_path / "ldqa.png"
+    _run(["long-doc-qa", "--doc-lengths", "64,128", "--docs", "2", "--queries", "1", "--query-tokens", "8",
+          "--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "500", "--tokens-per-block", "32",
+          "--order", "random", "--inflight", "2", "--workdir", str(tmp_path), "--json", str(out), "--plot", str(png),
+          *_s3_args(s3_server)])
+    rep = json.loads(out.read_text())
+    _check_machine(rep)
+    got = {(r["doc_tokens"], r["source"]) for r in rep["rows"]}
+    assert got == {(n, s) for n in (64, 128) for s in ("recompute", "G2", "G3", "G4")}
+    for r in rep["rows"]:
+        assert r["ttft_ms"]["n"] == 2 and r["ttft_ms"]["p50"] > 0
+        if r["source"] != "recompute":
+            assert r["max_abs_logit_diff_vs_recompute"] < 1e-3  # a hit gives the recompute's answer
+            assert set(r["breakdown_ms"]) == {"lookup", "onboard", "unpack", "prefill"}
+    assert png.stat().st_size > 1000
+    _no_leftovers(tmp_path)
+    assert not _objects(s3_server)
+
+
+def test_pack_unpack_round_trip():
+    import torch
+
+    from kvbm.bench.longdoc import TinyDecoder, pack_block, unpack_blocks
+    from kvbm.layout import KVLayout
+
+    m = TinyDecoder(2, 32, 2, 100)
+    lay = KVLayout(model="t", num_layers=2, num_kv_heads=2, head_size=16, dtype="float32", tokens_per_block=8,
+                   block_bytes=1)
+    toks = torch.arange(24) % 100
+    _, kv = m.prefill(toks)
+    blocks = [torch.from_numpy(pack_block(kv, b, 8).copy()) for b in range(3)]
+    assert all(b.numel() == lay.block_nbytes for b in blocks)
+    back = unpack_blocks(blocks, lay)
+    for (k, v), (k2, v2) in zip(kv, back, strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    # prefill with the cached prefix equals the full prefill
+    full, _ = m.prefill(torch.arange(30) % 100)
+    part, _ = m.prefill(torch.arange(24, 30) % 100, back)
+    assert torch.allclose(full, part, atol=1e-4)
