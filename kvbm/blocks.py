@@ -133,9 +133,15 @@ def verify(
         raise CorruptBlockError(f"{key}: payload checksum mismatch")
 
 
-def encode_block(key: BlockKey, payload: bytes | bytearray | memoryview, header_len: int = MIN_HEADER_LEN) -> bytes:
-    """``header || payload`` as one bytes object (for object stores that take a single body)."""
-    return pack_header(key, payload, header_len) + bytes(payload)
+def encode_block(
+    key: BlockKey, payload: bytes | bytearray | memoryview, header_len: int = MIN_HEADER_LEN
+) -> bytearray:
+    """``header || payload`` in one buffer (for object stores that take a single body): one copy."""
+    view = memoryview(payload).cast("B")
+    body = bytearray(header_len + view.nbytes)
+    body[:header_len] = pack_header(key, view, header_len)
+    body[header_len:] = view
+    return body
 
 
 def decode_block(

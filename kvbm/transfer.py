@@ -564,9 +564,17 @@ class NixlFileIO(FileIO):
 
 
 def make_file_io(cfg: TransferConfig | None = None) -> FileIO:
+    """``nixl`` -> NIXL POSIX; ``plain`` and ``auto`` -> pread/pwrite (O_DIRECT where allowed).
+
+    ``auto`` picks the plain path because NIXL POSIX registers the file and the buffer for every
+    block, and on the development machine it was no faster (O_DIRECT writes 750-990 vs 1,010-1,300
+    MB/s, buffered warm reads 2,290 vs 2,520 MB/s). NIXL's storage path pays off with GPUDirect
+    Storage (the GDS backend), which needs cuFile and a GPU.
+    """
     cfg = cfg or TransferConfig()
-    if cfg.backend == "plain":
-        return PlainFileIO()
+    if cfg.backend == "nixl":
+        return NixlFileIO()
+    return PlainFileIO()
     if cfg.backend == "nixl":
         return NixlFileIO()
     ok, reason = nixl_available()

@@ -50,7 +50,15 @@ from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvbm.blocks import FORMAT_VERSION, MIN_HEADER_LEN, BlockKey, decode_block, encode_block
+from kvbm.blocks import (
+    FORMAT_VERSION,
+    MIN_HEADER_LEN,
+    BlockKey,
+    decode_block,
+    encode_block,
+    unpack_header,
+    verify,
+)
 from kvbm.config import S3Config, parse_size
 from kvbm.errors import ConfigError, CorruptBlockError, TierFullError, TierUnavailableError
 from kvbm.tiers.base import StoredBlock, Tier
@@ -232,6 +240,11 @@ class S3Tier(Tier):
                 kwargs["aws_session_token"] = self._session_token
         try:
             self._s3 = await self._stack.enter_async_context(session.create_client("s3", **kwargs))
+            # "Expect: 100-continue" costs a round trip per PUT to save a body the server would refuse;
+            # kvbm's bodies are a few MiB and refusals are rare, so send them straight away.
+            from botocore.handlers import add_expect_header
+
+            self._s3.meta.events.unregister("before-call.s3", add_expect_header)
             await self._check_bucket()
             if self.client_kind == "nixl":
                 await self._start_nixl(session)
@@ -397,25 +410,20 @@ class S3Tier(Tier):
             self.stats.misses += 1
             return None
         okey = self.object_key(key)
+        view = memoryview(out).cast("B")
         try:
             assert self._sem is not None
             async with self._sem:
-                body = await self._fetch(key, okey)
+                if self._nixl is None:
+                    n = await self._stream_into(key, okey, view)
+                else:
+                    body = await self._fetch(key, okey)
+                    n = None if body is None else self._copy_payload(key, body, view)
         except (asyncio.CancelledError, KeyboardInterrupt):
             self.breaker._probing = False
             raise
-        except Exception as e:
-            self._failed("GET", key, e)
-            self.stats.misses += 1
-            return None
-        self.breaker.success()
-        if body is None:
-            self._index_drop(key)
-            self.stats.misses += 1
-            return None
-        try:
-            payload = decode_block(key, body)
         except CorruptBlockError as e:
+            self.breaker.success()
             log.warning("corrupt S3 object %s: %s (deleted)", okey, e)
             self.stats.corrupt += 1
             self.stats.misses += 1
@@ -423,13 +431,71 @@ class S3Tier(Tier):
             with contextlib.suppress(Exception):
                 await self._s3.delete_object(Bucket=self.bucket, Key=okey)
             return None
-        n = payload.nbytes
-        if n > memoryview(out).nbytes:
-            raise ValueError(f"{key}: block is {n} bytes, buffer has {memoryview(out).nbytes}")
-        memoryview(out).cast("B")[:n] = payload
+        except ValueError:
+            raise
+        except Exception as e:
+            self._failed("GET", key, e)
+            self.stats.misses += 1
+            return None
+        self.breaker.success()
+        if n is None:
+            self._index_drop(key)
+            self.stats.misses += 1
+            return None
         self._index_set(key, n)
         self.stats.hits += 1
         self.stats.bytes_out += n
+        return n
+
+    @staticmethod
+    def _copy_payload(key: BlockKey, body: bytes | bytearray, view: memoryview) -> int:
+        payload = decode_block(key, body)
+        n = payload.nbytes
+        if n > view.nbytes:
+            raise ValueError(f"{key}: block is {n} bytes, buffer has {view.nbytes}")
+        view[:n] = payload
+        return n
+
+    async def _stream_into(self, key: BlockKey, okey: str, view: memoryview) -> int | None:
+        """GET straight into ``view``: each received chunk is copied once, then the payload is verified.
+
+        On a corrupt object ``view`` may hold garbage; the caller gets CorruptBlockError and must not
+        use it (the manager aborts the slot).
+        """
+        try:
+            resp = await self._s3.get_object(Bucket=self.bucket, Key=okey)
+        except Exception as e:
+            if _err_code(e) in _MISS_CODES:
+                return None
+            raise
+        total = int(resp["ContentLength"])
+        async with resp["Body"] as stream:
+            head = bytearray()
+            while len(head) < HEADER_LEN:
+                chunk = await stream.read(HEADER_LEN - len(head))
+                if not chunk:
+                    raise CorruptBlockError(f"{key}: object truncated inside its header")
+                head += chunk
+            header = unpack_header(head)
+            skip = header.header_len - HEADER_LEN
+            while skip > 0:
+                chunk = await stream.read(skip)
+                if not chunk:
+                    raise CorruptBlockError(f"{key}: object truncated inside its header")
+                skip -= len(chunk)
+            n = total - header.header_len
+            if n != header.payload_len:
+                raise CorruptBlockError(f"{key}: object holds {n} payload bytes, header says {header.payload_len}")
+            if n > view.nbytes:
+                raise ValueError(f"{key}: block is {n} bytes, buffer has {view.nbytes}")
+            pos = 0
+            while pos < n:
+                chunk = await stream.read(n - pos)
+                if not chunk:
+                    raise CorruptBlockError(f"{key}: object truncated at {pos} of {n} payload bytes")
+                view[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+        verify(key, header, view[:n])
         return n
 
     async def _fetch(self, key: BlockKey, okey: str) -> bytes | bytearray | None:
