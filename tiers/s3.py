@@ -75,6 +75,17 @@ _MISS_CODES = {"NoSuchKey", "404", "NotFound"}
 DELETE_CHUNK = 1000
 
 
+async def _read_exact(stream: Any, dst: memoryview, key: BlockKey) -> None:
+    """Fill ``dst`` from a response body, copying each received chunk once."""
+    pos, n = 0, dst.nbytes
+    while pos < n:
+        chunk = await stream.read(n - pos)
+        if not chunk:
+            raise CorruptBlockError(f"{key}: object truncated ({pos} of {n} bytes)")
+        dst[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
+
+
 class CircuitBreaker:
     """closed -> (``failures`` in a row) -> open -> (``reset_s``) -> half-open -> one probe -> closed/open."""
 
@@ -470,45 +481,23 @@ class S3Tier(Tier):
             raise
         total = int(resp["ContentLength"])
         async with resp["Body"] as stream:
-            head = bytearray()
-            while len(head) < HEADER_LEN:
-                chunk = await stream.read(HEADER_LEN - len(head))
-                if not chunk:
-                    raise CorruptBlockError(f"{key}: object truncated inside its header")
-                head += chunk
+            head = bytearray(HEADER_LEN)
+            await _read_exact(stream, memoryview(head), key)
             header = unpack_header(head)
-            skip = header.header_len - HEADER_LEN
-            while skip > 0:
-                chunk = await stream.read(skip)
-                if not chunk:
-                    raise CorruptBlockError(f"{key}: object truncated inside its header")
-                skip -= len(chunk)
+            if header.header_len > HEADER_LEN:
+                await _read_exact(stream, memoryview(bytearray(header.header_len - HEADER_LEN)), key)
             n = total - header.header_len
             if n != header.payload_len:
                 raise CorruptBlockError(f"{key}: object holds {n} payload bytes, header says {header.payload_len}")
             if n > view.nbytes:
                 raise ValueError(f"{key}: block is {n} bytes, buffer has {view.nbytes}")
-            pos = 0
-            while pos < n:
-                chunk = await stream.read(n - pos)
-                if not chunk:
-                    raise CorruptBlockError(f"{key}: object truncated at {pos} of {n} payload bytes")
-                view[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
+            await _read_exact(stream, view[:n], key)
         verify(key, header, view[:n])
         return n
 
     async def _fetch(self, key: BlockKey, okey: str) -> bytes | bytearray | None:
-        """The object body, or None if there is no such object."""
-        if self._nixl is None:
-            try:
-                resp = await self._s3.get_object(Bucket=self.bucket, Key=okey)
-            except Exception as e:
-                if _err_code(e) in _MISS_CODES:
-                    return None
-                raise
-            async with resp["Body"] as stream:
-                return await stream.read()
+        """The object body through NIXL OBJ, or None if there is no such object."""
+        assert self._nixl is not None
         n = self._index.get(key)
         if n is None:
             size = await self._head_size(okey)
