@@ -141,18 +141,23 @@ def prewarm(config_path: str | None, namespace: str, hashes_file: str | None, to
         link, why = find_daemon(cfg, daemon_endpoint, False, daemon_timeout)
         if link is None:
             raise click.ClickException(f"--to host needs a running daemon (its host tier lives in its memory): {why}")
-    elif not direct:
-        probe, _why = find_daemon(cfg, daemon_endpoint, False, daemon_timeout)
-        if probe is not None:
-            note = (f"a daemon runs at {probe.endpoint}: it indexes the new disk files when it restarts; "
-                    "use --to host to warm through it now")
-            probe.close()
     report = PrewarmReport()
     try:
         report = asyncio.run(_run(cfg, namespace, keys, chains, to, concurrency, link, report, as_json))
     finally:
         if link is not None:
             link.close()
+    if to == "disk" and not direct and report.fetched:
+        # A daemon over the same disk directory re-reads it, so its index knows the new files at once.
+        probe, _why = find_daemon(cfg, daemon_endpoint, False, daemon_timeout)
+        if probe is not None:
+            try:
+                added = probe.reindex(namespace, ["G3"])
+                note = f"the daemon at {probe.endpoint} indexed them ({added} new blocks in its G3)"
+            except Exception as e:  # best effort: the files are written either way
+                note = f"the daemon at {probe.endpoint} could not re-index its disk tier ({e}); it will on restart"
+            finally:
+                probe.close()
     out = report.as_dict()
     out.update(to=to, namespace=namespace, note=note or None)
     if as_json:

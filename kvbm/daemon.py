@@ -124,6 +124,7 @@ class Daemon:
             p.Onboard: self._onboard,
             p.Barrier: self._barrier,
             p.Evict: self._evict,
+            p.Reindex: self._reindex,
         }
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -500,6 +501,19 @@ class Daemon:
         present = [k for k in free if any(reg.holds(t, k) for t in tiers)]
         removed = await self.manager.delete(present, tiers) if present else 0
         return p.Evicted(removed=removed, skipped=len(keys) - len(free))
+
+    async def _reindex(self, msg: p.Reindex, _w: WorkerState) -> p.Reindexed:
+        names = msg.tiers or [t.name for t in self.manager.tiers if t.kind in ("disk", "s3")]
+        unknown = [n for n in names if n not in self.manager.by_name]
+        if unknown:
+            raise _Handled(p.E_BAD_REQUEST, f"no tier {unknown[0]!r} here")
+        reg = self.manager.registry
+        blocks = added = 0
+        for name in names:
+            before = reg.count(name)
+            blocks += await self.manager.index_tier(name, msg.namespace or None, refresh=True)
+            added += reg.count(name) - before
+        return p.Reindexed(blocks=blocks, added=added)
 
     # -- events, leases, reporting ---------------------------------------------------------------------
     def _on_registry(self, kind: str, tier: str, key: BlockKey) -> None:

@@ -443,6 +443,12 @@ class DaemonLink:
             skipped += rep.skipped
         return removed, skipped
 
+    def reindex(self, namespace: str, tiers: list[str] | None, timeout_s: float = 120.0) -> int:
+        """Have the daemon re-read ``tiers`` for ``namespace``; returns the blocks it did not know before."""
+        from kvbm import protocol as p
+
+        return int(self.client.request(p.Reindex(namespace=namespace, tiers=tiers), p.Reindexed, timeout_s).added)
+
     def onboard(self, namespace: str, hashes: Sequence[bytes], timeout_s: float = 120.0) -> tuple[int, int]:
         """Onboard the leading held run of ``hashes`` into the daemon's host tier and release the pins at
         once (the blocks stay cached there); returns (leading blocks onboarded, their bytes)."""

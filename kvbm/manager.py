@@ -93,11 +93,16 @@ class BlockManager:
             for tier in self.tiers:
                 await self.index_tier(tier.name)
 
-    async def index_tier(self, name: str, namespace: str | None = None) -> int:
-        """Load what tier ``name`` holds into the registry (restart recovery); returns blocks found."""
+    async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
+        """Load what tier ``name`` holds into the registry (restart recovery); returns blocks found.
+
+        With ``refresh`` the tier first re-reads its backing store for blocks other processes wrote.
+        """
         tier = self.by_name[name]
         n = 0
         try:
+            if refresh:
+                await tier.refresh(namespace)
             async for sb in tier.scan():
                 if namespace is not None and sb.key.namespace != namespace:
                     continue

@@ -122,6 +122,14 @@ class Evict(_Req, kw_only=True):
     tiers: list[str] | None = None
 
 
+class Reindex(_Req, kw_only=True):
+    """Re-read what ``tiers`` (all persistent ones if None) hold for ``namespace`` (all if empty), e.g.
+    after ``kvbm prewarm`` wrote block files into the disk directory behind the daemon's back."""
+
+    namespace: str = ""
+    tiers: list[str] | None = None
+
+
 # -- replies -----------------------------------------------------------------------------------------
 class Registered(_Msg, kw_only=True):
     token: str
@@ -181,16 +189,22 @@ class Evicted(_Msg, kw_only=True):
     skipped: int = 0
 
 
+class Reindexed(_Msg, kw_only=True):
+    blocks: int  # blocks the re-read tiers now hold (for the namespace)
+    added: int  # of them, blocks those tiers' index did not have before
+
+
 class Error(_Msg, kw_only=True):
     code: str
     message: str = ""
 
 
 Request = Union[  # noqa: UP007 - msgspec wants a Union of tagged structs
-    Register, Unregister, Ping, Lookup, PrepareStore, CommitStore, Onboard, Release, Stats, Barrier, Evict
+    Register, Unregister, Ping, Lookup, PrepareStore, CommitStore, Onboard, Release, Stats, Barrier, Evict, Reindex
 ]
 Reply = Union[  # noqa: UP007
-    Registered, Pong, LookupReply, Slots, Shed, Ack, Onboarded, Released, StatsReply, BarrierReply, Evicted, Error
+    Registered, Pong, LookupReply, Slots, Shed, Ack, Onboarded, Released, StatsReply, BarrierReply, Evicted,
+    Reindexed, Error,
 ]
 
 # Error codes.

@@ -466,6 +466,13 @@ def test_console_script_and_daemon(s3_server, s3_prefix, tmp_path):
         assert out["fetched"] == 4 and out["missing"] == 1 and out["bytes"] == 4 * PAYLOAD
         rep = json.loads(run(denv, "status", "--json").output)
         assert {t["tier"]: t["blocks"] for t in rep["tiers"]}["G2"] == 4 and rep["workers"] == 0
+        # Prewarm into the daemon's disk directory: the daemon re-reads it and knows the files at once.
+        (tmp_path / "d.txt").write_text("\n".join(k.hex for k in keys[4:]) + "\n")
+        out = json.loads(run({**denv, "KVBM_DISK_DIR": str(tmp_path / "ddisk")}, "prewarm", "--namespace", NS,
+                             "--hashes", str(tmp_path / "d.txt"), "--to", "disk", "--json").output)
+        assert out["fetched"] == 2 and "indexed them (2 new blocks" in out["note"]
+        rep = json.loads(run(denv, "status", "--json").output)
+        assert {t["tier"]: t["blocks"] for t in rep["tiers"]}["G3"] == 2
         # Purge tells the daemon, which drops the blocks from its G4 index.
         out = json.loads(run(denv, "purge", "--namespace", NS, "--all", "--from", "bucket", "--yes", "--json").output)
         assert out["deleted"] == 6 and "dropped 6 index entries from G4" in out["daemon"]

@@ -95,6 +95,9 @@ class Tier(abc.ABC):
     def used_bytes(self) -> int:
         """Capacity currently consumed."""
 
+    async def refresh(self, namespace: str | None = None) -> None:  # noqa: B027 - optional hook
+        """Pick up blocks written to the backing store by another process (no-op for memory tiers)."""
+
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Open resources (re-index, connect). Idempotent."""
 

@@ -125,18 +125,31 @@ class DiskTier(Tier):
             log.info("G3 %s: %d blocks (%d B), %d corrupt and %d temp files removed",
                      self.dir, len(found), self._used, corrupt, tmp)
 
-    def _reindex(self) -> tuple[dict[BlockKey, tuple[int, float]], int, int]:
-        """Walk the tree: verify each header against its file name and size; drop what fails."""
+    async def refresh(self, namespace: str | None = None) -> None:
+        """Index block files that other processes (``kvbm prewarm``) renamed into place since start."""
+        found, corrupt, _ = await self._io(self._reindex, namespace, False)
+        for key, (n, mtime) in found.items():
+            if key not in self._index:
+                self._remember(key, n, mtime)
+        self.stats.corrupt += corrupt
+
+    def _reindex(
+        self, namespace: str | None = None, clean_tmp: bool = True
+    ) -> tuple[dict[BlockKey, tuple[int, float]], int, int]:
+        """Walk the tree (or one namespace): verify each header against its file name and size; drop what
+        fails. Temp files are removed only at start, when no writer of ours can be mid-write."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        top = self.dir / _check_namespace(namespace) if namespace else self.dir
         found: dict[BlockKey, tuple[int, float]] = {}
         corrupt = tmp = 0
-        for root, dirs, files in os.walk(self.dir):
+        for root, dirs, files in os.walk(top):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             rel = Path(root).relative_to(self.dir).parts
             for fname in files:
                 path = os.path.join(root, fname)
                 if fname.startswith(TMP_PREFIX):
-                    tmp += _unlink(path)
+                    if clean_tmp:
+                        tmp += _unlink(path)
                     continue
                 if len(rel) != 2 or not fname.endswith(SUFFIX):
                     continue  # not ours
