@@ -131,8 +131,8 @@ def tier_hits(stats: dict) -> dict[str, int]:
 
 def test_connector_end_to_end(tmp_path, tiny_model, s3_server):
     daemon = Daemon(tmp_path, s3_server, f"kvbm-e2e-{uuid.uuid4().hex[:8]}")
-    daemon.start()
     try:
+        daemon.start()
         # 0. Reference: a vLLM with no connector at all.
         baseline = run_vllm(tmp_path, "baseline", tiny_model, None, [{}], connector=False)[0]
 
