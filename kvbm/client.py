@@ -275,8 +275,8 @@ class WorkerClient(_Core):
                 self.request(p.Release(namespace=ns, hashes=hashes[: rep.count]), p.Released)
         return rep.count
 
-    def stats(self) -> dict[str, Any]:
-        return self.request(p.Stats(), p.StatsReply).stats
+    def stats(self, *, resident: bool = False) -> dict[str, Any]:
+        return self.request(p.Stats(resident=resident), p.StatsReply).stats
 
     def barrier(self, engine_id: str, step: int | str, rank: int, world_size: int = 0,
                 timeout_s: float = 0.0) -> p.BarrierReply:
@@ -428,8 +428,8 @@ class AsyncWorkerClient(_Core):
                 await self.request(p.Release(namespace=ns, hashes=hashes[: rep.count]), p.Released)
         return rep.count
 
-    async def stats(self) -> dict[str, Any]:
-        return (await self.request(p.Stats(), p.StatsReply)).stats
+    async def stats(self, *, resident: bool = False) -> dict[str, Any]:
+        return (await self.request(p.Stats(resident=resident), p.StatsReply)).stats
 
     async def barrier(self, engine_id: str, step: int | str, rank: int, world_size: int = 0,
                       timeout_s: float = 0.0) -> p.BarrierReply:

@@ -459,8 +459,8 @@ class Daemon:
         logj("worker.dropped", worker=w.worker_id, why=why, pins=pins)
         return pins
 
-    def _stats(self, _msg: p.Stats, _w: WorkerState | None) -> p.StatsReply:
-        return p.StatsReply(stats=self.snapshot())
+    def _stats(self, msg: p.Stats, _w: WorkerState | None) -> p.StatsReply:
+        return p.StatsReply(stats=self.snapshot(resident=msg.resident))
 
     async def _barrier(self, msg: p.Barrier, w: WorkerState) -> p.BarrierReply:
         world = msg.world_size or w.tp_size
@@ -555,7 +555,7 @@ class Daemon:
                 self.stats.expired_workers += 1
                 self._drop_worker(w, "lease expired")
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, resident: bool = False) -> dict[str, Any]:
         """The manager's description plus the daemon's counters and the vLLM engines' views."""
         snap = self.manager.describe()
         d = msgspec.structs.asdict(self.stats)
@@ -566,6 +566,9 @@ class Daemon:
         )
         snap["daemon"] = d
         snap["engines"] = describe_views(self._subs)
+        if resident:
+            for sub in self._subs:
+                snap["engines"][sub.view.engine_id]["resident"] = sorted(sub.view.resident(), key=str)
         return snap
 
 

@@ -98,7 +98,10 @@ class Release(_Blocks, kw_only=True):
 
 
 class Stats(_Req, kw_only=True):
-    """The manager's and the daemon's counters."""
+    """The manager's and the daemon's counters; with ``resident`` also every followed vLLM engine's
+    GPU-resident block hashes (as vLLM publishes them: ints, or bytes)."""
+
+    resident: bool = False
 
 
 class Barrier(_Req, kw_only=True):

@@ -235,6 +235,7 @@ def test_fuzzed_frames_never_kill_the_daemon(daemon):
         [good, good, good],  # wrong frame count: dropped
         [b"", b"", good],
         [p.encode(p.Pong(rid=8))],  # a reply sent as a request
+        [good],  # well formed, but from a worker that never registered
     ]
     for f in frames:
         s.send_multipart(f)
@@ -423,6 +424,8 @@ def test_daemon_follows_a_vllm_event_stream(tmp_path):
                 time.sleep(0.1)
             view = next(iter(eng.values()))
             assert view["blocks"] == {"GPU": 10} and view["last_seq"] == 4
+            detail = next(iter(c.stats(resident=True)["engines"].values()))
+            assert sorted(detail["resident"]) == list(range(10))
     finally:
         pub.close(0)
         d.stop()

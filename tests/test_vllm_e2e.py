@@ -89,12 +89,10 @@ class Daemon:
         with WorkerClient(self.endpoint, timeout_s=5) as c:
             return c.stats()
 
-    def resident(self, engine: str) -> set | None:
-        """The engine's GPU-resident hashes as the daemon knows them, where the protocol can say."""
+    def resident(self, engine: str) -> set:
+        """The engine's GPU-resident block hashes as the daemon knows them from its KV events."""
         with WorkerClient(self.endpoint, timeout_s=5) as c:
-            st = c.stats()
-        eng = st.get("engines", {}).get(engine, {})
-        return set(eng["resident"]) if "resident" in eng else None
+            return set(c.stats(resident=True)["engines"][engine]["resident"])
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -156,9 +154,7 @@ def test_connector_end_to_end(tmp_path, tiny_model, s3_server):
         assert len(engines) == 1
         view = next(iter(engines.values()))
         assert view["blocks"].get("GPU", 0) >= len(expected) and view["gaps"] == 0, view
-        resident = daemon.resident(next(iter(engines)))
-        if resident is not None:
-            assert expected <= resident
+        assert expected <= daemon.resident(next(iter(engines)))
 
         # 2 + 3. A fresh engine: the prefix comes from kvbm (G2), then again from S3 (G4) alone.
         before = tier_hits(daemon.stats())
