@@ -133,6 +133,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     curve_public_key: str = ""
     curve_clients_dir: str = ""  # directory of allowed client public keys (empty: any client with the server key)
     log_format: Literal["json", "text"] = "json"
+    prefetch: bool = True  # a lookup that hits G3/G4 starts bringing the blocks up to G2
+    max_prefetch: int = 16  # prefetches in flight at once; more lookups are not prefetched
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

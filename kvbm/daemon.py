@@ -51,6 +51,9 @@ class DaemonStats(msgspec.Struct):
     onboard_seconds: float = 0.0
     lookup_seconds: float = 0.0
     events_published: int = 0
+    prefetches: int = 0
+    prefetch_blocks: int = 0
+    prefetch_skipped: int = 0
     registered: int = 0
     expired_workers: int = 0
     errors: dict[str, int] = msgspec.field(default_factory=dict)
@@ -107,6 +110,7 @@ class Daemon:
         self._barriers: dict[tuple[str, str], tuple[set[int], asyncio.Future[None]]] = {}
         self._subs: list[KVEventSubscriber] = []
         self._pending_events: dict[tuple[str, str, str], list[bytes]] = {}
+        self._prefetching = 0
         self._flush_scheduled = False
         self._metrics: MetricsServer | None = None
         # Quick requests are answered inline by the receive loop; the others each get a task.
@@ -362,9 +366,31 @@ class Daemon:
 
     def _lookup(self, msg: p.Lookup, _w: WorkerState) -> p.LookupReply:
         t0 = time.perf_counter()
-        tiers = self.manager.lookup(msg.keys())
+        keys = msg.keys()
+        tiers = self.manager.lookup(keys)
         self.stats.lookup_seconds += time.perf_counter() - t0
+        if self.dc.prefetch and any(t not in ("G1", STORE_TIER) for t in tiers):
+            self._prefetch(keys[: len(tiers)])
         return p.LookupReply(matched=len(tiers), tiers=tiers)
+
+    def _prefetch(self, keys: list[BlockKey]) -> None:
+        """A lookup that hits disk or S3 is usually followed by an Onboard: start bringing the blocks up to
+        G2 now, in the background, so the Onboard finds them there (or joins the copy in flight)."""
+        if self._prefetching >= self.dc.max_prefetch:
+            self.stats.prefetch_skipped += 1
+            return
+        self._prefetching += 1
+
+        async def run() -> None:
+            try:
+                self.stats.prefetch_blocks += await self.manager.onboard(keys, to=STORE_TIER)
+            except Exception as e:  # a prefetch is a hint; the Onboard that follows reports real errors
+                log.debug("prefetch failed: %s", e)
+            finally:
+                self._prefetching -= 1
+
+        self.stats.prefetches += 1
+        self._spawn(run())
 
     def _check_store(self, msg: p.PrepareStore | p.CommitStore, w: WorkerState) -> None:
         if msg.namespace != w.namespace:

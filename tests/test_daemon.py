@@ -141,6 +141,11 @@ def test_register_lookup_store_load_round_trip_is_byte_exact(daemon):
         ev = c.evict(ks[:2], tiers=["G2"])
         assert ev.removed == 2
         assert c.lookup(ks[:2]).tiers == ["G3", "G3"]
+        # That lookup started a prefetch: the blocks come back up to G2 without an Onboard.
+        deadline = time.monotonic() + 10
+        while c.lookup(ks[:2]).tiers != ["G2", "G2"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.lookup(ks[:2]).tiers == ["G2", "G2"] and c.stats()["daemon"]["prefetch_blocks"] >= 2
         outs = [np.zeros(NB, np.uint8) for _ in range(2)]
         assert c.load(ks[:2], outs) == 2 and np.array_equal(outs[1], data[1])
 
