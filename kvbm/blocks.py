@@ -136,12 +136,24 @@ def verify(
 def encode_block(
     key: BlockKey, payload: bytes | bytearray | memoryview, header_len: int = MIN_HEADER_LEN
 ) -> bytearray:
-    """``header || payload`` in one buffer (for object stores that take a single body): one copy."""
-    view = memoryview(payload).cast("B")
-    body = bytearray(header_len + view.nbytes)
-    body[:header_len] = pack_header(key, view, header_len)
-    body[header_len:] = view
+    """``header || payload`` in one new buffer (for object stores that take a single body): one copy."""
+    body = bytearray(header_len + memoryview(payload).nbytes)
+    encode_block_into(body, key, payload, header_len)
     return body
+
+
+def encode_block_into(
+    buf: bytearray, key: BlockKey, payload: bytes | bytearray | memoryview, header_len: int = MIN_HEADER_LEN
+) -> memoryview:
+    """Write ``header || payload`` into the start of ``buf`` (reused across blocks); returns that part."""
+    view = memoryview(payload).cast("B")
+    total = header_len + view.nbytes
+    if len(buf) < total:
+        raise ValueError(f"buffer of {len(buf)} bytes < block body of {total}")
+    out = memoryview(buf)[:total]
+    out[:header_len] = pack_header(key, view, header_len)
+    out[header_len:] = view
+    return out
 
 
 def decode_block(

@@ -91,6 +91,10 @@ class S3Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     breaker_reset_s: float = 5.0
     max_pending_writes: int = 64
     shard_chars: int = 2
+    # SigV4 hashes every PUT body with SHA-256 over plain http (about 1.5 client CPU-s/GB). kvbm blocks carry
+    # their own checksum, verified on every read, so by default the body is sent as UNSIGNED-PAYLOAD (as
+    # botocore already does over https). Set true to sign bodies over http too.
+    sign_payload: bool = False
     # List the bucket at start() to fill the index. Off by default: BlockManager.start(index=True)
     # already scans every tier, and CLI commands that only list/purge need no index.
     scan_on_start: bool = False

@@ -286,3 +286,32 @@ def test_endpoint_killed_then_recovers(weed_binary, tmp_path):
         asyncio.run(run())
     finally:
         srv.stop(force=True)
+
+
+@pytest.mark.parametrize("sign_payload", [False, True])
+def test_put_bodies_are_unsigned_unless_asked(s3_server, s3_prefix, sign_payload):
+    """kvbm's own checksum guards the body, so SigV4's SHA-256 of it is skipped unless configured."""
+    import hashlib
+
+    async def run():
+        t = make_tier(s3_server, s3_prefix, sign_payload=sign_payload)
+        await t.start()
+        sent: list[tuple[bytes, str]] = []
+
+        def capture(request, **kw):
+            body = bytes(request.body) if isinstance(request.body, (bytes, bytearray, memoryview)) else b""
+            sent.append((request.headers["X-Amz-Content-SHA256"], hashlib.sha256(body).hexdigest()))
+
+        t._s3.meta.events.register("before-send.s3.PutObject", capture)
+        data = os.urandom(256 * 1024)
+        k = key(1)
+        await t.put(k, data)
+        assert t.stats.puts == 1 and t.stats.errors == 0  # the server accepted the request
+        assert await t.get(k) == data
+        await t.close()
+        return sent
+
+    sent = asyncio.run(run())
+    assert len(sent) == 1
+    header, body_sha = sent[0]
+    assert header == (body_sha.encode() if sign_payload else b"UNSIGNED-PAYLOAD")

@@ -55,7 +55,7 @@ from kvbm.blocks import (
     MIN_HEADER_LEN,
     BlockKey,
     decode_block,
-    encode_block,
+    encode_block_into,
     unpack_header,
     verify,
 )
@@ -73,6 +73,23 @@ _CRED_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidClientToke
                "ExpiredToken"}
 _MISS_CODES = {"NoSuchKey", "404", "NotFound"}
 DELETE_CHUNK = 1000
+
+
+UNSIGNED_SIGV4 = "s3v4-kvbm-unsigned-payload"
+
+
+def _register_unsigned_signer() -> None:
+    """A SigV4 signer that never hashes the body (headers and URL are still signed)."""
+    import botocore.auth
+
+    if UNSIGNED_SIGV4 in botocore.auth.AUTH_TYPE_MAPS:
+        return
+
+    class UnsignedPayloadS3SigV4Auth(botocore.auth.S3SigV4Auth):
+        def _should_sha256_sign_payload(self, request: Any) -> bool:
+            return False
+
+    botocore.auth.AUTH_TYPE_MAPS[UNSIGNED_SIGV4] = UnsignedPayloadS3SigV4Auth
 
 
 async def _read_exact(stream: Any, dst: memoryview, key: BlockKey) -> None:
@@ -185,6 +202,7 @@ class S3Tier(Tier):
         self._index: dict[BlockKey, int] = {}
         self._used = 0
         self._pending_writes = 0
+        self._bodies: dict[int, list[bytearray]] = {}
         self._sem: asyncio.Semaphore | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._s3: Any = None
@@ -240,6 +258,9 @@ class S3Tier(Tier):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
+        if not cfg.sign_payload:
+            _register_unsigned_signer()
+            aio_cfg = aio_cfg.merge(AioConfig(signature_version=UNSIGNED_SIGV4))
         kwargs: dict[str, Any] = {"region_name": cfg.region, "config": aio_cfg}
         if self.endpoint:
             kwargs["endpoint_url"] = self.endpoint
@@ -393,14 +414,23 @@ class S3Tier(Tier):
             return
         self._pending_writes += 1
         try:
-            body = encode_block(key, data)
             okey = self.object_key(key)
             assert self._sem is not None
             async with self._sem:
-                if self._nixl is not None:
-                    await self._nixl.write(okey, body)
-                else:
-                    await self._s3.put_object(Bucket=self.bucket, Key=okey, Body=body, Metadata=self._meta(key, n))
+                # Body buffers are reused per size (botocore takes whole bytearrays, not views): no fresh,
+                # page-faulting 8 MiB allocation per block.
+                size = HEADER_LEN + n
+                free = self._bodies.setdefault(size, [])
+                buf = free.pop() if free else bytearray(size)
+                try:
+                    encode_block_into(buf, key, data, HEADER_LEN)
+                    if self._nixl is not None:
+                        await self._nixl.write(okey, buf)
+                    else:
+                        await self._s3.put_object(Bucket=self.bucket, Key=okey, Body=buf, Metadata=self._meta(key, n))
+                finally:
+                    if len(free) < self.cfg.max_concurrency:
+                        free.append(buf)
         except (asyncio.CancelledError, KeyboardInterrupt):
             self.breaker._probing = False
             raise
