@@ -11,6 +11,7 @@ from kvbm.cli.bench import bench
 from kvbm.cli.demo import demo
 from kvbm.cli.prewarm import prewarm
 from kvbm.cli.purge import purge
+from kvbm.cli.s3 import s3
 from kvbm.cli.serve import serve
 from kvbm.cli.status import status
 
@@ -30,6 +31,7 @@ main.add_command(status)
 main.add_command(purge)
 main.add_command(prewarm)
 main.add_command(serve)
+main.add_command(s3)
 
 if __name__ == "__main__":
     main()

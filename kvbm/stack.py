@@ -37,7 +37,7 @@ class Stack:
         return d
 
     async def close(self) -> None:
-        """Close the tiers; the embedded SeaweedFS keeps running as a service (``kvbm s3 stop``)."""
+        """Close the tiers; the embedded SeaweedFS keeps running as a service (``kvbm s3 stop`` ends it)."""
         await self.manager.close()
 
 
