@@ -179,6 +179,7 @@ class KvbmConnector(KVConnectorBase_V1):
         self.save = bool(extra.get("save", True))
         self.load = bool(extra.get("load", True))
         self.async_load = bool(extra.get("async_load", True))
+        self.async_save = bool(extra.get("async_save", True))
         self.engine_id = str(ktc.engine_id or "vllm")
         if str(extra.get("load_failure_policy", "recompute")) == "recompute":
             # kvbm is a cache: a block that cannot be loaded is recomputed, never an error.
@@ -193,6 +194,11 @@ class KvbmConnector(KVConnectorBase_V1):
             ]
             self._reqs: dict[str, _ReqState] = {}
             self._stats = {"lookups": 0, "hit_blocks": 0, "loads": 0, "saves": 0}
+            # Requests whose blocks the worker may still be reading (async saves) or writing (async loads).
+            # vLLM must not free those blocks at request_finished; the worker reports them as finished
+            # sending / receiving instead. Both sides derive this from the same metadata, so they agree.
+            self._save_pending: set[str] = set()
+            self._load_pending: set[str] = set()
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -208,6 +214,13 @@ class KvbmConnector(KVConnectorBase_V1):
                                     f"{self.engine_id}-loader-r{self.tp_rank}-{os.getpid()}", self.timeout_s)
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")
             self._loading: dict[str, Future[set[int]]] = {}
+            # Async saves: copies into G2 run on their own thread (and CUDA stream) after each forward.
+            self._save_link = _Link(self.endpoint, self.layout, self.engine_id,
+                                    f"{self.engine_id}-saver-r{self.tp_rank}-{os.getpid()}", self.timeout_s)
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvbm-save")
+            self._saving: dict[str, list[Future[None]]] = {}
+            self._finishing: set[str] = set()
+            self._save_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
     # ------------------------------------------------------------------------------------------------
     # scheduler side
@@ -266,6 +279,8 @@ class KvbmConnector(KVConnectorBase_V1):
         for st in self._reqs.values():
             if st.load is not None:
                 meta.loads.append(st.load)
+                if self.async_load:
+                    self._load_pending.add(st.load.req_id)
                 self._stats["loads"] += len(st.load.hashes)
                 st.load = None
         if self.save:
@@ -294,17 +309,25 @@ class KvbmConnector(KVConnectorBase_V1):
                                             [st.block_ids[i * self.k : (i + 1) * self.k] for i in idx]))
             self._stats["saves"] += len(idx)
             st.saved_blocks = done
+            if self.async_save:
+                self._save_pending.add(req_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        return None
+        for rid in connector_output.finished_recving or ():
+            self._load_pending.discard(rid)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
+        rid = request.request_id
+        self._reqs.pop(rid, None)
+        # Blocks the worker may still be copying stay allocated until it reports the request: as finished
+        # sending (async saves) or finished receiving (an async load of a request aborted while waiting).
+        delay_free = rid in self._save_pending or rid in self._load_pending
+        self._save_pending.discard(rid)
         degraded = [link.degraded_reason for link in self._links if link.degraded]
         params: dict[str, Any] = {"kvbm": {"degraded": bool(degraded), "endpoint": self.endpoint, **self._stats}}
         if degraded:
             params["kvbm"]["reason"] = degraded[0]
-        return False, params
+        return delay_free, params
 
     # ------------------------------------------------------------------------------------------------
     # worker side
@@ -325,7 +348,8 @@ class KvbmConnector(KVConnectorBase_V1):
             log.info("kvbm: engine block is %d B, layout arithmetic says %d B; storing the engine's bytes",
                      self._block_bytes, self.layout.block_nbytes)
 
-    def _copy_blocks(self, slot_view: torch.Tensor, vblocks: list[int], to_engine: bool) -> None:
+    def _copy_blocks(self, slot_view: torch.Tensor, vblocks: list[int], to_engine: bool,
+                     non_blocking: bool = False) -> None:
         off = 0
         for _name, cache, bdim in self._kv:
             for b in vblocks:
@@ -333,9 +357,9 @@ class KvbmConnector(KVConnectorBase_V1):
                 n = blk.numel() * blk.element_size()
                 host = slot_view[off : off + n].view(blk.dtype).view(blk.shape)
                 if to_engine:
-                    blk.copy_(host, non_blocking=False)
+                    blk.copy_(host, non_blocking=non_blocking)
                 else:
-                    host.copy_(blk, non_blocking=False)
+                    host.copy_(blk, non_blocking=non_blocking)
                 off += n
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -350,13 +374,20 @@ class KvbmConnector(KVConnectorBase_V1):
                 self._load_errors.update(self._load_one(tr, self._link))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if not self._loading:
-            return None, None
+        sending: set[str] = set()
+        if self._saving:
+            # Requests vLLM finished (and, by the scheduler's rule, did not free) that had saves.
+            self._finishing.update(r for r in finished_req_ids if r in self._saving)
+            for rid in list(self._finishing):
+                if all(f.done() for f in self._saving[rid]):
+                    self._finishing.discard(rid)
+                    del self._saving[rid]
+                    sending.add(rid)
         done = {rid for rid, fut in self._loading.items() if fut.done()}
         for rid in done:
             # Reported in this same pass: vLLM reads load errors right after get_finished.
             self._load_errors.update(self._loading.pop(rid).result())
-        return None, done or None
+        return sending or None, done or None
 
     def _load_one(self, tr: BlockTransfer, link: _Link) -> set[int]:
         """Copy the request's kvbm blocks into its vLLM blocks; returns the vLLM block ids that failed."""
@@ -406,6 +437,15 @@ class KvbmConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvbmConnectorMetadata) or not meta.saves:
             return
+        if self.async_save:
+            # The saver copies after everything queued so far (this step's forward) has run.
+            ready = None
+            if self._save_stream is not None:
+                ready = torch.cuda.Event()
+                ready.record()
+            for tr in meta.saves:
+                self._saving.setdefault(tr.req_id, []).append(self._saver.submit(self._save_async, tr, ready))
+            return
         client = self._link.get()
         if client is None:
             return
@@ -416,7 +456,29 @@ class KvbmConnector(KVConnectorBase_V1):
                 self._link.fail(e)
                 return
 
-    def _save_one(self, client: WorkerClient, tr: BlockTransfer) -> None:
+    def _save_async(self, tr: BlockTransfer, ready: Any) -> None:
+        client = self._save_link.get()
+        if client is None:
+            return
+        try:
+            if self._save_stream is not None:
+                with torch.cuda.stream(self._save_stream):
+                    self._save_stream.wait_event(ready)
+                    self._save_one(client, tr, self._save_stream)
+            else:
+                self._save_one(client, tr)
+        except (DaemonUnavailable, DaemonError, OSError) as e:
+            self._save_link.fail(e)
+        except Exception as e:  # a saver thread must never take the engine down
+            log.warning("kvbm: save for request %s failed: %s", tr.req_id, e)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # Preempted requests' blocks are about to be reused: finish every copy out of them first.
+        for futs in list(self._saving.values()):
+            for f in futs:
+                f.result()
+
+    def _save_one(self, client: WorkerClient, tr: BlockTransfer, stream: Any = None) -> None:
         ns = client.namespace
         try:
             slots = client.request(p.PrepareStore(namespace=ns, hashes=tr.hashes, nbytes=self._block_bytes),
@@ -431,7 +493,9 @@ class KvbmConnector(KVConnectorBase_V1):
         try:
             for slot, vblocks in zip(slots, tr.block_ids, strict=True):
                 if slot is not None:
-                    self._copy_blocks(g2.slot_tensor(slot, self._block_bytes), vblocks, False)
+                    self._copy_blocks(g2.slot_tensor(slot, self._block_bytes), vblocks, False, stream is not None)
+            if stream is not None:
+                stream.synchronize()  # the bytes are in G2 before the daemon is told to commit them
         except BaseException:
             ok = False
             raise
@@ -443,9 +507,11 @@ class KvbmConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        if hasattr(self, "_loader"):
-            self._loader.shutdown(wait=True)
-        links = getattr(self, "_links", None) or [getattr(self, "_link", None), getattr(self, "_load_link", None)]
+        for pool in (getattr(self, "_loader", None), getattr(self, "_saver", None)):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        links = getattr(self, "_links", None) or [
+            getattr(self, "_link", None), getattr(self, "_load_link", None), getattr(self, "_save_link", None)]
         for link in links:
             if link is not None:
                 link.close()
