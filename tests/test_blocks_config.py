@@ -80,3 +80,15 @@ def test_bad_env_value_names_the_variable():
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "nope.yaml", environ={})
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert len(configs) >= 2
+    for path in configs:
+        cfg = load_config(path, environ={})
+        assert cfg.block_nbytes > 0, path
+    remote = load_config(Path(__file__).parent.parent / "configs" / "remote-s3.yaml", environ={})
+    assert remote.s3.endpoint.startswith("https://") and not remote.embedded_s3.enabled
