@@ -137,6 +137,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     curve_public_key: str = ""
     curve_clients_dir: str = ""  # directory of allowed client public keys (empty: any client with the server key)
     log_format: Literal["json", "text"] = "json"
+    # When the daemon learns what the bucket holds: "start" lists all of it before serving; "background" serves
+    # at once and lists in the background (a registering worker's namespace is listed first, before its
+    # Registered reply); "lazy" only lists the namespaces of workers that register.
+    index_bucket: Literal["start", "background", "lazy"] = "background"
     prefetch: bool = True  # a lookup that hits G3/G4 starts bringing the blocks up to G2
     max_prefetch: int = 16  # prefetches in flight at once; more lookups are not prefetched
 

@@ -111,6 +111,9 @@ class Daemon:
         self._subs: list[KVEventSubscriber] = []
         self._pending_events: dict[tuple[str, str, str], list[bytes]] = {}
         self._prefetching = 0
+        self._bucket_indexed = asyncio.Event()
+        self._ns_indexed: set[str] = set()
+        self._ns_locks: dict[str, asyncio.Lock] = {}
         self._flush_scheduled = False
         self._metrics: MetricsServer | None = None
         # Quick requests are answered inline by the receive loop; the others each get a task.
@@ -175,7 +178,11 @@ class Daemon:
     async def run(self) -> None:
         """Start the manager (re-indexing persistent tiers), bind, and serve until :meth:`stop`."""
         _ = self.g2
-        await self.manager.start()
+        s3_tiers = [t.name for t in self.manager.tiers if t.kind == "s3"]
+        eager = self.dc.index_bucket == "start" or not s3_tiers
+        await self.manager.start(index=True if eager else ("device", "host", "disk"))
+        if eager:
+            self._bucket_indexed.set()
         self._bind()
         self.manager.registry.listeners.append(self._on_registry)
         for i, ep in enumerate(self.dc.vllm_events):
@@ -188,6 +195,8 @@ class Daemon:
             self._metrics = MetricsServer(self.snapshot, self.dc.metrics_host, max(self.dc.metrics_port, 0))
             self.metrics_port = await self._metrics.start()
         self._spawn(self._reaper())
+        if not eager and self.dc.index_bucket == "background":
+            self._spawn(self._index_bucket(s3_tiers))
         logj("daemon.started", endpoint=self.endpoint, events=self.events_endpoint, metrics_port=self.metrics_port,
              tiers=[t.name for t in self.manager.tiers], blocks=len(self.manager.registry), pid=os.getpid())
         self.ready.set()
@@ -204,6 +213,27 @@ class Daemon:
 
     async def stop(self) -> None:
         self._stop.set()
+
+    async def _index_bucket(self, names: list[str]) -> None:
+        """List the whole bucket in the background; lookups find G4 blocks as their pages arrive."""
+        t0 = time.perf_counter()
+        blocks = 0
+        for name in names:
+            blocks += await self.manager.index_tier(name)
+        self._bucket_indexed.set()
+        logj("bucket.indexed", blocks=blocks, seconds=round(time.perf_counter() - t0, 3))
+
+    async def _index_namespace(self, namespace: str) -> None:
+        """Before a worker's first Registered reply: list its namespace in the bucket (once)."""
+        if self._bucket_indexed.is_set() or namespace in self._ns_indexed:
+            return
+        async with self._ns_locks.setdefault(namespace, asyncio.Lock()):
+            if namespace in self._ns_indexed:
+                return
+            for t in self.manager.tiers:
+                if t.kind == "s3":
+                    await self.manager.index_tier(t.name, namespace)
+            self._ns_indexed.add(namespace)
 
     async def _shutdown(self) -> None:
         for t in list(self._tasks):
@@ -345,6 +375,7 @@ class Daemon:
             raise _Handled(p.E_BAD_REQUEST, f"layout blocks are {layout.block_nbytes} B; G2 slots {g2.slot_bytes} B")
         if not 0 <= msg.tp_rank < max(msg.tp_size, 1):
             raise _Handled(p.E_BAD_REQUEST, f"tp_rank {msg.tp_rank} outside [0, {msg.tp_size})")
+        await self._index_namespace(layout.namespace)
         for old in [w for w in self.workers.values() if w.worker_id == msg.worker_id]:
             self._drop_worker(old, "re-registered")
         token = secrets.token_hex(16)
@@ -588,6 +619,7 @@ class Daemon:
         d["errors"] = dict(self.stats.errors)
         d.update(
             queue_depth=self._offloads, inflight=self._inflight, workers=len(self.workers),
+            bucket_indexed=self._bucket_indexed.is_set(), namespaces_indexed=len(self._ns_indexed),
             pins=sum(sum(w.pins.values()) for w in self.workers.values()),
         )
         snap["daemon"] = d

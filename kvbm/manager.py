@@ -80,8 +80,9 @@ class BlockManager:
         self._external: dict[BlockKey, tuple[str, int]] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------------
-    async def start(self, *, index: bool = True) -> None:
-        """Start every tier and (by default) index what the persistent ones already hold."""
+    async def start(self, *, index: bool | tuple[str, ...] = True) -> None:
+        """Start every tier and index what the persistent ones already hold: all tiers (True), none
+        (False), or the tiers of the given kinds (e.g. ``("disk",)``, leaving a big bucket for later)."""
         for tier in self.tiers:
             await tier.start()
         if self.mover is not None and not self._pools_registered:
@@ -91,7 +92,8 @@ class BlockManager:
             self._pools_registered = True
         if index:
             for tier in self.tiers:
-                await self.index_tier(tier.name)
+                if index is True or tier.kind in index:
+                    await self.index_tier(tier.name)
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
         """Load what tier ``name`` holds into the registry (restart recovery); returns blocks found.
@@ -103,9 +105,7 @@ class BlockManager:
         try:
             if refresh:
                 await tier.refresh(namespace)
-            async for sb in tier.scan():
-                if namespace is not None and sb.key.namespace != namespace:
-                    continue
+            async for sb in tier.scan(namespace):
                 self.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes))
                 n += 1
         except TierUnavailableError as e:

@@ -450,7 +450,8 @@ def test_console_script_and_daemon(s3_server, s3_prefix, tmp_path):
                             stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=_console_env({}))
     try:
         deadline = time.monotonic() + 60
-        while b"daemon.started" not in (tmp_path / "daemon.log").read_bytes():
+        # It serves at once and lists the bucket in the background; wait for both.
+        while not all(m in (tmp_path / "daemon.log").read_bytes() for m in (b"daemon.started", b"bucket.indexed")):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()[-2000:]
             time.sleep(0.1)
         denv = cli_env(s3_server, s3_prefix, tmp_path, KVBM_DAEMON=f"ipc://{sock}")

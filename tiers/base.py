@@ -84,8 +84,9 @@ class Tier(abc.ABC):
         return self.nbytes(key) is not None
 
     @abc.abstractmethod
-    def scan(self) -> AsyncIterator[StoredBlock]:
-        """Every block this tier holds (re-reading its backing store where it has one)."""
+    def scan(self, namespace: str | None = None) -> AsyncIterator[StoredBlock]:
+        """Every block this tier holds, or those of one namespace (re-reading its backing store where it
+        has one)."""
 
     @abc.abstractmethod
     def footprint(self, nbytes: int) -> int:

@@ -271,8 +271,10 @@ class DiskTier(Tier):
         return True
 
     # -- index -------------------------------------------------------------------------------------
-    async def scan(self) -> AsyncIterator[StoredBlock]:
+    async def scan(self, namespace: str | None = None) -> AsyncIterator[StoredBlock]:
         for key, (n, mtime) in list(self._index.items()):
+            if namespace is not None and key.namespace != namespace:
+                continue
             yield StoredBlock(key=key, nbytes=n, mtime=mtime, footprint=self.footprint(n))
 
     # -- benchmarks --------------------------------------------------------------------------------

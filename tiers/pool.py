@@ -132,8 +132,10 @@ class SlotPoolTier(Tier):
         ent = self._index.get(key)
         return None if ent is None else ent[1]
 
-    async def scan(self) -> AsyncIterator[StoredBlock]:
+    async def scan(self, namespace: str | None = None) -> AsyncIterator[StoredBlock]:
         for key, (_slot, nbytes, mtime) in list(self._index.items()):
+            if namespace is not None and key.namespace != namespace:
+                continue
             yield StoredBlock(key=key, nbytes=nbytes, mtime=mtime, footprint=self.slot_bytes)
 
     def footprint(self, nbytes: int) -> int:

@@ -597,12 +597,12 @@ class S3Tier(Tier):
     def used_bytes(self) -> int:
         return self._used
 
-    async def scan(self) -> AsyncIterator[StoredBlock]:  # type: ignore[override]
-        """List every block under the prefix (paging) and rebuild the index from it."""
+    async def scan(self, namespace: str | None = None) -> AsyncIterator[StoredBlock]:  # type: ignore[override]
+        """List every block under the prefix, or one namespace of it (paging), and rebuild the index."""
         self._require_started()
-        before = set(self._index)
+        before = {k for k in self._index if namespace is None or k.namespace == namespace}
         seen: set[BlockKey] = set()
-        async for bkey, _okey, size, mtime in self.list_objects():
+        async for bkey, _okey, size, mtime in self.list_objects(namespace):
             if bkey is None or size < HEADER_LEN:
                 continue
             seen.add(bkey)

@@ -1,0 +1,96 @@
+"""How a daemon over a non-empty bucket learns what the bucket holds (daemon.index_bucket)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvbm.blocks import BlockKey
+from kvbm.client import WorkerClient
+from kvbm.config import S3Config
+from kvbm.layout import KVLayout
+from kvbm.tiers.s3 import make_s3_tier
+
+A = KVLayout(model="bucket-a", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)
+B = KVLayout(model="bucket-b", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)
+
+
+def put_blocks(srv, prefix: str, layout: KVLayout, n: int) -> list[BlockKey]:
+    keys = [BlockKey(layout.namespace, os.urandom(16)) for _ in range(n)]
+
+    async def go() -> None:
+        t = make_s3_tier(S3Config(bucket=srv.bucket, prefix=prefix), srv.endpoint, (srv.access_key, srv.secret_key))
+        await t.start()
+        for k in keys:
+            await t.put(k, os.urandom(layout.block_nbytes))
+        await t.close()
+
+    asyncio.run(go())
+    return keys
+
+
+def start_daemon(tmp_path, srv, prefix: str, mode: str) -> tuple[subprocess.Popen, str]:
+    sock = tmp_path / "d.sock"
+    cfg = {
+        "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
+        "disk": {"dir": str(tmp_path / "disk"), "capacity": "16MiB", "fsync": False},
+        "s3": {"endpoint": srv.endpoint, "bucket": srv.bucket, "prefix": prefix, "access_key": srv.access_key,
+               "secret_key": srv.secret_key},
+        "embedded_s3": {"enabled": False},
+        "daemon": {"endpoint": f"ipc://{sock}", "events_endpoint": "", "metrics_port": 0, "index_bucket": mode},
+    }
+    (tmp_path / "kvbm.yaml").write_text(json.dumps(cfg))
+    with open(tmp_path / "daemon.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvbm.cli.serve", "--config", str(tmp_path / "kvbm.yaml")],
+                                stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while b"daemon.started" not in (tmp_path / "daemon.log").read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()[-2000:]
+        time.sleep(0.1)
+    return proc, f"ipc://{sock}"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def g4_blocks(c: WorkerClient) -> int:
+    return {t["tier"]: t["blocks"] for t in c.stats()["tiers"]}["G4"]
+
+
+@pytest.mark.parametrize("mode", ["lazy", "background"])
+def test_daemon_learns_the_bucket_per_namespace_or_in_the_background(tmp_path, s3_server, s3_prefix, mode):
+    a = put_blocks(s3_server, s3_prefix, A, 5)
+    b = put_blocks(s3_server, s3_prefix, B, 3)
+    proc, ep = start_daemon(tmp_path, s3_server, s3_prefix, mode)
+    try:
+        with WorkerClient(ep, timeout_s=10) as c:
+            if mode == "lazy":
+                assert g4_blocks(c) == 0 and not c.stats()["daemon"]["bucket_indexed"]
+            c.register(A, worker_id="a")  # lists namespace A before answering
+            assert c.lookup(a).matched == 5 and c.lookup(a).tiers == ["G4"] * 5
+            if mode == "lazy":
+                assert g4_blocks(c) == 5  # B was never listed
+            else:
+                deadline = time.monotonic() + 20
+                while not c.stats()["daemon"]["bucket_indexed"] and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert g4_blocks(c) == 8
+            with WorkerClient(ep, timeout_s=10) as c2:
+                c2.register(B, worker_id="b")
+                assert c2.lookup(b).matched == 3
+            assert g4_blocks(c) == 8
+    finally:
+        stop(proc)
