@@ -157,6 +157,13 @@ class _Core:
             self._detach()
             self.g2 = HostTier.attach(reg.shm_name, reg.capacity_bytes, reg.slot_bytes)
 
+    def _forget(self) -> None:
+        """Drop the registration, the G2 mapping and the socket (after Unregister, or when it failed)."""
+        self.token = ""
+        self._reg_msg = None
+        self._detach()
+        self._reset()
+
     def _detach(self) -> None:
         if self.g2 is not None:
             self.g2.release()
@@ -299,10 +306,7 @@ class WorkerClient(_Core):
         except (DaemonUnavailable, DaemonError):
             pass
         finally:
-            self.token = ""
-            self._reg_msg = None
-            self._detach()
-            self._reset()
+            self._forget()
 
     def __enter__(self) -> WorkerClient:
         return self
@@ -454,10 +458,7 @@ class AsyncWorkerClient(_Core):
         except (DaemonUnavailable, DaemonError):
             pass
         finally:
-            self.token = ""
-            self._reg_msg = None
-            self._detach()
-            self._reset()
+            self._forget()
 
     async def __aenter__(self) -> AsyncWorkerClient:
         return self

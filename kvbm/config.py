@@ -156,9 +156,6 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
 
-    def size(self, value: int | str, field: str) -> int:
-        return parse_size(value, field)
-
     @property
     def block_nbytes(self) -> int:
         return parse_size(self.block_bytes, "block_bytes")

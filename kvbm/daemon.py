@@ -33,7 +33,7 @@ from kvbm.blocks import BlockKey
 from kvbm.config import Config
 from kvbm.errors import KvbmError, TierFullError
 from kvbm.kvevents import KVEventSubscriber, describe_views
-from kvbm.manager import BlockManager
+from kvbm.manager import PERSISTENT, BlockManager
 from kvbm.metrics import MetricsServer
 from kvbm.tiers.pool import SlotPoolTier
 
@@ -560,7 +560,7 @@ class Daemon:
         return p.Evicted(removed=removed, skipped=len(keys) - len(free))
 
     async def _reindex(self, msg: p.Reindex, _w: WorkerState) -> p.Reindexed:
-        names = msg.tiers or [t.name for t in self.manager.tiers if t.kind in ("disk", "s3")]
+        names = msg.tiers or [t.name for t in self.manager.tiers if t.kind in PERSISTENT]
         unknown = [n for n in names if n not in self.manager.by_name]
         if unknown:
             raise _Handled(p.E_BAD_REQUEST, f"no tier {unknown[0]!r} here")

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import msgspec
-import numpy as np
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
@@ -32,6 +31,8 @@ from kvbm.tiers.base import Tier
 from kvbm.tiers.pool import SlotPoolTier
 
 log = logging.getLogger(__name__)
+
+PERSISTENT = ("disk", "s3")  # tier kinds that survive a restart
 
 
 class ManagerStats(msgspec.Struct):
@@ -230,6 +231,10 @@ class BlockManager:
         task.add_done_callback(self._pending.discard)
         return True
 
+    def _filtered(self, tier: Tier, key: BlockKey) -> bool:
+        """The frequency filter: the disk tier only takes blocks hit at least ``min_hits_to_offload`` times."""
+        return tier.kind == "disk" and self.registry.hits(key) < self.min_hits_to_offload
+
     async def _cascade(self, key: BlockKey) -> bool:
         """Copy ``key`` to every lower tier that lacks it; True if it ends on a persistent tier."""
         where = self.registry.where(key)
@@ -238,9 +243,9 @@ class BlockManager:
         durable = False
         for tier in self._below(where[0]):
             if self.registry.holds(tier.name, key):
-                durable = durable or tier.kind in ("disk", "s3")
+                durable = durable or tier.kind in PERSISTENT
                 continue
-            if tier.kind == "disk" and self.registry.hits(key) < self.min_hits_to_offload:
+            if self._filtered(tier, key):
                 self.stats.filtered += 1
                 continue
             try:
@@ -250,7 +255,7 @@ class BlockManager:
                 ok = False
             if ok:
                 self.stats.cascade_writes += 1
-                durable = durable or tier.kind in ("disk", "s3")
+                durable = durable or tier.kind in PERSISTENT
             else:
                 self.stats.cascade_failures += 1
         return durable
@@ -285,7 +290,7 @@ class BlockManager:
         if below and not any(self.registry.holds(t.name, key) for t in below):
             with self.registry.pinned([key]):
                 for t in below:
-                    if t.kind == "disk" and self.registry.hits(key) < self.min_hits_to_offload:
+                    if self._filtered(t, key):
                         continue
                     try:
                         if await self._move(key, t.name):
@@ -471,9 +476,3 @@ class BlockManager:
         s["pending_cascades"] = len(self._pending)
         return {"tiers": tiers, "manager": s}
 
-
-def as_buffer(data: object) -> memoryview:
-    """A flat byte view of bytes/bytearray/numpy/CPU-tensor data."""
-    if hasattr(data, "numpy"):
-        data = data.numpy()  # type: ignore[union-attr]
-    return memoryview(np.ascontiguousarray(data).view(np.uint8).reshape(-1))  # type: ignore[call-overload]

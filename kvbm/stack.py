@@ -16,11 +16,10 @@ log = logging.getLogger(__name__)
 class Stack:
     """Everything one process needs to manage blocks: tiers, movers, manager, embedded S3."""
 
-    def __init__(self, cfg: Config, manager: BlockManager, embedded: Any = None, paths: dict[str, str] | None = None):
+    def __init__(self, cfg: Config, manager: BlockManager, embedded: Any = None):
         self.cfg = cfg
         self.manager = manager
         self.embedded = embedded
-        self.paths = paths or {}
 
     @property
     def tiers(self) -> list[Tier]:
@@ -97,4 +96,4 @@ async def build_stack(
             except Exception:  # already failing; keep the first error
                 log.debug("close of %s failed during build", t.name, exc_info=True)
         raise
-    return Stack(cfg, manager, embedded, {"disk": str(cfg.disk_dir)})
+    return Stack(cfg, manager, embedded)
