@@ -30,7 +30,8 @@ async def run_demo(cfg: Any, blocks: int, keep: bool, echo: Any = print) -> dict
         layout = KVLayout(model="kvbm-demo/llama-3.1-8b-shape", num_layers=32, num_kv_heads=8, head_size=128,
                           dtype="bfloat16", block_bytes=cfg.block_nbytes)
         rng = np.random.default_rng(secrets.randbits(32))
-        tokens = rng.integers(0, 128_000, size=blocks * layout.block_tokens + 17)  # + a partial block
+        partial = (layout.block_tokens - 1) // 2  # a trailing partial block, which is never stored
+        tokens = rng.integers(0, 128_000, size=blocks * layout.block_tokens + partial)
         keys = [BlockKey(layout.namespace, h) for h in prefix_hashes(tokens, layout.block_tokens)]
         data = {k: rng.integers(0, 256, size=layout.block_nbytes, dtype=np.uint8) for k in keys}
         nbytes = layout.block_nbytes * len(keys)
