@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from serve_proc import ServeProc
 
 from kvbm import maintenance
 from kvbm.blocks import BlockKey
@@ -434,26 +434,19 @@ def test_console_script_and_daemon(s3_server, s3_prefix, tmp_path):
     r = subprocess.run([kvbm, "purge", "--older-than", "soon"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--older-than" in r.stderr
 
-    # A daemon over the same bucket and its own disk dir (it indexes the bucket when it starts).
+    # A daemon over the same bucket and its own disk dir. It serves at once and lists the bucket in the
+    # background; wait for both.
     sock = tmp_path / "d.sock"
-    cfg = {
+    daemon = ServeProc(tmp_path, {
         "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "2MiB", "pin": False},
         "disk": {"dir": str(tmp_path / "ddisk"), "capacity": "64MiB", "fsync": False, "o_direct": False},
         "s3": {"endpoint": s3_server.endpoint, "bucket": s3_server.bucket, "prefix": s3_prefix,
                "access_key": s3_server.access_key, "secret_key": s3_server.secret_key},
         "embedded_s3": {"enabled": False}, "transfer": {"backend": "plain"},
         "daemon": {"endpoint": f"ipc://{sock}", "events_endpoint": "", "metrics_port": 0},
-    }
-    (tmp_path / "kvbm.yaml").write_text(json.dumps(cfg))
-    log = open(tmp_path / "daemon.log", "wb")  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen([sys.executable, "-m", "kvbm.cli.serve", "--config", str(tmp_path / "kvbm.yaml")],
-                            stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=_console_env({}))
+    })
     try:
-        deadline = time.monotonic() + 60
-        # It serves at once and lists the bucket in the background; wait for both.
-        while not all(m in (tmp_path / "daemon.log").read_bytes() for m in (b"daemon.started", b"bucket.indexed")):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()[-2000:]
-            time.sleep(0.1)
+        daemon.start(marks=("daemon.started", "bucket.indexed"))
         denv = cli_env(s3_server, s3_prefix, tmp_path, KVBM_DAEMON=f"ipc://{sock}")
         rep = json.loads(run(denv, "status", "--json").output)
         assert rep["mode"] == "daemon" and rep["workers"] == 0
@@ -480,13 +473,7 @@ def test_console_script_and_daemon(s3_server, s3_prefix, tmp_path):
         rep = json.loads(run(denv, "status", "--json").output)
         assert {t["tier"]: t["blocks"] for t in rep["tiers"]}["G4"] == 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        daemon.stop()
 
 
 def test_tokens_file_hashing_matches_manager(tmp_path):

@@ -3,13 +3,8 @@ fuzzing, backpressure, leases, kill -9 recovery, metrics and the vLLM KV-event v
 
 import asyncio
 import glob
-import json
-import os
 import random
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -18,6 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from serve_proc import ServeProc
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
@@ -38,15 +34,13 @@ def payload(key):
     return rng.integers(0, 256, NB, dtype=np.uint8)
 
 
-class DaemonProc:
-    """``python -m kvbm.cli.serve`` with a config in ``tmp``; restartable on the same disk dir."""
+class DaemonProc(ServeProc):
+    """A G2+G3 daemon in ``tmp``; restartable on the same disk dir."""
 
     def __init__(self, tmp, *, host="4MiB", fsync=False, **daemon):
-        self.tmp = tmp
-        self.endpoint = f"ipc://{tmp}/kvbm.sock"
-        d = {"endpoint": self.endpoint, "events_endpoint": f"ipc://{tmp}/events.sock", "metrics_port": -1,
+        d = {"endpoint": f"ipc://{tmp}/kvbm.sock", "events_endpoint": f"ipc://{tmp}/events.sock", "metrics_port": -1,
              "max_message_bytes": 256 * 1024, **daemon}
-        cfg = {
+        super().__init__(tmp, {
             "block_bytes": SLOT,
             "device": {"enabled": False},
             "host": {"capacity": host},
@@ -55,50 +49,7 @@ class DaemonProc:
             "embedded_s3": {"enabled": False},
             "transfer": {"backend": "plain"},
             "daemon": d,
-        }
-        self.cfg_path = tmp / "kvbm.yaml"
-        self.cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
-        self.log_path = tmp / "daemon.log"
-        self.proc = None
-        self.info = {}
-
-    def start(self, timeout=30):
-        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvbm.cli.serve", "--config", str(self.cfg_path)],
-                                         stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with open(self.log_path, "rb") as f:
-                f.seek(offset)
-                for line in f:
-                    if b'"daemon.started"' in line:
-                        self.info = json.loads(line)
-                        return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.log_path.read_text()[-3000:]}")
-            time.sleep(0.05)
-        raise RuntimeError(f"daemon did not start: {self.log_path.read_text()[-3000:]}")
-
-    def kill9(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-        self.killed = self.proc.pid  # its G2 pool stays in /dev/shm until the next serve removes it
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-                raise
-        for pid in (self.proc.pid, getattr(self, "killed", None)):
-            for f in glob.glob(f"/dev/shm/kvbm-g2-{pid}-*"):
-                os.unlink(f)
-
-    def client(self, **kw):
-        return WorkerClient(self.endpoint, timeout_s=kw.pop("timeout_s", 10.0), **kw)
+        })
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
+from serve_proc import ServeProc
 
 from kvbm.blocks import BlockKey
 from kvbm.client import WorkerClient
@@ -36,34 +33,16 @@ def put_blocks(srv, prefix: str, layout: KVLayout, n: int) -> list[BlockKey]:
     return keys
 
 
-def start_daemon(tmp_path, srv, prefix: str, mode: str) -> tuple[subprocess.Popen, str]:
-    sock = tmp_path / "d.sock"
-    cfg = {
+def start_daemon(tmp_path, srv, prefix: str, mode: str) -> ServeProc:
+    return ServeProc(tmp_path, {
         "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
         "disk": {"dir": str(tmp_path / "disk"), "capacity": "16MiB", "fsync": False},
         "s3": {"endpoint": srv.endpoint, "bucket": srv.bucket, "prefix": prefix, "access_key": srv.access_key,
                "secret_key": srv.secret_key},
         "embedded_s3": {"enabled": False},
-        "daemon": {"endpoint": f"ipc://{sock}", "events_endpoint": "", "metrics_port": 0, "index_bucket": mode},
-    }
-    (tmp_path / "kvbm.yaml").write_text(json.dumps(cfg))
-    with open(tmp_path / "daemon.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvbm.cli.serve", "--config", str(tmp_path / "kvbm.yaml")],
-                                stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while b"daemon.started" not in (tmp_path / "daemon.log").read_bytes():
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()[-2000:]
-        time.sleep(0.1)
-    return proc, f"ipc://{sock}"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "events_endpoint": "", "metrics_port": 0,
+                   "index_bucket": mode},
+    }).start()
 
 
 def g4_blocks(c: WorkerClient) -> int:
@@ -74,9 +53,9 @@ def g4_blocks(c: WorkerClient) -> int:
 def test_daemon_learns_the_bucket_per_namespace_or_in_the_background(tmp_path, s3_server, s3_prefix, mode):
     a = put_blocks(s3_server, s3_prefix, A, 5)
     b = put_blocks(s3_server, s3_prefix, B, 3)
-    proc, ep = start_daemon(tmp_path, s3_server, s3_prefix, mode)
+    d = start_daemon(tmp_path, s3_server, s3_prefix, mode)
     try:
-        with WorkerClient(ep, timeout_s=10) as c:
+        with d.client() as c:
             if mode == "lazy":
                 assert g4_blocks(c) == 0 and not c.stats()["daemon"]["bucket_indexed"]
             c.register(A, worker_id="a")  # lists namespace A before answering
@@ -88,9 +67,9 @@ def test_daemon_learns_the_bucket_per_namespace_or_in_the_background(tmp_path, s
                 while not c.stats()["daemon"]["bucket_indexed"] and time.monotonic() < deadline:
                     time.sleep(0.1)
                 assert g4_blocks(c) == 8
-            with WorkerClient(ep, timeout_s=10) as c2:
+            with d.client() as c2:
                 c2.register(B, worker_id="b")
                 assert c2.lookup(b).matched == 3
             assert g4_blocks(c) == 8
     finally:
-        stop(proc)
+        d.stop()

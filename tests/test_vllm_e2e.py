@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +19,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")
 
-from kvbm.client import WorkerClient
+from serve_proc import ServeProc
+
 from kvbm.vllm_hash import vllm_block_hashes
 
 pytestmark = pytest.mark.slow
@@ -50,13 +50,12 @@ def tiny_model(tmp_path_factory) -> str:
     return str(path)
 
 
-class Daemon:
+class Daemon(ServeProc):
+    """The kvbm daemon on loopback TCP, following the engine's KV events."""
+
     def __init__(self, tmp: Path, s3, bucket: str) -> None:
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.vllm_events = f"tcp://127.0.0.1:{free_port()}"
-        self.tmp = tmp
-        self.cfg = tmp / "kvbm.yaml"
-        self.cfg.write_text(json.dumps({
+        super().__init__(tmp, {
             "block_bytes": "128KiB",
             "device": {"enabled": False},
             "host": {"capacity": "4MiB"},
@@ -64,44 +63,18 @@ class Daemon:
             "s3": {"endpoint": s3.endpoint, "access_key": s3.access_key, "secret_key": s3.secret_key,
                    "bucket": bucket, "prefix": "e2e"},
             "embedded_s3": {"enabled": False},
-            "daemon": {"endpoint": self.endpoint, "events_endpoint": f"tcp://127.0.0.1:{free_port()}",
+            "daemon": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "events_endpoint": f"tcp://127.0.0.1:{free_port()}",
                        "metrics_port": 0, "vllm_events": [self.vllm_events]},
-        }))
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.tmp / "daemon.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvbm.cli.serve", "--config", str(self.cfg)],
-                                         stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with WorkerClient(self.endpoint, timeout_s=1) as c:
-                    c.stats()
-                return
-            except Exception:
-                if self.proc.poll() is not None:
-                    raise RuntimeError((self.tmp / "daemon.log").read_text()[-2000:]) from None
-                time.sleep(0.5)
-        raise RuntimeError("daemon did not answer within 60 s")
+        })
 
     def stats(self) -> dict:
-        with WorkerClient(self.endpoint, timeout_s=5) as c:
+        with self.client(timeout_s=5) as c:
             return c.stats()
 
     def resident(self, engine: str) -> set:
         """The engine's GPU-resident block hashes as the daemon knows them from its KV events."""
-        with WorkerClient(self.endpoint, timeout_s=5) as c:
+        with self.client(timeout_s=5) as c:
             return set(c.stats(resident=True)["engines"][engine]["resident"])
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def run_vllm(tmp: Path, name: str, model: str, daemon: Daemon | None, steps: list[dict], *,
