@@ -16,6 +16,24 @@ from kvbm.cli.bench import bench
 
 pytestmark = pytest.mark.s3
 
+FAKE_ENV_SECRETS = {"AWS_SECRET_ACCESS_KEY": "fake-env-aws-secret-5f1c9e", "AWS_SESSION_TOKEN": "fake-env-token-77ab01",
+                    "KVBM_S3_SECRET_KEY": "fake-env-kvbm-secret-c0ffee"}
+
+
+@pytest.fixture(autouse=True)
+def fake_credentials(monkeypatch):
+    """Credentials in the environment as a user would have them; none may reach a report."""
+    for k, v in FAKE_ENV_SECRETS.items():
+        monkeypatch.setenv(k, v)
+
+
+def _no_secrets(srv, tmp_path: Path, *texts: str) -> None:
+    """No credential (the server's secret key, the environment's) in any output file or printed text."""
+    secrets = [srv.secret_key, *FAKE_ENV_SECRETS.values()]
+    blobs = [t.encode() for t in texts] + [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]
+    for s in secrets:
+        assert not any(s.encode() in b for b in blobs), f"secret {s[:4]}... leaked into the bench output"
+
 
 def _s3_args(srv) -> list[str]:
     return ["--s3-endpoint", srv.endpoint, "--s3-access-key", srv.access_key, "--s3-secret-key", srv.secret_key,
@@ -70,13 +88,14 @@ def test_bench_tiers_tiny(s3_server, tmp_path):
     assert png.stat().st_size > 1000
     _no_leftovers(tmp_path)
     assert not _objects(s3_server), "bench objects left in the bucket"
+    _no_secrets(s3_server, tmp_path, text)
 
 
 def test_bench_manager_tiny(s3_server, tmp_path):
     out = tmp_path / "manager.json"
-    _run(["manager", "--registered", "3000", "--prefix-blocks", "100", "--lookups", "20", "--daemon-events", "400",
-          "--daemon-lookups", "10", "--onboard-blocks", "3", "--block-size", "64KiB", "--repeats", "1",
-          "--workdir", str(tmp_path), "--json", str(out), *_s3_args(s3_server)])
+    text = _run(["manager", "--registered", "3000", "--prefix-blocks", "100", "--lookups", "20",
+                 "--daemon-events", "400", "--daemon-lookups", "10", "--onboard-blocks", "3", "--block-size", "64KiB",
+                 "--repeats", "1", "--workdir", str(tmp_path), "--json", str(out), *_s3_args(s3_server)])
     rep = json.loads(out.read_text())
     _check_machine(rep)
     metrics = {(r["metric"], r["via"].split(" ")[0]) for r in rep["rows"]}
@@ -90,12 +109,13 @@ def test_bench_manager_tiny(s3_server, tmp_path):
         assert isinstance(r["value"], float | int)
     _no_leftovers(tmp_path)
     assert not _objects(s3_server)
+    _no_secrets(s3_server, tmp_path, text)
 
 
 def test_bench_long_doc_qa_tiny(s3_server, tmp_path):
     out = tmp_path / "ldqa.json"
     png = tmp_path / "ldqa.png"
-    _run(["long-doc-qa", "--doc-lengths", "64,128", "--docs", "2", "--queries", "1", "--query-tokens", "8",
+    text = _run(["long-doc-qa", "--doc-lengths", "64,128", "--docs", "2", "--queries", "1", "--query-tokens", "8",
           "--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "500", "--tokens-per-block", "32",
           "--order", "random", "--inflight", "2", "--workdir", str(tmp_path), "--json", str(out), "--plot", str(png),
           *_s3_args(s3_server)])
@@ -111,6 +131,7 @@ def test_bench_long_doc_qa_tiny(s3_server, tmp_path):
     assert png.stat().st_size > 1000
     _no_leftovers(tmp_path)
     assert not _objects(s3_server)
+    _no_secrets(s3_server, tmp_path, text)
 
 
 def test_pack_unpack_round_trip():

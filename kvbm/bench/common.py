@@ -222,10 +222,23 @@ def delete_prefix(srv: dict[str, Any], prefix: str) -> int:
 
 
 def write_json(path: str | os.PathLike[str], report: dict[str, Any]) -> None:
+    """Write ``report`` with every credential redacted (option values and any string containing one)."""
+    from kvbm.redact import redact
+
     p = Path(path)
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    p.write_text(json.dumps(redact(report, values=_secret_values(report)), indent=2, default=str) + "\n")
+
+
+def _secret_values(report: dict[str, Any]) -> tuple[str, ...]:
+    """Secrets the report's options carry, plus those in the environment, so copies elsewhere are masked."""
+    from kvbm.redact import is_secret_name
+
+    opts = report.get("options") or {}
+    found = [str(v) for k, v in opts.items() if is_secret_name(k) and v]
+    found += [v for k, v in os.environ.items() if is_secret_name(k) and len(v) >= 8]
+    return tuple(found)
 
 
 def rnd_bytes(n: int, seed: int) -> Any:
