@@ -8,6 +8,7 @@ import os
 import click
 
 from kvbm.cli.bench import bench
+from kvbm.cli.config_cmd import config
 from kvbm.cli.demo import demo
 from kvbm.cli.prewarm import prewarm
 from kvbm.cli.purge import purge
@@ -32,6 +33,7 @@ main.add_command(purge)
 main.add_command(prewarm)
 main.add_command(serve)
 main.add_command(s3)
+main.add_command(config)
 
 if __name__ == "__main__":
     main()
