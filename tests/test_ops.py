@@ -73,6 +73,40 @@ def test_healthz_and_readyz_answer_over_plain_http(s3_daemon):
     assert get(port, "/nothing")[0] == 404
 
 
+def test_readyz_is_503_while_the_bucket_is_unreachable(tmp_path, weed_binary):
+    from kvbm.s3server import EmbeddedS3
+
+    srv = EmbeddedS3(tmp_path / "weed", weed=weed_binary, bucket="kvbm-ready", stop_timeout_s=2.0, reuse=False)
+    with srv:
+        d = ServeProc(tmp_path, {
+            "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
+            "disk": {"enabled": False},
+            "s3": {"endpoint": srv.endpoint, "bucket": srv.bucket, "access_key": srv.access_key,
+                   "secret_key": srv.secret_key, "max_retries": 0, "connect_timeout_s": 1.0,
+                   "breaker_failures": 1, "breaker_reset_s": 600},
+            "embedded_s3": {"enabled": False},
+            "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "events_endpoint": "", "metrics_port": -1,
+                       "index_bucket": "start"},
+        }).start()
+    try:
+        port = d.info["metrics_port"]
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="ready")
+            ks = keys(2, b"r")
+            c.store(ks, [data(k) for k in ks], durable=True)  # its PUTs fail: the bucket is gone
+        status, body = get(port, "/readyz")
+        assert status == 503, body
+        rep = json.loads(body)
+        assert rep["ready"] is False and rep["checks"]["bucket_reachable"] is False
+        assert rep["checks"]["serving"] is True and rep["s3"]["breaker"] == "open"
+        assert get(port, "/healthz")[0] == 200  # alive, just not ready
+        fams = families(port)
+        assert fams["kvbm_ready"].samples[0].value == 0
+        assert fams["kvbm_s3_breaker_open"].samples[0].value == 1
+    finally:
+        d.stop()
+
+
 def test_ping_needs_no_registration(s3_daemon):
     with s3_daemon.client() as c:
         assert not c.token
