@@ -153,6 +153,18 @@ def test_metrics_page_parses_and_has_latency_histograms_after_store_and_onboard(
     assert fams["kvbm_ready"].samples[0].value == 1
 
 
+def test_grafana_dashboard_only_uses_metrics_the_daemon_exports(s3_daemon):
+    import re
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).parent.parent / "scripts/grafana/kvbm-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dash["panels"] for t in panel["targets"]]
+    used = {re.sub(r"_(bucket|total|count|sum)$", "", m) for e in exprs
+            for m in re.findall(r"\b((?:kvbm|process)_[a-z0-9_]+)", e)}
+    assert len(used) >= 20
+    assert used <= set(families(s3_daemon.info["metrics_port"])), used - set(families(s3_daemon.info["metrics_port"]))
+
+
 def test_two_metrics_registries_in_one_process_do_not_collide():
     from kvbm.metrics import Metrics
 
