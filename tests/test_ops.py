@@ -142,6 +142,7 @@ def test_metrics_page_parses_and_has_latency_histograms_after_store_and_onboard(
     fams = families(port)
     assert hist_count(fams, "kvbm_lookup_seconds", tier="G4") >= 1
     assert hist_count(fams, "kvbm_onboard_seconds") >= 1
+    assert hist_count(fams, "kvbm_onboard_block_seconds", tier="G4") >= 3  # by the onboard or its prefetch
     assert hist_count(fams, "kvbm_offload_seconds", tier="G4") >= 3  # one per block written to the bucket
     assert hist_count(fams, "kvbm_s3_request_seconds", op="put") >= 3
     assert hist_count(fams, "kvbm_s3_request_seconds", op="get") >= 3
