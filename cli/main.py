@@ -8,7 +8,9 @@ import os
 import click
 
 from kvbm.cli.bench import bench
+from kvbm.cli.config_cmd import config
 from kvbm.cli.demo import demo
+from kvbm.cli.plan import plan_cmd
 from kvbm.cli.prewarm import prewarm
 from kvbm.cli.purge import purge
 from kvbm.cli.s3 import s3
@@ -32,6 +34,8 @@ main.add_command(purge)
 main.add_command(prewarm)
 main.add_command(serve)
 main.add_command(s3)
+main.add_command(config)
+main.add_command(plan_cmd)
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -13,6 +15,7 @@ from kvbm.cli.common import config_option, human_bytes, load, one_line_errors
 from kvbm.config import Config, parse_size
 from kvbm.errors import KvbmError
 from kvbm.maintenance import DaemonLink, Selector, daemon_reachable, iso, iter_bucket, iter_disk, open_bucket, summarize
+from kvbm.metrics import breaker_state
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -89,7 +92,7 @@ def daemon_report(link: DaemonLink) -> dict[str, Any]:
                "used_bytes": t.get("used_bytes"), "blocks": t.get("blocks"),
                "hit_rate": round(st.get("hits", 0) / looked, 4) if looked else None, "errors": st.get("errors", 0)}
         if t.get("kind") == "s3":
-            row.update(endpoint=t.get("endpoint"), bucket=t.get("bucket"), breaker=t.get("breaker"),
+            row.update(endpoint=t.get("endpoint"), bucket=t.get("bucket"), breaker=breaker_state(t),
                        pending_writes=t.get("pending_writes"))
         tiers.append(row)
     d = dict(stats.get("daemon", {}) or {})
@@ -157,13 +160,40 @@ def render_daemon(rep: dict[str, Any]) -> list[str]:
     return lines
 
 
+def watch_daemon(link: DaemonLink, interval: float, count: int, as_json: bool) -> None:
+    """Print the daemon's view every ``interval`` seconds (``count`` times, 0: until Ctrl-C) over one session."""
+    tty = not as_json and sys.stdout.isatty()
+    shown = 0
+    try:
+        while True:
+            rep = daemon_report(link)
+            if as_json:
+                click.echo(json.dumps(rep, default=str))
+            else:
+                if tty:
+                    click.clear()
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                click.echo("\n".join([f"{stamp} (every {interval:g}s, Ctrl-C to stop)", *render_daemon(rep), ""]))
+            shown += 1
+            if count and shown >= count:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        link.close()
+
+
 @click.command("status")
 @config_option
 @daemon_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--watch", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
+              help="Refresh the daemon's view every SECONDS until Ctrl-C (with --json: one object per line).")
+@click.option("--count", type=click.IntRange(min=0), default=0, help="With --watch: stop after COUNT views.")
 @one_line_errors
 def status(config_path: str | None, daemon_endpoint: str | None, direct: bool, daemon_timeout: float,
-           as_json: bool) -> None:
+           as_json: bool, watch: float | None, count: int) -> None:
     """Show what the cache holds.
 
     With a running daemon (--daemon, $KVBM_DAEMON, or daemon.endpoint of the config) it prints the
@@ -176,12 +206,18 @@ def status(config_path: str | None, daemon_endpoint: str | None, direct: bool, d
       kvbm status                      # daemon if one answers, else storage
       kvbm status --direct --json      # storage, machine-readable
       KVBM_S3_ENDPOINT=https://s3.example.com KVBM_S3_BUCKET=kv kvbm status --direct
+      kvbm status --watch 2            # the daemon's view, refreshed every 2 s
 
     Exits non-zero with a one-line reason when an explicitly named daemon does not answer, or when the
     bucket is unreachable, missing, or refuses the credentials.
     """
     cfg = load(config_path)
     link, why = find_daemon(cfg, daemon_endpoint, direct, daemon_timeout)
+    if watch is not None:
+        if link is None:
+            raise click.ClickException(f"--watch shows a running daemon's view; {why}")
+        watch_daemon(link, watch, count, as_json)
+        return
     if link is not None:
         try:
             rep = daemon_report(link)

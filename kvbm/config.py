@@ -6,6 +6,7 @@ error that names the field (``s3.max_concurrency: Expected `int`, got `str```).
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from importlib import resources
@@ -168,27 +169,80 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 _BOOL_TRUE = {"1", "true", "yes", "on"}
 _BOOL_FALSE = {"0", "false", "no", "off"}
 
+# ``KVBM_*`` variables that are not config overrides: the one list of them (any other ``KVBM_*`` variable
+# must name a config field, so a misspelled override is an error instead of silently ignored).
+NON_CONFIG_ENV: dict[str, str] = {
+    "KVBM_CONFIG": "config file (--config)",
+    "KVBM_DAEMON": "daemon endpoint of the CLI commands (--daemon) and the vLLM connector",
+    "KVBM_LOG_LEVEL": "log level of the CLI",
+    "KVBM_WEED": "path of the SeaweedFS `weed` binary",
+    "KVBM_PYTHON": "python of scripts/seaweedfs.sh",
+    "KVBM_EXTRAS": "extras of scripts/install.sh and scripts/test.sh",
+    "KVBM_REQUIRE": "CI: features the test run must not skip",
+}
 
-def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> None:
-    """Apply ``KVBM_<SECTION>_<FIELD>`` (or ``KVBM_<FIELD>`` for top-level fields) to ``data``."""
-    sections = {f.name: f.type for f in msgspec.structs.fields(Config)}
-    for env_key, raw in environ.items():
-        if not env_key.startswith("KVBM_"):
+Source = str  # "default", "file" or "env KVBM_..."
+
+
+def _is_section(typ: Any) -> bool:
+    return isinstance(typ, type) and issubclass(typ, msgspec.Struct)
+
+
+def env_fields() -> dict[str, tuple[str, ...]]:
+    """Every override variable -> the config path it sets (``KVBM_S3_ENDPOINT`` -> ``("s3", "endpoint")``)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for f in msgspec.structs.fields(Config):
+        if _is_section(f.type):
+            for sub in msgspec.structs.fields(f.type):
+                out[f"KVBM_{f.name}_{sub.name}".upper()] = (f.name, sub.name)
+        else:
+            out[f"KVBM_{f.name}".upper()] = (f.name,)
+    return out
+
+
+def _closest(name: str, candidates: Any) -> str:
+    """`` did you mean X?`` for the nearest candidate, or nothing when none is close."""
+    best = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {best[0]}?" if best else ""
+
+
+def _env_overrides(data: dict[str, Any], environ: dict[str, str], sources: dict[str, Source]) -> None:
+    """Apply ``KVBM_<SECTION>_<FIELD>`` (or ``KVBM_<FIELD>`` for top-level fields) to ``data``.
+
+    A ``KVBM_*`` variable that is neither an override nor in :data:`NON_CONFIG_ENV` is an error naming the
+    closest valid variable."""
+    fields = env_fields()
+    types = {f.name: f.type for f in msgspec.structs.fields(Config)}
+    for env_key in sorted(environ):
+        if not env_key.startswith("KVBM_") or env_key in NON_CONFIG_ENV:
             continue
-        rest = env_key[5:].lower()
-        placed = False
-        for sec, typ in sections.items():
-            if isinstance(typ, type) and issubclass(typ, msgspec.Struct) and rest.startswith(sec + "_"):
-                field = rest[len(sec) + 1 :]
-                names = {f.name: f.type for f in msgspec.structs.fields(typ)}
-                if field in names:
-                    data.setdefault(sec, {})[field] = _coerce(raw, names[field], f"{sec}.{field}", env_key)
-                    placed = True
-                break
-        if not placed and rest in sections and not (
-            isinstance(sections[rest], type) and issubclass(sections[rest], msgspec.Struct)
-        ):
-            data[rest] = _coerce(raw, sections[rest], rest, env_key)
+        path = fields.get(env_key)
+        if path is None:
+            raise ConfigError(f"{env_key}: unknown{_closest(env_key, [*fields, *NON_CONFIG_ENV])}")
+        raw, dotted = environ[env_key], ".".join(path)
+        if len(path) == 1:
+            data[path[0]] = _coerce(raw, types[path[0]], dotted, env_key)
+        else:
+            sec = data.get(path[0])
+            if not isinstance(sec, dict):
+                sec = data[path[0]] = {}
+            typ = {f.name: f.type for f in msgspec.structs.fields(types[path[0]])}[path[1]]
+            sec[path[1]] = _coerce(raw, typ, dotted, env_key)
+        sources[dotted] = f"env {env_key}"
+
+
+def _check_fields(data: dict[str, Any], source: str) -> None:
+    """Unknown YAML fields are errors naming the closest valid field (``s3.endpiont``: ``s3.endpoint``)."""
+    top = {f.name: f.type for f in msgspec.structs.fields(Config)}
+    for key, value in data.items():
+        if key not in top:
+            raise ConfigError(f"{source}: {key}: unknown field{_closest(str(key), top)}")
+        if _is_section(top[key]) and isinstance(value, dict):
+            names = [f.name for f in msgspec.structs.fields(top[key])]
+            for sub in value:
+                if sub not in names:
+                    near = _closest(str(sub), names).replace("mean ", f"mean {key}.")
+                    raise ConfigError(f"{source}: {key}.{sub}: unknown field{near}")
 
 
 def _coerce(raw: str, typ: Any, field: str, env_key: str) -> Any:
@@ -235,6 +289,14 @@ def _validate(cfg: Config) -> Config:
 
 def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None) -> Config:
     """Load ``path`` (default: the packaged configs/default.yaml), apply ``KVBM_*`` env, validate."""
+    return load_config_sources(path, environ)[0]
+
+
+def load_config_sources(
+    path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None
+) -> tuple[Config, dict[str, Source]]:
+    """:func:`load_config`, plus where each set field came from: ``file`` or ``env KVBM_...`` (fields
+    missing from the result are defaults; the packaged default.yaml counts as defaults)."""
     environ = dict(os.environ if environ is None else environ)
     if path is None and environ.get("KVBM_CONFIG"):
         path = environ["KVBM_CONFIG"]
@@ -253,12 +315,20 @@ def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, s
         raise ConfigError(f"{source}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: top level must be a mapping")
-    _env_overrides(data, environ)
+    _check_fields(data, source)
+    sources: dict[str, Source] = {}
+    if path is not None:
+        for key, value in data.items():
+            if isinstance(value, dict):
+                sources.update((f"{key}.{sub}", "file") for sub in value)
+            else:
+                sources[key] = "file"
+    _env_overrides(data, environ, sources)
     try:
         cfg = msgspec.convert(data, Config, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{source}: {_field_message(e)}") from None
-    return _validate(cfg)
+    return _validate(cfg), sources
 
 
 def _field_message(e: msgspec.ValidationError) -> str:

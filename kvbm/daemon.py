@@ -32,9 +32,10 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.config import Config
 from kvbm.errors import KvbmError, TierFullError
+from kvbm.health import readiness
 from kvbm.kvevents import KVEventSubscriber, describe_views
 from kvbm.manager import PERSISTENT, BlockManager
-from kvbm.metrics import MetricsServer
+from kvbm.metrics import Metrics, MetricsServer
 from kvbm.tiers.pool import SlotPoolTier
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,12 @@ class Daemon:
         self._ns_locks: dict[str, asyncio.Lock] = {}
         self._flush_scheduled = False
         self._metrics: MetricsServer | None = None
+        # Latency histograms: observed by the handlers below, the manager's copies and the S3 tier's requests.
+        self.metrics = Metrics(self.snapshot, self.readiness, [t.name for t in manager.tiers])
+        manager.observe_copy = self.metrics.observe_copy
+        for tier in manager.tiers:
+            if tier.kind == "s3":
+                tier.observe = self.metrics.observe_s3  # type: ignore[attr-defined]
         # Quick requests are answered inline by the receive loop; the others each get a task.
         self._inline: dict[type, Any] = {
             p.Unregister: self._unregister,
@@ -192,7 +199,7 @@ class Daemon:
             self._subs.append(sub)
             self._spawn(sub.run())
         if self.dc.metrics_port:
-            self._metrics = MetricsServer(self.snapshot, self.dc.metrics_host, max(self.dc.metrics_port, 0))
+            self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
             self.metrics_port = await self._metrics.start()
         self._spawn(self._reaper())
         if not eager and self.dc.index_bucket == "background":
@@ -294,8 +301,10 @@ class Daemon:
         worker = None
         if not isinstance(msg, p.Register):
             worker = self.workers.get(msg.token)
-            # Monitors (kvbm status, health checks) may read stats without registering.
-            if worker is None and not isinstance(msg, p.Stats):
+            # Monitors (kvbm status, health checks) may read stats, and Ping without a token, unregistered. A
+            # Ping with an unknown token still gets E_UNREGISTERED: that worker's lease ran out, it must register.
+            monitor = isinstance(msg, p.Stats) or (isinstance(msg, p.Ping) and not msg.token)
+            if worker is None and not monitor:
                 self._error(route, msg.rid, p.E_UNREGISTERED, "unknown worker token; send Register first")
                 return
             if worker is not None:
@@ -400,6 +409,7 @@ class Daemon:
         keys = msg.keys()
         tiers = self.manager.lookup(keys)
         self.stats.lookup_seconds += time.perf_counter() - t0
+        self.metrics.lookup.labels(tier=self.metrics.slowest(tiers)).observe(time.perf_counter() - t0)
         if self.dc.prefetch and any(t not in ("G1", STORE_TIER) for t in tiers):
             self._prefetch(keys[: len(tiers)])
         return p.LookupReply(matched=len(tiers), tiers=tiers)
@@ -437,6 +447,7 @@ class Daemon:
             slots = await self.manager.prepare_store(keys, msg.nbytes, STORE_TIER)
         finally:
             self.stats.offload_seconds += time.perf_counter() - t0
+            self.metrics.store.labels(op="prepare").observe(time.perf_counter() - t0)
         w.prepared.update(k for k, s in zip(keys, slots, strict=True) if s is not None)
         if w.token not in self.workers:  # dropped while we waited: give the slots back
             self.manager.complete_store([k for k, s in zip(keys, slots, strict=True) if s is not None], ok=False)
@@ -457,6 +468,8 @@ class Daemon:
                 durable = await self.manager.offload(held, durable=True)
         finally:
             self.stats.offload_seconds += time.perf_counter() - t0
+            op = "commit_durable" if msg.ok and msg.durable else "commit"
+            self.metrics.store.labels(op=op).observe(time.perf_counter() - t0)
         return p.Ack(stored=stored, durable=durable)
 
     async def _onboard(self, msg: p.Onboard, w: WorkerState) -> p.Onboarded:
@@ -464,6 +477,7 @@ class Daemon:
         keys = msg.keys()
         reg = self.manager.registry
         reg.pin(keys)  # before the await, so nothing we bring up is evicted before the worker reads it
+        source = self.metrics.slowest(reg.match_prefix(keys))  # the tier the onboard's latency comes from
         try:
             n = await self.manager.onboard(keys, to=STORE_TIER)
         except BaseException:
@@ -486,6 +500,7 @@ class Daemon:
             reg.unpin(keys[:n])
             n, slots, nbytes = 0, [], []
         self.stats.onboard_seconds += time.perf_counter() - t0
+        self.metrics.onboard.labels(tier=source).observe(time.perf_counter() - t0)
         if n:
             self._publish(p.BlocksOnboarded(namespace=msg.namespace, hashes=msg.hashes[:n], worker_id=w.worker_id))
         return p.Onboarded(count=n, slots=slots, nbytes=nbytes)
@@ -611,6 +626,11 @@ class Daemon:
             for w in [w for w in self.workers.values() if w.last_seen < cutoff]:
                 self.stats.expired_workers += 1
                 self._drop_worker(w, "lease expired")
+
+    def readiness(self) -> dict[str, Any]:
+        """What ``/readyz`` answers (see :func:`kvbm.health.readiness`)."""
+        serving = self.ready.is_set() and not self._stop.is_set()
+        return readiness(self.snapshot() if serving else None, serving, self.dc.index_bucket)
 
     def snapshot(self, resident: bool = False) -> dict[str, Any]:
         """The manager's description plus the daemon's counters and the vLLM engines' views."""

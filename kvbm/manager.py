@@ -26,6 +26,7 @@ import msgspec
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
+from kvbm.metrics import no_observe
 from kvbm.registry import Registry
 from kvbm.tiers.base import Tier
 from kvbm.tiers.pool import SlotPoolTier
@@ -73,6 +74,7 @@ class BlockManager:
         self.min_hits_to_offload = min_hits_to_offload
         self.max_pending_cascades = max_pending_cascades
         self.stats = ManagerStats()
+        self.observe_copy = no_observe  # (src tier, dst tier, seconds) per block copy; see kvbm.metrics
         self._pending: set[asyncio.Task[None]] = set()
         self._moves: dict[tuple[BlockKey, str], asyncio.Future[bool]] = {}
         self._pools_registered = False
@@ -351,8 +353,10 @@ class BlockManager:
             fp = dst.footprint(n)
             with self.registry.pinned([key], src_name):
                 async with self._room(dst, fp):
+                    t0 = time.perf_counter()
                     ok = await self._copy(key, src, dst, n)
                     if ok:
+                        self.observe_copy(src_name, dst.name, time.perf_counter() - t0)
                         self.registry.add(dst.name, key, fp)
             if ok:
                 return True

@@ -1,106 +1,213 @@
-"""Prometheus text exposition of the daemon's counters, served by a tiny asyncio HTTP server."""
+"""The daemon's Prometheus metrics (``prometheus-client``) and the HTTP server for /metrics, /healthz, /readyz.
+
+Each :class:`Metrics` has its own ``CollectorRegistry`` (never the global one), so several daemons in one
+process do not collide. Latency histograms are observed at the call sites: the daemon's request handlers
+(lookup, onboard, store), the manager's block copies between tiers (``BlockManager.observe_copy``: offload
+per destination tier, onboard per source tier) and the S3 tier's requests (``S3Tier.observe``); both hooks
+default to :func:`no_observe`. Counters and gauges are read from the daemon's stats snapshot at scrape time.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 log = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# 10 us (an in-memory lookup) .. 60 s (a large onboard from a slow bucket).
+LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def _fmt(v: float) -> str:
-    return repr(float(v)) if isinstance(v, float) else str(int(v))
+def no_observe(*_args: Any) -> None:
+    """The default latency hook: metrics off."""
 
 
-class _Writer:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self._seen: set[str] = set()
+Snapshot = Callable[[], dict[str, Any]]
+Readiness = Callable[[], dict[str, Any]]
 
-    def add(self, name: str, kind: str, help_: str, value: float, **labels: str) -> None:
-        if name not in self._seen:
-            self._seen.add(name)
-            self.lines.append(f"# HELP {name} {help_}")
-            self.lines.append(f"# TYPE {name} {kind}")
-        lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        self.lines.append(f"{name}{{{lab}}} {_fmt(value)}" if lab else f"{name} {_fmt(value)}")
+_TIER_HELP = {
+    "hits": "Tier reads that found the block.",
+    "misses": "Tier reads that did not.",
+    "corrupt": "Blocks that failed their checksum (served as misses).",
+    "errors": "Backend errors (e.g. S3 requests that failed).",
+    "bytes_in": "Bytes written into the tier.",
+    "bytes_out": "Bytes read from the tier.",
+    "shed": "Writes shed (e.g. S3 circuit breaker open or too many pending writes).",
+}
+_MANAGER = (
+    ("lookups", "Lookups."),
+    ("lookup_blocks", "Blocks asked for by lookups."),
+    ("lookup_hit_blocks", "Blocks found by lookups."),
+    ("onboards", "Onboards."),
+    ("onboard_blocks", "Blocks onboarded."),
+    ("onboard_seconds", "Seconds spent onboarding."),
+    ("offloads", "Offload requests."),
+    ("offload_blocks", "Blocks offloaded."),
+    ("evictions", "Evictions."),
+    ("shed_offloads", "Write-through cascades shed by the manager."),
+    ("cascade_failures", "Write-through copies that failed."),
+)
+_DAEMON = (
+    ("requests", "counter", "Requests received."),
+    ("shed", "counter", "PrepareStore requests shed under load."),
+    ("dropped", "counter", "Frames dropped without a reply."),
+    ("offload_seconds", "counter", "Seconds spent in PrepareStore/CommitStore."),
+    ("onboard_seconds", "counter", "Seconds spent in Onboard."),
+    ("lookup_seconds", "counter", "Seconds spent in Lookup."),
+    ("events_published", "counter", "Block event batches published."),
+    ("expired_workers", "counter", "Workers whose lease ran out."),
+    ("prefetches", "counter", "Background prefetches to G2 started by lookups."),
+    ("queue_depth", "gauge", "Offload requests in flight."),
+    ("inflight", "gauge", "Requests in flight."),
+    ("workers", "gauge", "Registered workers."),
+    ("pins", "gauge", "Blocks pinned for workers."),
+)
 
 
-def _escape(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def breaker_state(tier: dict[str, Any]) -> str | None:
+    """The S3 tier's circuit-breaker state from its describe(): a string, or ``{"state": ...}``."""
+    b = tier.get("breaker")
+    if isinstance(b, dict):
+        b = b.get("state")
+    return None if b is None else str(b)
 
 
-def render(snapshot: dict[str, Any]) -> str:
-    """Prometheus text for a daemon stats snapshot (``Daemon.snapshot()``)."""
-    w = _Writer()
-    for t in snapshot.get("tiers", []):
-        name, st = str(t.get("tier")), t.get("stats", {})
-        w.add("kvbm_tier_blocks", "gauge", "Blocks held per tier.", t.get("blocks", 0), tier=name)
-        w.add("kvbm_tier_used_bytes", "gauge", "Bytes used per tier.", t.get("used_bytes", 0), tier=name)
-        w.add("kvbm_tier_capacity_bytes", "gauge", "Capacity per tier.", t.get("capacity_bytes", 0), tier=name)
-        for key, help_ in (
-            ("hits", "Tier reads that found the block."),
-            ("misses", "Tier reads that did not."),
-            ("corrupt", "Blocks that failed their checksum (served as misses)."),
-            ("errors", "Backend errors (e.g. S3 requests that failed)."),
-            ("bytes_in", "Bytes written into the tier."),
-            ("bytes_out", "Bytes read from the tier."),
-        ):
-            w.add(f"kvbm_tier_{key}_total", "counter", help_, st.get(key, 0), tier=name)
-    m = snapshot.get("manager", {})
-    for key, help_ in (
-        ("lookups", "Lookups."),
-        ("lookup_blocks", "Blocks asked for by lookups."),
-        ("lookup_hit_blocks", "Blocks found by lookups."),
-        ("onboards", "Onboards."),
-        ("onboard_blocks", "Blocks onboarded."),
-        ("onboard_seconds", "Seconds spent onboarding."),
-        ("offloads", "Offload requests."),
-        ("offload_blocks", "Blocks offloaded."),
-        ("evictions", "Evictions."),
-        ("shed_offloads", "Write-through cascades shed by the manager."),
-        ("cascade_failures", "Write-through copies that failed."),
-    ):
-        w.add(f"kvbm_manager_{key}_total", "counter", help_, m.get(key, 0))
-    w.add("kvbm_lookup_misses_total", "counter", "Blocks asked for by lookups and not found.",
-          m.get("lookup_blocks", 0) - m.get("lookup_hit_blocks", 0))
-    w.add("kvbm_pending_cascades", "gauge", "Write-through copies in flight.", m.get("pending_cascades", 0))
-    d = snapshot.get("daemon", {})
-    for key, kind, help_ in (
-        ("requests", "counter", "Requests received."),
-        ("shed", "counter", "PrepareStore requests shed under load."),
-        ("dropped", "counter", "Frames dropped without a reply."),
-        ("offload_seconds", "counter", "Seconds spent in PrepareStore/CommitStore."),
-        ("onboard_seconds", "counter", "Seconds spent in Onboard."),
-        ("lookup_seconds", "counter", "Seconds spent in Lookup."),
-        ("events_published", "counter", "Block event batches published."),
-        ("expired_workers", "counter", "Workers whose lease ran out."),
-        ("queue_depth", "gauge", "Offload requests in flight."),
-        ("inflight", "gauge", "Requests in flight."),
-        ("workers", "gauge", "Registered workers."),
-        ("pins", "gauge", "Blocks pinned for workers."),
-    ):
-        suffix = "_total" if kind == "counter" else ""
-        w.add(f"kvbm_daemon_{key}{suffix}", kind, help_, d.get(key, 0))
-    for code, n in sorted(d.get("errors", {}).items()):
-        w.add("kvbm_daemon_errors_total", "counter", "Error replies by code.", n, code=code)
-    for engine, v in sorted(snapshot.get("engines", {}).items()):
-        for medium, n in sorted(v.get("blocks", {}).items()):
-            w.add("kvbm_engine_blocks", "gauge", "Blocks an engine reports resident.", n, engine=engine, medium=medium)
-        for key in ("events", "gaps", "replayed", "unfilled"):
-            w.add(f"kvbm_engine_{key}_total", "counter", f"vLLM KV events: {key}.", v.get(key, 0), engine=engine)
-    return "\n".join(w.lines) + "\n"
+class _SnapshotCollector:
+    """Counters and gauges of one stats snapshot, taken at scrape time."""
+
+    def __init__(self, snapshot: Snapshot, readiness: Readiness) -> None:
+        self.snapshot = snapshot
+        self.readiness = readiness
+
+    def collect(self) -> list[Metric]:
+        ready = self.readiness()
+        out: list[Metric] = []
+        g = GaugeMetricFamily("kvbm_ready", "1 when /readyz answers 200 (serving, bucket indexed, S3 reachable).")
+        g.add_metric([], 1.0 if ready.get("ready") else 0.0)
+        out.append(g)
+        if not ready.get("checks", {}).get("serving"):
+            return out  # not serving yet: the tiers are not all started
+        snap = self.snapshot()
+        out += self._tiers(snap.get("tiers", []))
+        m = snap.get("manager", {}) or {}
+        for key, help_ in _MANAGER:
+            out.append(CounterMetricFamily(f"kvbm_manager_{key}", help_, value=m.get(key, 0)))
+        out.append(CounterMetricFamily("kvbm_lookup_misses", "Blocks asked for by lookups and not found.",
+                                       value=m.get("lookup_blocks", 0) - m.get("lookup_hit_blocks", 0)))
+        out.append(GaugeMetricFamily("kvbm_pending_cascades", "Write-through copies in flight.",
+                                     value=m.get("pending_cascades", 0)))
+        d = snap.get("daemon", {}) or {}
+        for key, kind, help_ in _DAEMON:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            out.append(cls(f"kvbm_daemon_{key}", help_, value=d.get(key, 0)))
+        out.append(GaugeMetricFamily("kvbm_bucket_indexed", "1 once the bucket has been listed.",
+                                     value=1.0 if d.get("bucket_indexed") else 0.0))
+        errs = CounterMetricFamily("kvbm_daemon_errors", "Error replies by code.", labels=["code"])
+        for code, n in sorted((d.get("errors") or {}).items()):
+            errs.add_metric([code], n)
+        out.append(errs)
+        out += self._engines(snap.get("engines", {}) or {})
+        return out
+
+    @staticmethod
+    def _tiers(tiers: list[dict[str, Any]]) -> list[Metric]:
+        fams: dict[str, Metric] = {
+            "blocks": GaugeMetricFamily("kvbm_tier_blocks", "Blocks held per tier.", labels=["tier"]),
+            "used_bytes": GaugeMetricFamily("kvbm_tier_used_bytes", "Bytes used per tier.", labels=["tier"]),
+            "capacity_bytes": GaugeMetricFamily("kvbm_tier_capacity_bytes", "Capacity per tier.", labels=["tier"]),
+        }
+        breaker = GaugeMetricFamily("kvbm_s3_breaker_open", "1 while the S3 circuit breaker is open.",
+                                    labels=["tier"])
+        counters: dict[str, CounterMetricFamily] = {}
+        for t in tiers:
+            name = str(t.get("tier"))
+            for key in ("blocks", "used_bytes", "capacity_bytes"):
+                fams[key].add_metric([name], t.get(key) or 0)
+            for key, v in sorted((t.get("stats") or {}).items()):
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if key not in counters:
+                        counters[key] = CounterMetricFamily(f"kvbm_tier_{key}", _TIER_HELP.get(key, f"Tier {key}."),
+                                                            labels=["tier"])
+                    counters[key].add_metric([name], v)
+            if t.get("kind") == "s3":
+                breaker.add_metric([name], 1.0 if breaker_state(t) == "open" else 0.0)
+        return [*fams.values(), *counters.values(), breaker]
+
+    @staticmethod
+    def _engines(engines: dict[str, Any]) -> list[Metric]:
+        blocks = GaugeMetricFamily("kvbm_engine_blocks", "Blocks an engine reports resident.",
+                                   labels=["engine", "medium"])
+        counters = {k: CounterMetricFamily(f"kvbm_engine_{k}", f"vLLM KV events: {k}.", labels=["engine"])
+                    for k in ("events", "gaps", "replayed", "unfilled")}
+        for engine, v in sorted(engines.items()):
+            for medium, n in sorted((v.get("blocks") or {}).items()):
+                blocks.add_metric([engine, medium], n)
+            for k, fam in counters.items():
+                fam.add_metric([engine], v.get(k, 0))
+        return [blocks, *counters.values()]
+
+
+class Metrics:
+    """One daemon's registry: latency histograms, the snapshot's counters and gauges, process metrics."""
+
+    def __init__(self, snapshot: Snapshot, readiness: Readiness | None = None,
+                 tiers: Sequence[str] = ("G1", "G2", "G3", "G4")) -> None:
+        self.registry = CollectorRegistry()
+        self.order = {name: i for i, name in enumerate(tiers)}
+        h = {"registry": self.registry, "buckets": LATENCY_BUCKETS}
+        self.lookup = Histogram("kvbm_lookup_seconds", "Lookup requests, by the slowest tier of the matched run "
+                                "(none: no match).", ["tier"], **h)
+        self.onboard = Histogram("kvbm_onboard_seconds", "Onboard requests (to G2), by the slowest tier the run "
+                                 "came from (none: no match).", ["tier"], **h)
+        self.onboard_block = Histogram("kvbm_onboard_block_seconds", "One block copied up from a tier.",
+                                       ["tier"], **h)
+        self.offload = Histogram("kvbm_offload_seconds", "One block written down into a tier (write-through).",
+                                 ["tier"], **h)
+        self.store = Histogram("kvbm_store_seconds", "PrepareStore / CommitStore requests (commit_durable waits "
+                               "for disk or S3).", ["op"], **h)
+        self.s3_request = Histogram("kvbm_s3_request_seconds", "S3 requests that succeeded, by operation.",
+                                    ["op"], **h)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self.readiness = readiness or (lambda: {"ready": True, "checks": {"serving": True}})
+        self.registry.register(_SnapshotCollector(snapshot, self.readiness))
+
+    def slowest(self, tiers: Sequence[str]) -> str:
+        """The slowest of ``tiers`` (the one a request's latency comes from), or ``none``."""
+        return max(tiers, key=lambda t: self.order.get(t, -1)) if tiers else "none"
+
+    def observe_copy(self, src: str, dst: str, seconds: float) -> None:
+        """The manager's hook: a block copy from tier ``src`` to ``dst`` took ``seconds``."""
+        if self.order.get(dst, 0) > self.order.get(src, 0):
+            self.offload.labels(tier=dst).observe(seconds)
+        else:
+            self.onboard_block.labels(tier=src).observe(seconds)
+
+    def observe_s3(self, op: str, seconds: float) -> None:
+        """The S3 tier's hook: one request (``put``, ``get``) took ``seconds``."""
+        self.s3_request.labels(op=op).observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text page."""
+        return generate_latest(self.registry)
 
 
 class MetricsServer:
-    """Serves ``GET /metrics`` with ``render(snapshot())``; anything else is 404."""
+    """``GET /metrics`` (Prometheus text), ``/healthz`` (200 while the process serves HTTP) and ``/readyz``
+    (200 when ready, else 503; a JSON body with the checks). Runs on the daemon's event loop, because the
+    snapshot reads the daemon's state; a scrape costs well under a millisecond."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], host: str = "127.0.0.1", port: int = 0) -> None:
-        self.snapshot = snapshot
+    def __init__(self, metrics: Metrics, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.metrics = metrics
         self.host = host
         self.port = port
         self._server: asyncio.base_events.Server | None = None
@@ -116,20 +223,30 @@ class MetricsServer:
             await self._server.wait_closed()
             self._server = None
 
+    def _route(self, path: str) -> tuple[str, str, bytes]:
+        if path in ("/metrics", "/"):
+            return "200 OK", CONTENT_TYPE, self.metrics.render()
+        if path == "/healthz":
+            return "200 OK", "text/plain; charset=utf-8", b"ok\n"
+        if path == "/readyz":
+            rep = self.metrics.readiness()
+            status = "200 OK" if rep.get("ready") else "503 Service Unavailable"
+            return status, "application/json", json.dumps(rep).encode() + b"\n"
+        return "404 Not Found", "text/plain; charset=utf-8", b"not found\n"
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             line = await asyncio.wait_for(reader.readline(), 5.0)
             while (await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
                 pass
             parts = line.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] in ("/metrics", "/"):
-                body, status = render(self.snapshot()).encode(), "200 OK"
+            head = bool(parts) and parts[0] == "HEAD"
+            if len(parts) >= 2 and parts[0] in ("GET", "HEAD"):
+                status, ctype, body = self._route(parts[1].split("?")[0])
             else:
-                body, status = b"not found\n", "404 Not Found"
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n"
-                f"Connection: close\r\n\r\n".encode() + body
-            )
+                status, ctype, body = "405 Method Not Allowed", "text/plain; charset=utf-8", b"GET only\n"
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                         f"Connection: close\r\n\r\n".encode() + (b"" if head else body))
             await writer.drain()
         except (TimeoutError, ConnectionError, UnicodeDecodeError) as e:
             log.debug("metrics request failed: %s", e)

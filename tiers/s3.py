@@ -61,6 +61,7 @@ from kvbm.blocks import (
 )
 from kvbm.config import S3Config, parse_size
 from kvbm.errors import ConfigError, CorruptBlockError, TierFullError, TierUnavailableError
+from kvbm.metrics import no_observe
 from kvbm.tiers.base import StoredBlock, Tier
 
 log = logging.getLogger("kvbm.tiers.s3")
@@ -199,6 +200,7 @@ class S3Tier(Tier):
         self._secret_key = secret_key if secret_key is not None else (cfg.secret_key or None)
         self._session_token = session_token if session_token is not None else (cfg.session_token or None)
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
+        self.observe = no_observe  # (op, seconds) per successful request; see kvbm.metrics
         self._index: dict[BlockKey, int] = {}
         self._used = 0
         self._pending_writes = 0
@@ -424,10 +426,12 @@ class S3Tier(Tier):
                 buf = free.pop() if free else bytearray(size)
                 try:
                     encode_block_into(buf, key, data, HEADER_LEN)
+                    t0 = time.perf_counter()
                     if self._nixl is not None:
                         await self._nixl.write(okey, buf)
                     else:
                         await self._s3.put_object(Bucket=self.bucket, Key=okey, Body=buf, Metadata=self._meta(key, n))
+                    self.observe("put", time.perf_counter() - t0)
                 finally:
                     if len(free) < self.cfg.max_concurrency:
                         free.append(buf)
@@ -455,11 +459,13 @@ class S3Tier(Tier):
         try:
             assert self._sem is not None
             async with self._sem:
+                t0 = time.perf_counter()
                 if self._nixl is None:
                     n = await self._stream_into(key, okey, view)
                 else:
                     body = await self._fetch(key, okey)
                     n = None if body is None else self._copy_payload(key, body, view)
+                self.observe("get", time.perf_counter() - t0)
         except (asyncio.CancelledError, KeyboardInterrupt):
             self.breaker._probing = False
             raise

@@ -1,0 +1,65 @@
+"""``kvbm config show``: the effective config, secrets redacted, with where each value came from."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+import msgspec
+
+from kvbm.cli.common import config_option, one_line_errors
+from kvbm.config import Config, load_config_sources
+
+REDACTED = "<redacted>"
+# Field names whose values are credentials: shown only as set or empty.
+SECRET_FIELDS = ("access_key", "secret_key", "session_token", "curve_secret_key")
+
+
+def effective_fields(cfg: Config, sources: dict[str, str]) -> list[dict[str, Any]]:
+    """One row per field: ``field`` (dotted), ``value`` (secrets redacted), ``source``."""
+    rows: list[dict[str, Any]] = []
+
+    def add(path: str, name: str, value: Any) -> None:
+        if name in SECRET_FIELDS and value:
+            value = REDACTED
+        rows.append({"field": path, "value": value, "source": sources.get(path, "default")})
+
+    for f in msgspec.structs.fields(Config):
+        value = getattr(cfg, f.name)
+        if isinstance(value, msgspec.Struct):
+            for sub in msgspec.structs.fields(value):
+                add(f"{f.name}.{sub.name}", sub.name, getattr(value, sub.name))
+        else:
+            add(f.name, f.name, value)
+    return rows
+
+
+@click.group("config")
+def config() -> None:
+    """Inspect the configuration."""
+
+
+@config.command("show")
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@one_line_errors
+def show(config_path: str | None, as_json: bool) -> None:
+    """Print the effective config: every field, its value and where it came from (default, file, or env with
+    the variable's name). Credentials (access/secret keys, session token, CURVE secret) print as <redacted>.
+
+    \b
+    Examples:
+      kvbm config show
+      KVBM_S3_BUCKET=kv kvbm config show --config my.yaml --json
+    """
+    cfg, sources = load_config_sources(config_path)
+    rows = effective_fields(cfg, sources)
+    if as_json:
+        click.echo(json.dumps({"config_file": config_path, "fields": rows}, indent=2, default=str))
+        return
+    click.echo(f"# config file: {config_path or 'configs/default.yaml (packaged)'}")
+    width = max(len(r["field"]) for r in rows)
+    vwidth = min(48, max(len(json.dumps(r["value"], default=str)) for r in rows))
+    for r in rows:
+        click.echo(f"{r['field']:<{width}}  {json.dumps(r['value'], default=str):<{vwidth}}  # {r['source']}")
