@@ -10,10 +10,9 @@ import msgspec
 
 from kvbm.cli.common import config_option, one_line_errors
 from kvbm.config import Config, load_config_sources
+from kvbm.redact import is_secret_name
 
 REDACTED = "<redacted>"
-# Field names whose values are credentials: shown only as set or empty.
-SECRET_FIELDS = ("access_key", "secret_key", "session_token", "curve_secret_key")
 
 
 def effective_fields(cfg: Config, sources: dict[str, str]) -> list[dict[str, Any]]:
@@ -21,7 +20,7 @@ def effective_fields(cfg: Config, sources: dict[str, str]) -> list[dict[str, Any
     rows: list[dict[str, Any]] = []
 
     def add(path: str, name: str, value: Any) -> None:
-        if name in SECRET_FIELDS and value:
+        if is_secret_name(name) and value:
             value = REDACTED
         rows.append({"field": path, "value": value, "source": sources.get(path, "default")})
 

@@ -12,9 +12,10 @@ from typing import Any
 import msgspec
 
 MASK = "***"
-# Field names that hold credentials: S3 secret keys, session tokens, CURVE secret keys, passwords,
-# admin tokens. Access key ids are identifiers, not secrets (AWS prints them in logs), and stay.
-_SECRET_NAME = re.compile(r"(secret|password|passwd|session_token|(^|_)token$|credential)", re.IGNORECASE)
+# Field names that hold credentials: S3 access and secret keys, session tokens, CURVE secret keys,
+# passwords, admin tokens. Access key ids are masked too: with the endpoint they name an account.
+_SECRET_NAME = re.compile(r"(secret|password|passwd|access_key|session_token|(^|_)token$|credential)",
+                          re.IGNORECASE)
 
 
 def is_secret_name(name: str) -> bool:
