@@ -164,7 +164,7 @@ def test_one_process_owns_a_disk_directory(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     first = ServeProc(tmp_path / "a", daemon_cfg(tmp_path, "a", disk))
-    second = ServeProc(tmp_path / "b", daemon_cfg(tmp_path, "b", disk))
+    second = ServeProc(tmp_path / "b", daemon_cfg(tmp_path, "a", disk))  # the same config, started twice
     env = {"KVBM_DISK_DIR": str(disk), "KVBM_S3_ENABLED": "false", "KVBM_EMBEDDED_S3_ENABLED": "false",
            "KVBM_DISK_FSYNC": "false", "KVBM_DISK_O_DIRECT": "false", "KVBM_TRANSFER_BACKEND": "plain",
            "KVBM_HOST_CAPACITY": "1MiB", "KVBM_HOST_PIN": "false", "KVBM_BLOCK_BYTES": "64KiB",
@@ -175,6 +175,8 @@ def test_one_process_owns_a_disk_directory(tmp_path):
             second.start()
         assert "is in use by another kvbm process" in str(e.value) and f"pid {first.proc.pid}" in str(e.value)
         assert first.proc.poll() is None
+        with first.client() as c:  # the first still owns its endpoint and its blocks
+            assert {t["tier"]: t["blocks"] for t in c.stats()["tiers"]}["G3"] == 3
 
         # kvbm demo on the same directory: a clear one-line error, nothing written.
         r = CliRunner().invoke(main, ["demo", "--blocks", "1"], env=env, catch_exceptions=False)
