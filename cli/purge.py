@@ -26,6 +26,7 @@ from kvbm.maintenance import (
     parse_size,
     plan_purge,
 )
+from kvbm.tiers.disk import DirLock, DiskDirBusy
 
 
 def _duration(_ctx: Any, param: click.Parameter, value: str | None) -> float | None:
@@ -155,6 +156,7 @@ def purge(config_path: str | None, older_than: float | None, namespaces: tuple[s
                 raise click.ClickException(f"refusing to delete {len(plan)} blocks without confirmation: "
                                            "no terminal to ask on (pass --yes, or --dry-run to look first)")
             click.confirm(f"Delete {len(plan)} blocks ({human_bytes(total)})?", abort=True)
+        guard = _disk_guard(cfg, use_disk, daemon_endpoint, direct, daemon_timeout)
         res = DeleteResult()
         t0 = time.perf_counter()
         try:
@@ -166,6 +168,8 @@ def purge(config_path: str | None, older_than: float | None, namespaces: tuple[s
                     loop.run_until_complete(delete_bucket(tier, plan, bar.update, into=res))
         except KeyboardInterrupt:
             res.interrupted = "interrupted (Ctrl-C)"
+        finally:
+            guard.release()
         seconds = time.perf_counter() - t0
         notice = _tell_daemon(cfg, res.done, use_disk, use_bucket, daemon_endpoint, direct, daemon_timeout)
         summary.update(deleted=res.deleted, bytes_freed=res.bytes, errors=len(res.errors), seconds=round(seconds, 3),
@@ -194,6 +198,24 @@ def purge(config_path: str | None, older_than: float | None, namespaces: tuple[s
         if tier is not None:
             loop.run_until_complete(tier.close())
         loop.close()
+
+
+def _disk_guard(cfg: Any, use_disk: bool, endpoint: str | None, direct: bool, timeout_s: float) -> DirLock:
+    """A shared lock on the disk directory for a direct delete; refused while a daemon owns the directory
+    unless that daemon answers (it is told what went, so its index stays true)."""
+    guard = DirLock(cfg.disk_dir)
+    if not use_disk:
+        return guard
+    try:
+        return guard.acquire(shared=True)
+    except DiskDirBusy as e:
+        link, _why = (None, "--direct") if direct else find_daemon(cfg, endpoint, direct, timeout_s)
+        if link is None:
+            raise click.ClickException(
+                f"{e}: a kvbm daemon owns it, and deleting its files with --direct would leave its index "
+                "wrong; purge through the daemon (without --direct) or stop it first") from None
+        link.close()
+        return guard
 
 
 def _tell_daemon(cfg: Any, done: list[Entry], disk: bool, bucket: bool, endpoint: str | None, direct: bool,

@@ -17,7 +17,8 @@ import xxhash
 from kvbm.errors import CorruptBlockError
 
 MAGIC = b"KVBM"
-FORMAT_VERSION = 1
+# 2: length-prefixed root hash (salt, LoRA) and layout fingerprint v2; blocks of version 1 are never read.
+FORMAT_VERSION = 2
 MAX_HASH_LEN = 32
 # magic, version, header_len, flags, payload_len, payload_xxh3, created_ns, fingerprint(8), hash_len, hash(32)
 _FIELDS = struct.Struct("<4sHHIQQQ8sB32s")

@@ -7,9 +7,9 @@ a partial trailing block never gets a hash and so is never stored.
 Two schemes:
 
 * ``kvbm`` (default): BLAKE2b-128 over ``parent || tokens as little-endian uint32``; the root parent is
-  derived from the optional salt and LoRA name. It is cryptographic (a tenant cannot craft a
-  collision to poison another's cache), identical in every process and release, and costs ~1 us per
-  block.
+  derived from the optional salt and LoRA name, each length-prefixed. It is cryptographic (a tenant
+  cannot craft a collision to poison another's cache), identical in every process and release, and
+  costs ~1 us per block.
 * ``vllm``: vLLM's own prefix-cache hash (``sha256_cbor``), so that a kvbm block spanning ``k`` vLLM
   blocks is keyed by vLLM's hash of its last vLLM block and kvbm agrees with vLLM's KV events. See
   :mod:`kvbm.vllm_hash`.
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import struct
 from collections.abc import Sequence
 
 import numpy as np
 
-ROOT_TAG = b"kvbm-prefix-v1"
+ROOT_TAG = b"kvbm-prefix-v2"
 
 
 class HashScheme(str, enum.Enum):
@@ -39,10 +40,13 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
 
 
 def root_hash(salt: str | None = None, lora: str | None = None) -> bytes:
-    """The parent hash of the first block of a sequence."""
+    """The parent hash of the first block of a sequence.
+
+    Each field is length-prefixed, so no salt and LoRA name pair can encode like another pair."""
     h = hashlib.blake2b(ROOT_TAG, digest_size=16)
-    h.update(b"\x00salt\x00" + (salt or "").encode())
-    h.update(b"\x00lora\x00" + (lora or "").encode())
+    for value in (salt or "", lora or ""):
+        raw = value.encode()
+        h.update(struct.pack("<Q", len(raw)) + raw)
     return h.digest()
 
 

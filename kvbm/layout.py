@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import msgspec
 
 from kvbm.errors import ConfigError
+from kvbm.keys import make_namespace
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
     "float16": 2,
     "bfloat16": 2,
     "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
     "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
     "int8": 1,
     "uint8": 1,
 }
@@ -27,6 +31,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     ``num_kv_heads`` is the model's total; a rank holds ``kv_heads_per_rank`` of them (heads are
     replicated when there are fewer heads than ranks). ``kv_factor`` is 2 for separate K and V,
     1 for MLA's joint latent. ``tokens_per_block`` of 0 means "derive from ``block_bytes``".
+    ``backend`` names how the engine lays the bytes out inside a block where that varies (attention
+    backend, CPU ISA); ``revision`` is the model revision when known. Both go into the fingerprint.
     """
 
     model: str
@@ -39,6 +45,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int = 1
     tokens_per_block: int = 0
     block_bytes: int = DEFAULT_BLOCK_BYTES
+    backend: str = ""
+    revision: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "tp_size", "block_bytes"):
@@ -83,18 +91,19 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def fingerprint(self) -> str:
-        """16 hex chars naming everything that makes two blocks' bytes incompatible."""
-        ident = (
-            f"kvbm-layout-v1|{self.model}|{self.num_layers}|{self.num_kv_heads}|{self.head_size}|"
-            f"{self.dtype}|{self.kv_factor}|{self.tp_rank}|{self.tp_size}|{self.block_tokens}"
-        )
+        """16 hex chars naming everything that makes two blocks' bytes incompatible.
+
+        The fields are JSON-encoded, so no value (a model name with ``|`` in it) can run into the next."""
+        ident = json.dumps([
+            "kvbm-layout-v2", self.model, self.revision, self.num_layers, self.num_kv_heads, self.head_size,
+            self.dtype, self.kv_factor, self.tp_rank, self.tp_size, self.block_tokens, self.backend,
+        ])
         return hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
 
     @property
     def namespace(self) -> str:
-        """Storage namespace: a readable model slug plus the fingerprint."""
-        slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in self.model.lower()).strip("-")
-        return f"{slug[:48] or 'model'}-{self.fingerprint}"
+        """Storage namespace: a readable model slug plus the fingerprint (syntax: :mod:`kvbm.keys`)."""
+        return make_namespace(self.model, self.fingerprint)
 
     def num_full_blocks(self, num_tokens: int) -> int:
         return num_tokens // self.block_tokens

@@ -37,11 +37,9 @@ from typing import Any
 from kvbm.blocks import BlockKey
 from kvbm.config import Config, parse_size
 from kvbm.errors import ConfigError, KvbmError
+from kvbm.keys import DISK_SUFFIX, check_namespace, is_hash_hex, is_namespace, model_slug, parse_disk_relpath
 
 DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
-DISK_SUFFIX = ".kvb"
-NS_RE = re.compile(r"^[^/\x00]+-[0-9a-f]{16}$")
-_HEX_RE = re.compile(r"^[0-9a-f]{2,64}$")
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", re.IGNORECASE)
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -69,18 +67,6 @@ def parse_duration(text: str) -> float:
     if pos != len(s):
         raise ConfigError(f"cannot read {text!r} as a duration (e.g. 7d, 12h, 30m, 45s, 2w, 1d12h)")
     return total
-
-
-def model_slug(model: str) -> str:
-    """The readable part of a namespace for ``model`` (as :attr:`KVLayout.namespace` derives it)."""
-    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in model.lower()).strip("-")
-    return slug[:48] or "model"
-
-
-def check_namespace(ns: str) -> str:
-    if not NS_RE.match(ns):
-        raise ConfigError(f"{ns!r} is not a kvbm namespace (<model-slug>-<16 hex fingerprint>)")
-    return ns
 
 
 # -- inventory -------------------------------------------------------------------------------------------
@@ -161,17 +147,14 @@ def iter_disk(root: str | os.PathLike[str], sel: Selector | None = None) -> Iter
         return
     for top in tops:
         ns = top.name
-        if not NS_RE.match(ns) or not top.is_dir(follow_symlinks=False) or not sel.ns_in_scope(ns):
+        if not is_namespace(ns) or not top.is_dir(follow_symlinks=False) or not sel.ns_in_scope(ns):
             continue
         for shard in _scandir(top.path):
-            if len(shard.name) != 2 or not _HEX_RE.match(shard.name) or not shard.is_dir(follow_symlinks=False):
+            if not shard.is_dir(follow_symlinks=False):
                 continue
             for f in _scandir(shard.path):
-                name = f.name
-                if not name.endswith(DISK_SUFFIX):
-                    continue
-                h = name[: -len(DISK_SUFFIX)]
-                if not _HEX_RE.match(h) or len(h) % 2 or h[:2] != shard.name:
+                key = parse_disk_relpath((ns, shard.name, f.name))
+                if key is None:
                     continue
                 try:
                     if not f.is_file(follow_symlinks=False):
@@ -179,7 +162,7 @@ def iter_disk(root: str | os.PathLike[str], sel: Selector | None = None) -> Iter
                     st = f.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                e = Entry("disk", BlockKey(ns, bytes.fromhex(h)), f.path, st.st_size, st.st_mtime)
+                e = Entry("disk", key, f.path, st.st_size, st.st_mtime)
                 if sel.in_scope(e):
                     yield e
 
@@ -483,7 +466,7 @@ def keys_from_hashes_file(path: str, namespace: str) -> list[BlockKey]:
                 continue
             if s.startswith("0x"):
                 s = s[2:]
-            if not _HEX_RE.match(s) or len(s) % 2:
+            if not is_hash_hex(s):
                 raise ConfigError(f"{path}:{n}: {line.strip()[:40]!r} is not a hex block hash")
             out.append(BlockKey(namespace, bytes.fromhex(s)))
     return list(dict.fromkeys(out))

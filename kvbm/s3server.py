@@ -11,6 +11,13 @@ from the same data dir. The data dir holds:
 * ``weed.pid``       - the pid of a running server
 * ``kvbm-s3.json``   - state: pid, all ports, access key (never the secret); ports are kept after a stop
                        so a restart on the same dir comes back on the same endpoint
+* ``kvbm-s3.lock``   - ``flock``ed around "read state -> reuse, adopt or launch", so processes starting
+                       the server on one dir at once (``kvbm serve`` next to ``kvbm status``) end up
+                       sharing one server, never launching a second one on the same data
+
+A ``weed`` already serving the dir that the state file does not name (an orphan) is adopted: reused and
+written into the state file; one that does not accept our credentials is stopped before a new launch,
+since it holds the filer's lock on the data and would kill the new server.
 
 Command line: ``python -m kvbm.s3server start|stop|status --dir D [--port P]``.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -28,6 +36,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +46,7 @@ STATE_FILE = "kvbm-s3.json"
 PID_FILE = "weed.pid"
 LOG_FILE = "weed.log"
 IDENTITY_FILE = "identity.json"
+LOCK_FILE = "kvbm-s3.lock"
 PROBE_KEY = ".kvbm-ready"
 # Ports are drawn below the Linux ephemeral range (32768+) so client sockets cannot take them, and so that
 # port + 10000 (SeaweedFS's gRPC convention) stays below it too.
@@ -131,6 +141,70 @@ def _pid_is_weed(pid: int) -> bool:
         return _pid_alive(pid)
 
 
+def _weed_cmdline(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+    return argv if argv and os.path.basename(argv[0]) == "weed" and argv[1:2] == ["server"] else None
+
+
+def weeds_serving(dir: str | os.PathLike[str]) -> list[tuple[int, dict[str, int]]]:
+    """``(pid, ports)`` of every live ``weed server`` whose ``-dir`` is ``dir`` (found through /proc)."""
+    want = os.path.realpath(dir)
+    out: list[tuple[int, dict[str, int]]] = []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        argv = _weed_cmdline(pid)
+        if argv is None or not _pid_alive(pid):
+            continue
+        opts = dict(a[1:].split("=", 1) for a in argv[2:] if a.startswith("-") and "=" in a)
+        d = opts.get("dir")
+        if d is None:
+            continue
+        if not os.path.isabs(d):
+            try:
+                d = os.path.join(os.readlink(f"/proc/{pid}/cwd"), d)
+            except OSError:
+                continue
+        if os.path.realpath(d) != want:
+            continue
+        ports: dict[str, int] = {}
+        for name in _PORT_NAMES:
+            v = opts.get(f"{name}.port")
+            if v and v.isdigit():
+                ports[name] = int(v)
+        out.append((pid, ports))
+    return out
+
+
+@contextlib.contextmanager
+def dir_lock(dir: Path, timeout_s: float) -> Iterator[None]:
+    """Hold ``<dir>/kvbm-s3.lock`` exclusively (waiting up to ``timeout_s``); the kernel drops it if we die."""
+    dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TierUnavailableError(
+                        f"another process has been starting or stopping the SeaweedFS of {dir} for over "
+                        f"{timeout_s:.0f}s (lock {dir / LOCK_FILE})"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _tail(path: Path, n: int = 30) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -178,7 +252,7 @@ class EmbeddedS3:
     ) -> None:
         if len(bucket) < 3:
             raise ConfigError(f"bucket {bucket!r} is shorter than 3 characters")
-        self.dir = Path(dir)
+        self.dir = Path(dir).absolute()
         self.port = port
         self.access_key = access_key
         self.secret_key = secret_key
@@ -218,14 +292,25 @@ class EmbeddedS3:
         self.stop()
 
     def start(self) -> EmbeddedS3:
-        """Reuse a server already running from this dir, else launch one; returns when PUTs succeed."""
+        """Reuse a server already running from this dir, else launch one; returns when PUTs succeed.
+
+        The whole decision runs under the dir's lock, so concurrent starts share one server."""
         if self.running:
             return self
-        self.dir.mkdir(parents=True, exist_ok=True)
-        state = self._read_state()
-        if self.reuse and state and self._try_reuse(state):
-            return self
-        self._launch(state)
+        with dir_lock(self.dir, self.startup_timeout_s + 30.0):
+            state = self._read_state()
+            if self.reuse and state and self._try_reuse(state):
+                return self
+            named = (state or {}).get("pid")
+            for pid, ports in weeds_serving(self.dir):
+                if pid == named and self.reuse:
+                    continue  # _try_reuse already refused it with an error
+                if not self.reuse:
+                    raise TierUnavailableError(
+                        f"a SeaweedFS (pid {pid}) already serves {self.dir}; stop it or allow reuse")
+                if self._adopt(pid, ports, state):
+                    return self
+            self._launch(state)
         return self
 
     def stop(self, *, force: bool = False, reused_too: bool = False) -> None:
@@ -330,6 +415,23 @@ class EmbeddedS3:
             self.pid = None
             raise TierUnavailableError(f"SeaweedFS pid {pid} from {self.dir} does not accept our PUT: {e}") from None
         self.reused = True
+        return True
+
+    def _adopt(self, pid: int, ports: dict[str, int], state: dict[str, Any] | None) -> bool:
+        """Reuse a weed on this dir that the state file does not name, and name it there; a weed that does
+        not take our PUT is stopped (it holds the data's locks, so no new server could start)."""
+        if set(ports) != set(_PORT_NAMES):
+            _terminate(pid, self.stop_timeout_s, None)
+            return False
+        adopted = {**(state or {}), "pid": pid, "ports": ports, "access_key": self.access_key,
+                   "bucket": self.bucket}
+        try:
+            self._try_reuse(adopted)
+        except (TierUnavailableError, ConfigError):
+            _terminate(pid, self.stop_timeout_s, None)
+            return False
+        (self.dir / PID_FILE).write_text(f"{pid}\n")
+        self._write_state(adopted)
         return True
 
     def _choose_ports(self, state: dict[str, Any] | None) -> dict[str, int]:
@@ -482,13 +584,18 @@ def embedded_from_config(cfg: Any, bucket: str = "kvbm") -> EmbeddedS3:
 def stop_dir(dir: str | os.PathLike[str], stop_timeout_s: float = 30.0) -> bool:
     """Stop the SeaweedFS running from ``dir`` (by its state file); True if one was running."""
     s3 = EmbeddedS3(dir, stop_timeout_s=stop_timeout_s)
-    state = s3._read_state() or {}
-    pid = state.get("pid")
-    if not pid or not _pid_alive(pid) or not _pid_is_weed(pid):
-        return False
-    s3.pid = pid
-    s3.stop(reused_too=True)
-    return True
+    with dir_lock(s3.dir, stop_timeout_s + 60.0):
+        state = s3._read_state() or {}
+        pid = state.get("pid")
+        named = bool(pid) and _pid_alive(pid) and _pid_is_weed(pid)
+        if named:
+            s3.pid = pid
+            s3.stop(reused_too=True)
+        # Orphans on the dir (named by no state file) go too: nothing else would ever stop them.
+        orphans = [p for p, _ in weeds_serving(s3.dir) if p != pid]
+        for p in orphans:
+            _terminate(p, stop_timeout_s, None)
+    return named or bool(orphans)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kvbm.errors import TierUnavailableError
-from kvbm.s3server import EmbeddedS3, _pid_alive, pick_ports, port_free, stop_dir
+from kvbm.s3server import STATE_FILE, EmbeddedS3, _pid_alive, pick_ports, port_free, stop_dir
 
 pytestmark = pytest.mark.s3
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,3 +74,74 @@ def test_background_service_cli(weed_binary, tmp_path):
         assert r.returncode == 3 and not json.loads(r.stdout)["running"]
     finally:
         stop_dir(d, stop_timeout_s=0.5)
+
+
+# -- one embedded SeaweedFS per data directory ----------------------------------------------------------------
+def weeds_on(d: Path) -> list[int]:
+    """Pids of every weed process serving ``d``."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"weed") and f"-dir={d}".encode() in cmd:
+            out.append(int(pid))
+    return out
+
+
+def test_concurrent_embedded_starts_share_one_server(weed_binary, tmp_path):
+    d = tmp_path / "weed"
+    gate = tmp_path / "go"
+    script = (
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(gate)!r}): time.sleep(0.005)\n"
+        "from kvbm.s3server import main\n"
+        f"sys.exit(main(['start', '--dir', {str(d)!r}, '--timeout', '90']))\n"
+    )
+    env = {**os.environ, "KVBM_WEED": weed_binary}
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              cwd=ROOT, env=env) for _ in range(2)]
+    try:
+        time.sleep(1.0)  # both interpreters up and polling for the gate (a gate, not a timing assertion)
+        gate.touch()
+        outs = [p.communicate(timeout=180) for p in procs]
+        for p, (_o, e) in zip(procs, outs, strict=True):
+            assert p.returncode == 0, e.decode()[-2000:]
+        reps = [json.loads(o) for o, _ in outs]
+        assert sorted(r["status"] for r in reps) == ["reused", "started"]
+        assert reps[0]["pid"] == reps[1]["pid"] and reps[0]["endpoint"] == reps[1]["endpoint"]
+        assert weeds_on(d) == [reps[0]["pid"]]
+        assert json.loads((d / STATE_FILE).read_text())["pid"] == reps[0]["pid"]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        stop_dir(d)
+        for pid in weeds_on(d):
+            os.kill(pid, 9)
+    assert weeds_on(d) == []
+
+
+def test_orphan_weed_on_the_directory_is_adopted(weed_binary, tmp_path):
+    """A weed serving the directory that the state file does not name is reused, never run alongside."""
+    d = tmp_path / "weed"
+    env = {**os.environ, "KVBM_WEED": weed_binary}
+    start = [sys.executable, "-m", "kvbm.s3server", "start", "--dir", str(d)]
+    try:
+        first = json.loads(subprocess.run(start, capture_output=True, check=True, env=env, timeout=120).stdout)
+        state = json.loads((d / STATE_FILE).read_text())
+        state["pid"] = None  # the state file lost track of it
+        (d / STATE_FILE).write_text(json.dumps(state))
+        again = json.loads(subprocess.run(start, capture_output=True, check=True, env=env, timeout=120).stdout)
+        assert again["status"] == "reused" and again["pid"] == first["pid"]
+        assert again["endpoint"] == first["endpoint"]
+        assert weeds_on(d) == [first["pid"]]
+        assert json.loads((d / STATE_FILE).read_text())["pid"] == first["pid"]
+    finally:
+        stop_dir(d)
+        for pid in weeds_on(d):
+            os.kill(pid, 9)
+    assert weeds_on(d) == []

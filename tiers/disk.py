@@ -5,12 +5,20 @@ header so the payload is page-aligned for O_DIRECT). Writes go to ``.tmp-<pid>-<
 directory, are fsynced, renamed over the final name and the directory is fsynced: a crash leaves
 either the old block, the new one, or a temp file that :meth:`DiskTier.start` deletes — never a torn
 block. Every file operation runs on a small thread pool, never on the event loop.
+
+One process owns a directory: :meth:`DiskTier.start` takes an exclusive ``flock`` on ``<dir>/.kvbm.lock``
+(held until :meth:`DiskTier.close`), so a second daemon (or ``kvbm demo``) on the same directory fails
+with :class:`DiskDirBusy` naming the owner instead of re-indexing and deleting under it. Maintenance
+commands read without the lock; ones that delete take it shared (:class:`DirLock`), so they cannot run
+behind a daemon's back. A tier that is never started (``kvbm prewarm``) takes no lock: it only renames
+complete files into place, which the owner picks up on refresh.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -21,21 +29,91 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbm.blocks import ALIGNED_HEADER_LEN, BlockKey, pack_header, unpack_header, verify
-from kvbm.errors import CorruptBlockError, TierFullError
+from kvbm.errors import CorruptBlockError, KvbmError, TierFullError
+from kvbm.keys import DISK_SUFFIX, check_namespace, disk_relpath, parse_disk_relpath
 from kvbm.tiers.base import StoredBlock, Tier
 from kvbm.transfer import FileIO, PlainFileIO, round_up
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".kvb"
+SUFFIX = DISK_SUFFIX
 TMP_PREFIX = ".tmp-"
+LOCK_FILE = ".kvbm.lock"
 T = TypeVar("T")
 
 
-def _check_namespace(ns: str) -> str:
-    if not ns or "/" in ns or "\0" in ns or ns.startswith("."):
-        raise ValueError(f"namespace {ns!r} cannot name a directory")
-    return ns
+class DiskDirBusy(KvbmError):
+    """Another process holds the disk directory's lock."""
+
+
+class DirLock:
+    """``flock`` on ``<dir>/.kvbm.lock``: exclusive for the owning tier, shared for deleting maintenance.
+
+    The exclusive holder writes its pid and command line into the file, so the error a second process
+    gets names the owner. The kernel drops the lock when the holder exits, however it exits."""
+
+    def __init__(self, dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(dir)
+        self.path = self.dir / LOCK_FILE
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, *, shared: bool = False) -> DirLock:
+        """Take the lock without waiting; :class:`DiskDirBusy` if another process holds it."""
+        if self._fd is not None:
+            return self
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = self.owner(fd)
+            os.close(fd)
+            raise DiskDirBusy(f"disk directory {self.dir} is in use by another kvbm process ({owner})") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if not shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n{_cmdline(os.getpid())}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+    def owner(self, fd: int | None = None) -> str:
+        """Who holds it, as far as the file says: the exclusive owner's pid and command if it still runs."""
+        try:
+            if fd is not None:
+                text = os.pread(fd, 4096, 0).decode(errors="replace")
+            else:
+                text = self.path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        first, _, rest = text.partition("\n")
+        if first.strip().isdigit() and os.path.exists(f"/proc/{first.strip()}"):
+            return f"pid {first.strip()}: {rest.strip() or '?'}"
+        return "a kvbm maintenance command"
+
+    def __enter__(self) -> DirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:300]
+    except OSError:
+        return ""
 
 
 def _fsync_dir(path: str) -> None:
@@ -73,6 +151,7 @@ class DiskTier(Tier):
         self._reserved = 0  # footprint of puts in flight
         self._started = False
         self._start_lock: asyncio.Lock | None = None
+        self.dir_lock = DirLock(self.dir)
         self.tmp_removed = 0  # leftover temp files deleted by start()
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -80,10 +159,7 @@ class DiskTier(Tier):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def path_for(self, key: BlockKey) -> Path:
-        h = key.hex
-        if not h:
-            raise ValueError(f"block key {key} has an empty hash")
-        return self.dir / _check_namespace(key.namespace) / h[:2] / f"{h}{SUFFIX}"
+        return self.dir / disk_relpath(key)
 
     def footprint(self, nbytes: int) -> int:
         return self.header_len + round_up(nbytes)
@@ -114,7 +190,13 @@ class DiskTier(Tier):
         async with self._start_lock:
             if self._started:
                 return
-            found, corrupt, tmp = await self._io(self._reindex)
+            # Own the directory before sweeping temp files and dropping blocks in it.
+            await self._io(self.dir_lock.acquire)
+            try:
+                found, corrupt, tmp = await self._io(self._reindex)
+            except BaseException:
+                self.dir_lock.release()
+                raise
             self._index.clear()
             self._used = 0
             for key, (n, mtime) in found.items():
@@ -139,7 +221,7 @@ class DiskTier(Tier):
         """Walk the tree (or one namespace): verify each header against its file name and size; drop what
         fails. Temp files are removed only at start, when no writer of ours can be mid-write."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        top = self.dir / _check_namespace(namespace) if namespace else self.dir
+        top = self.dir / check_namespace(namespace) if namespace else self.dir
         found: dict[BlockKey, tuple[int, float]] = {}
         corrupt = tmp = 0
         for root, dirs, files in os.walk(top):
@@ -151,13 +233,10 @@ class DiskTier(Tier):
                     if clean_tmp:
                         tmp += _unlink(path)
                     continue
-                if len(rel) != 2 or not fname.endswith(SUFFIX):
-                    continue  # not ours
-                hex_ = fname[: -len(SUFFIX)]
+                key = parse_disk_relpath((*rel, fname))
+                if key is None:
+                    continue  # not a kvbm block name: never read, never deleted
                 try:
-                    key = BlockKey(rel[0], bytes.fromhex(hex_))
-                    if rel[1] != hex_[:2]:
-                        raise CorruptBlockError("file is in the wrong shard directory")
                     head, size = self.file_io.read_header(path, self.header_len)
                     hdr = unpack_header(head)
                     if hdr.hash != key.hash or hdr.fingerprint != key.fingerprint:
@@ -174,6 +253,7 @@ class DiskTier(Tier):
 
     async def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self.dir_lock.release()
 
     # -- data path ---------------------------------------------------------------------------------
     async def put(self, key: BlockKey, data: memoryview | bytes) -> None:

@@ -43,7 +43,6 @@ import datetime as _dt
 import itertools
 import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -61,6 +60,7 @@ from kvbm.blocks import (
 )
 from kvbm.config import S3Config, parse_size
 from kvbm.errors import ConfigError, CorruptBlockError, TierFullError, TierUnavailableError
+from kvbm.keys import object_relkey, parse_object_relkey
 from kvbm.metrics import no_observe
 from kvbm.tiers.base import StoredBlock, Tier
 
@@ -68,8 +68,6 @@ log = logging.getLogger("kvbm.tiers.s3")
 
 HEADER_LEN = MIN_HEADER_LEN
 META_FORMAT = f"kvbm-block-v{FORMAT_VERSION}"
-_HEX_RE = re.compile(r"^[0-9a-f]{2,64}$")
-_NS_RE = re.compile(r"^.+-[0-9a-f]{16}$")
 _CRED_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidClientTokenId", "InvalidToken",
                "ExpiredToken"}
 _MISS_CODES = {"NoSuchKey", "404", "NotFound"}
@@ -221,24 +219,14 @@ class S3Tier(Tier):
         return f"{self.prefix}/" if self.prefix else ""
 
     def object_key(self, key: BlockKey) -> str:
-        h = key.hash.hex()
-        shard = f"{h[: self.shard_chars]}/" if self.shard_chars else ""
-        return f"{self._base()}{key.namespace}/{shard}{h}"
+        return f"{self._base()}{object_relkey(key, self.shard_chars)}"
 
     def parse_key(self, s3_key: str) -> BlockKey | None:
         """The BlockKey an object key names, or None for a key this scheme did not write."""
         base = self._base()
         if not s3_key.startswith(base):
             return None
-        parts = s3_key[len(base) :].split("/")
-        if len(parts) != (3 if self.shard_chars else 2):
-            return None
-        ns, h = parts[0], parts[-1]
-        if not _NS_RE.match(ns) or not _HEX_RE.match(h) or len(h) % 2:
-            return None
-        if self.shard_chars and parts[1] != h[: self.shard_chars]:
-            return None
-        return BlockKey(ns, bytes.fromhex(h))
+        return parse_object_relkey(s3_key[len(base) :], self.shard_chars)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -1,0 +1,76 @@
+"""The connector's layout from a real vLLM config: the fingerprint names the bytes (cache dtype, backend /
+CPU ISA, block size, revision), unknown cache dtypes are refused, any model name gives a valid namespace."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbm.errors import ConfigError
+from kvbm.keys import check_namespace
+
+pytest.importorskip("vllm", reason="the vLLM CPU build is not installed (KVBM_EXTRAS=vllm)")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def vllm_config(model: str, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=4096, **kw).create_engine_config()
+
+
+def layout(model: str, name: str = "tiny", **kw):
+    from kvbm.integrations.vllm import layout_for
+
+    cfg = vllm_config(model, **kw)
+    return layout_for(cfg, 0, cfg.cache_config.block_size, name)
+
+
+def test_cache_dtype_is_fingerprinted(tiny_model):
+    auto = layout(tiny_model)
+    assert auto.dtype == "bfloat16"  # the model's dtype
+    assert layout(tiny_model, kv_cache_dtype="bfloat16").namespace == auto.namespace
+    e4m3 = layout(tiny_model, kv_cache_dtype="fp8")
+    assert e4m3.dtype == "float8_e4m3fn" and e4m3.bytes_per_token * 2 == auto.bytes_per_token
+    assert layout(tiny_model, kv_cache_dtype="fp8_e4m3").namespace == e4m3.namespace  # fp8 means e4m3
+    e5m2 = layout(tiny_model, kv_cache_dtype="fp8_e5m2")
+    assert e5m2.dtype == "float8_e5m2"
+    assert len({auto.namespace, e4m3.namespace, e5m2.namespace}) == 3
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_inc", "fp8_ds_mla", "int8_per_token_head"])
+def test_unknown_cache_dtype_is_refused(tiny_model, cache_dtype):
+    with pytest.raises(ConfigError, match=f"cache_dtype '{cache_dtype}'"):
+        layout(tiny_model, kv_cache_dtype=cache_dtype)
+
+
+def test_backend_block_size_and_revision_are_fingerprinted(tiny_model):
+    base = layout(tiny_model, block_size=16)
+    assert base.backend.startswith("vllm/cpu/CPU_ATTN/") and base.backend.endswith("/bs16")
+    assert len(base.backend.split("/")) == 5  # the CPU attention ISA is part of it
+    # Two vLLM blocks of 16 or one of 32: the same kvbm block size, different bytes.
+    from kvbm.integrations.vllm import layout_for
+
+    cfg32 = vllm_config(tiny_model, block_size=32)
+    assert layout_for(cfg32, 0, 32, "tiny").namespace != layout_for(vllm_config(tiny_model, block_size=16), 0, 32,
+                                                                      "tiny").namespace
+    r1 = layout(tiny_model, block_size=16, revision="r1")
+    assert r1.revision == "r1" and r1.namespace != base.namespace
+    assert layout(tiny_model, block_size=16, revision="r2").namespace != r1.namespace
+
+
+@pytest.mark.parametrize("name", ["./m", "/abs/path/Model", "..", "модель"])
+def test_any_model_name_gives_a_valid_namespace(tiny_model, name):
+    lay = layout(tiny_model, name=name)
+    assert check_namespace(lay.namespace) == lay.namespace
