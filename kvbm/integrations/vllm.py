@@ -457,7 +457,13 @@ class KvbmConnector(KVConnectorBase_V1):
         if per_block != self.geometry.vblock_nbytes:
             log.info("kvbm: engine block is %d B, layout arithmetic says %d B; storing the engine's bytes",
                      per_block, self.geometry.vblock_nbytes)
-        self._link.get()  # at startup: a configuration error shows now, not at the first request
+        client = self._link.get()  # at startup: a configuration error shows now, not at the first request
+        if client is not None and client.registered is not None and self._block_bytes > client.registered.slot_bytes:
+            # k came from the layout arithmetic; the engine's real blocks are bigger and overflow a slot.
+            _warn_once(f"kvbm: this engine stores {per_block} B per vLLM block (the layout arithmetic says "
+                       f"{self.geometry.vblock_nbytes} B), so {self.k} of them exceed the daemon's block_bytes of "
+                       f"{client.registered.slot_bytes} B: set kv_connector_extra_config.{K_SETTING} to at most "
+                       f"{client.registered.slot_bytes // per_block} or raise the daemon's block_bytes")
 
     @property
     def _block_bytes(self) -> int:
