@@ -6,7 +6,8 @@ path: vLLM finds it through kvbm's ``vllm.general_plugins`` entry point, as ``vl
 
 EngineCore runs in this process (the test sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that, after each
 step, the runner can read which vLLM blocks hold the prompt and ask every worker (TP rank) for a digest
-of those blocks' KV bytes: the test compares them with an engine that computed the prompt itself.
+of those blocks' KV bytes: the test compares them with an engine that computed the prompt itself. Workers
+import this module for the ``KVDigest`` extension (the test puts tests/ on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -101,5 +102,4 @@ def main(spec_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     main(sys.argv[1], sys.argv[2])
