@@ -1,4 +1,7 @@
-"""Shared fixtures: a real SeaweedFS (the embedded S3 endpoint) for the S3 tier and server tests."""
+"""Shared fixtures: a real SeaweedFS (the embedded S3 endpoint) for the S3 tier and server tests.
+
+The hooks of tests/needs.py make a skip of a component named in ``KVBM_REQUIRE`` fail (CI sets it).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,14 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from needs import (  # noqa: F401  (pytest hooks, found by name in this module)
+    pytest_configure,
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+    require,
+)
 
 from kvbm.s3server import EmbeddedS3, weed_runs
 
@@ -13,8 +24,7 @@ from kvbm.s3server import EmbeddedS3, weed_runs
 @pytest.fixture(scope="session")
 def weed_binary() -> str:
     ok, why = weed_runs()
-    if not ok:
-        pytest.skip(f"SeaweedFS not available: {why}")
+    require("s3", ok, f"SeaweedFS cannot run here: {why}")
     return why
 
 

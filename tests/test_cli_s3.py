@@ -2,8 +2,8 @@
 
 import json
 
-import pytest
 from click.testing import CliRunner
+from needs import require
 
 from kvbm.cli.main import main
 from kvbm.s3server import weed_runs
@@ -11,8 +11,7 @@ from kvbm.s3server import weed_runs
 
 def test_embedded_s3_lifecycle(tmp_path, monkeypatch):
     ok, why = weed_runs()
-    if not ok:
-        pytest.skip(f"weed binary cannot run here: {why}")
+    require("s3", ok, f"SeaweedFS cannot run here: {why}")
     monkeypatch.setenv("KVBM_EMBEDDED_S3_DIR", str(tmp_path / "weed"))
     monkeypatch.delenv("KVBM_CONFIG", raising=False)
     r = CliRunner()

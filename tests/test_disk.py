@@ -14,6 +14,7 @@ import uuid
 
 import numpy as np
 import pytest
+from needs import needs, skip
 
 from kvbm.blocks import ALIGNED_HEADER_LEN, BlockKey
 from kvbm.errors import TierFullError
@@ -56,7 +57,7 @@ def nixl_io():
 
 FILE_IOS = [
     pytest.param(PlainFileIO, id="plain"),
-    pytest.param(nixl_io, id="nixl", marks=pytest.mark.skipif(not HAVE_NIXL, reason="NIXL unavailable")),
+    pytest.param(nixl_io, id="nixl", marks=needs("nixl", HAVE_NIXL, f"NIXL unavailable: {nixl_available()[1]}")),
 ]
 
 
@@ -311,7 +312,7 @@ def tiny_tmpfs(tmp_path):
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+        skip("tmpfs", f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     yield mnt
     for _ in range(20):
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:

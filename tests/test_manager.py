@@ -4,6 +4,7 @@ import asyncio
 import os
 
 import pytest
+from needs import needs
 
 from kvbm.blocks import BlockKey
 from kvbm.hashing import prefix_hashes
@@ -49,7 +50,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-BACKENDS = ["plain"] + (["nixl"] if nixl_available()[0] else [])
+BACKENDS = ["plain", pytest.param("nixl", marks=needs("nixl", nixl_available()[0], nixl_available()[1]))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

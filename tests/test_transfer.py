@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from needs import needs, skip
 
 from kvbm import transfer
 from kvbm.blocks import ALIGNED_HEADER_LEN, BlockKey, pack_header, unpack_header, verify
@@ -26,7 +27,7 @@ from kvbm.transfer import (
 MiB = 1 << 20
 KEY = BlockKey("m-0123456789abcdef", bytes(range(16)))
 HAVE_NIXL = nixl_available()[0]
-needs_nixl = pytest.mark.skipif(not HAVE_NIXL, reason=f"NIXL unavailable: {nixl_available()[1]}")
+needs_nixl = needs("nixl", HAVE_NIXL, f"NIXL unavailable: {nixl_available()[1]}")
 
 
 def _movers():
@@ -114,7 +115,7 @@ def test_o_direct_mode_recorded_and_padded(tmp_path):
     path = str(tmp_path / "d.kvb")
     size = fio.write_block(path, header, memoryview(pl), fsync=False, o_direct=True)
     if fio.last_write_mode != "direct":
-        pytest.skip("this filesystem refuses O_DIRECT")
+        skip("odirect", "this filesystem refuses O_DIRECT")
     assert size == ALIGNED_HEADER_LEN + MiB + 4096 == os.path.getsize(path)  # padded to a page multiple
     # An aligned, page-multiple buffer is read into directly; anything else via the bounce buffer.
     fio.read_block(path, _aligned(2 * MiB), True)
@@ -166,7 +167,7 @@ def test_o_direct_einval_on_write_falls_back(tmp_path, monkeypatch):
     path = str(tmp_path / "g.kvb")
     size = fio.write_block(path, pack_header(KEY, memoryview(pl), ALIGNED_HEADER_LEN), memoryview(pl), True, True)
     if not calls:
-        pytest.skip("this filesystem refuses O_DIRECT at open")
+        skip("odirect", "this filesystem refuses O_DIRECT at open")
     assert fio.last_write_mode == "buffered" and os.path.getsize(path) == size == ALIGNED_HEADER_LEN + MiB
     assert bytes(fio.read_block(path)[1]) == pl.tobytes()
 

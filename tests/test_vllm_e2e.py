@@ -1,11 +1,16 @@
 """KvbmConnector inside a real vLLM (CPU build, tiny random Llama), against a real daemon and SeaweedFS.
 
-Nothing here is simulated: vLLM runs its own EngineCore and Worker processes with the connector loaded
-from ``kvbm.integrations.vllm``; the daemon runs as ``python -m kvbm.cli.serve``.
+Nothing here is simulated: vLLM runs the connector it finds by name through kvbm's plugin entry point,
+with its own Worker processes at TP=2; the daemon runs as ``python -m kvbm.cli.serve``. The connector
+runs with default settings: it derives how many vLLM blocks make a kvbm block from the daemon.
+
+The oracle is not only the greedy tokens (a tiny random model may agree even with wrong KV): the KV
+bytes of every loaded vLLM block, on every TP rank, must equal those of an engine that computed them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -16,17 +21,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("vllm", reason="vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")
-
+from needs import needs
 from serve_proc import ServeProc
 
 from kvbm.vllm_hash import vllm_block_hashes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs("vllm", importlib.util.find_spec("vllm") is not None,
+                                      "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")]
 HERE = Path(__file__).parent
 VLLM_BS = 128
-K = 2  # vLLM blocks per kvbm block
+VBLOCK_BYTES = 64 * 1024  # one vLLM block of the tiny model: 128 tokens x 2 layers x 2 KV heads x 32 x K,V x bf16
 PROMPT = [(i * 7 + 3) % 997 + 3 for i in range(2000)]
 HASH_SEED = "0"
 
@@ -53,10 +57,10 @@ def tiny_model(tmp_path_factory) -> str:
 class Daemon(ServeProc):
     """The kvbm daemon on loopback TCP, following the engine's KV events."""
 
-    def __init__(self, tmp: Path, s3, bucket: str) -> None:
+    def __init__(self, tmp: Path, s3, bucket: str, block_bytes: str = "128KiB") -> None:
         self.vllm_events = f"tcp://127.0.0.1:{free_port()}"
         super().__init__(tmp, {
-            "block_bytes": "128KiB",
+            "block_bytes": block_bytes,
             "device": {"enabled": False},
             "host": {"capacity": "4MiB"},
             "disk": {"dir": str(tmp / "disk"), "capacity": "64MiB", "fsync": False},
@@ -76,21 +80,36 @@ class Daemon(ServeProc):
         with self.client(timeout_s=5) as c:
             return set(c.stats(resident=True)["engines"][engine]["resident"])
 
+    def wait_cascaded(self, blocks: int) -> dict:
+        """Stats once every stored block reached G3 and G4 (generous deadline: a loaded CI machine)."""
+        deadline = time.monotonic() + 60
+        while True:
+            st = self.stats()
+            done = st["manager"]["cascade_writes"] >= 2 * blocks and not st["manager"]["pending_cascades"]
+            if done or time.monotonic() > deadline:
+                return st
+            time.sleep(0.5)
 
-def run_vllm(tmp: Path, name: str, model: str, daemon: Daemon | None, steps: list[dict], *,
-             connector: bool = True, events: str | None = None) -> list[dict]:
-    spec = {"model": model, "prompt": PROMPT, "steps": steps, "prefix_caching": bool(events), "events": events}
-    if connector:
-        assert daemon is not None
-        spec["connector"] = {"daemon": daemon.endpoint, "model_name": "tiny-llama-e2e",
-                             "vllm_blocks_per_kvbm_block": K, "timeout_s": 5}
+
+def run_vllm(tmp: Path, name: str, model: str, daemon: Daemon | None, steps: list[dict], *, tp: int = 1,
+             prompt: list[int] = PROMPT, digest_blocks: int = 0, events: str | None = None) -> list[dict]:
+    """One engine in a fresh process; ``daemon`` None runs it without the connector."""
+    spec = {"model": model, "prompt": prompt, "steps": steps, "events": events, "tp": tp,
+            "digest_blocks": digest_blocks}
+    if daemon is not None:
+        # Default settings: no vllm_blocks_per_kvbm_block, the connector derives it from the daemon.
+        spec["connector"] = {"daemon": daemon.endpoint, "model_name": "tiny-llama-e2e", "timeout_s": 5}
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": HASH_SEED, "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2"}
+           "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2" if tp == 1 else "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # EngineCore in the runner: it reads the block table
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
     with open(tmp / f"{name}.log", "wb") as log:
         proc = subprocess.run([sys.executable, str(HERE / "vllm_runner.py"), str(spec_path), str(out_path)],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, timeout=400)
+                              stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(f"vLLM run {name} failed:\n" + (tmp / f"{name}.log").read_text()[-4000:])
     return json.loads(out_path.read_text())["results"]
@@ -100,26 +119,29 @@ def tier_hits(stats: dict) -> dict[str, int]:
     return {t["tier"]: t["stats"]["hits"] for t in stats["tiers"]}
 
 
-def test_connector_end_to_end(tmp_path, tiny_model, s3_server):
+@pytest.fixture(scope="module")
+def baseline(tiny_model, tmp_path_factory) -> dict:
+    """A vLLM with no connector at all: the reference tokens and KV bytes of the prompt's full blocks."""
+    return run_vllm(tmp_path_factory.mktemp("baseline"), "baseline", tiny_model, None, [{}],
+                    digest_blocks=len(PROMPT) // VLLM_BS)[0]
+
+
+def test_connector_end_to_end(tmp_path, tiny_model, baseline, s3_server):
     daemon = Daemon(tmp_path, s3_server, f"kvbm-e2e-{uuid.uuid4().hex[:8]}")
     try:
         daemon.start()
-        # 0. Reference: a vLLM with no connector at all.
-        baseline = run_vllm(tmp_path, "baseline", tiny_model, None, [{}], connector=False)[0]
+        # The daemon's 128 KiB blocks hold two 64 KiB vLLM blocks: the connector must derive k = 2.
+        k = 128 * 1024 // VBLOCK_BYTES
+        full_kvbm_blocks = (len(PROMPT) - 1) // (VLLM_BS * k)  # 7 blocks = 1792 tokens
+        loaded_vblocks = full_kvbm_blocks * k
 
         # 1. First engine: computes the prompt, stores its full blocks through kvbm, publishes KV events.
         first = run_vllm(tmp_path, "store", tiny_model, daemon, [{}], events=daemon.vllm_events)[0]
         assert first["tokens"] == baseline["tokens"]
-        assert first["kv_transfer_params"]["kvbm"]["degraded"] is False
-        full_kvbm_blocks = (len(PROMPT) - 1) // (VLLM_BS * K)  # 7 blocks = 1792 tokens
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            st = daemon.stats()
-            if st["manager"]["cascade_writes"] >= 2 * full_kvbm_blocks and not st["manager"]["pending_cascades"]:
-                break
-            time.sleep(0.5)
+        assert first["kv_transfer_params"]["kvbm"]["degraded"] is False, first["kv_transfer_params"]
+        st = daemon.wait_cascaded(full_kvbm_blocks)
         g = {t["tier"]: t for t in st["tiers"]}
-        assert g["G3"]["blocks"] >= full_kvbm_blocks and g["G4"]["blocks"] >= full_kvbm_blocks
+        assert g["G3"]["blocks"] == full_kvbm_blocks and g["G4"]["blocks"] == full_kvbm_blocks, g
 
         # 5. The daemon followed the engine's KV events: vLLM's own block hashes are resident on its GPU.
         expected = {int.from_bytes(h[-8:], "big") for h in vllm_block_hashes(PROMPT, VLLM_BS, seed=HASH_SEED)}
@@ -129,15 +151,20 @@ def test_connector_end_to_end(tmp_path, tiny_model, s3_server):
         assert view["blocks"].get("GPU", 0) >= len(expected) and view["gaps"] == 0, view
         assert expected <= daemon.resident(next(iter(engines)))
 
-        # 2 + 3. A fresh engine: the prefix comes from kvbm (G2), then again from S3 (G4) alone.
+        # 2 + 3. A fresh engine: the prefix comes from kvbm (G2), then again from S3 (G4) alone. The loaded
+        # vLLM blocks hold exactly the bytes the baseline engine computed.
         before = tier_hits(daemon.stats())
-        hit, evicted, hit_g4 = run_vllm(tmp_path, "load", tiny_model, daemon,
-                                        [{}, {"evict": ["G2", "G3"]}, {}])
-        assert hit["num_cached_tokens"] == full_kvbm_blocks * VLLM_BS * K
+        hit, evicted, hit_g4 = run_vllm(tmp_path, "load", tiny_model, daemon, [{}, {"evict": ["G2", "G3"]}, {}],
+                                        digest_blocks=loaded_vblocks)
+        ref = baseline["kv_digests"][0][:loaded_vblocks]
+        assert hit["num_cached_tokens"] == full_kvbm_blocks * VLLM_BS * k
         assert hit["tokens"] == baseline["tokens"]
-        assert evicted["evicted"] >= full_kvbm_blocks
-        assert hit_g4["num_cached_tokens"] == full_kvbm_blocks * VLLM_BS * K
+        assert hit["kv_digests"] == [ref]
+        assert hit["prefix_cache_reset"] is True  # step 3 cannot be served by vLLM's own prefix cache
+        assert evicted["evicted"] == 2 * full_kvbm_blocks  # one copy in G2, one in G3
+        assert hit_g4["num_cached_tokens"] == full_kvbm_blocks * VLLM_BS * k
         assert hit_g4["tokens"] == baseline["tokens"]
+        assert hit_g4["kv_digests"] == [ref]
         after = tier_hits(daemon.stats())
         assert after["G4"] - before["G4"] >= full_kvbm_blocks
 
@@ -147,5 +174,54 @@ def test_connector_end_to_end(tmp_path, tiny_model, s3_server):
         assert down["tokens"] == baseline["tokens"]
         assert down["num_cached_tokens"] == 0
         assert down["kv_transfer_params"]["kvbm"]["degraded"] is True
+        assert "unavailable" in (tmp_path / "down.log").read_text()
+    finally:
+        daemon.stop()
+
+
+def test_tensor_parallel_2_stores_and_loads_every_rank(tmp_path, tiny_model, s3_server):
+    """TP=2 (two worker processes, one thread each): both ranks store, and a fresh engine loads both."""
+    prompt = [(i * 11 + 5) % 991 + 3 for i in range(3000)]
+    daemon = Daemon(tmp_path, s3_server, f"kvbm-tp2-{uuid.uuid4().hex[:8]}")
+    try:
+        daemon.start()
+        # Per rank a vLLM block is half as big (one KV head of two), so k = 4 against 128 KiB blocks.
+        k = 128 * 1024 // (VBLOCK_BYTES // 2)
+        full = (len(prompt) - 1) // (VLLM_BS * k)  # 5 blocks of 512 tokens = 2560 tokens
+        store = run_vllm(tmp_path, "tp2-store", tiny_model, daemon, [{}], tp=2, prompt=prompt,
+                         digest_blocks=full * k)[0]
+        assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
+        st = daemon.wait_cascaded(2 * full)
+        assert {t["tier"]: t["blocks"] for t in st["tiers"]}["G2"] == 2 * full  # each rank its own namespace
+
+        load = run_vllm(tmp_path, "tp2-load", tiny_model, daemon, [{}], tp=2, prompt=prompt,
+                        digest_blocks=full * k)[0]
+        assert load["num_cached_tokens"] == full * k * VLLM_BS
+        assert load["tokens"] == store["tokens"]
+        assert len(load["kv_digests"]) == 2 and load["kv_digests"] == store["kv_digests"]
+        assert load["kv_digests"][0] != load["kv_digests"][1]  # the ranks hold different heads
+    finally:
+        daemon.stop()
+
+
+def test_daemon_blocks_smaller_than_a_vllm_block_is_a_clear_error(tmp_path, tiny_model, baseline, s3_server):
+    """A 64 KiB vLLM block cannot fit 32 KiB kvbm blocks: the engine still answers (recomputing), and the
+    connector says why, naming both sizes and the settings to change, once, never "unavailable"."""
+    daemon = Daemon(tmp_path, s3_server, f"kvbm-small-{uuid.uuid4().hex[:8]}", block_bytes="32KiB")
+    try:
+        daemon.start()
+        out = run_vllm(tmp_path, "small", tiny_model, daemon, [{}, {}])
+        for res in out:
+            assert res["tokens"] == baseline["tokens"]
+            assert res["num_cached_tokens"] == 0
+            kvbm = res["kv_transfer_params"]["kvbm"]
+            assert kvbm["degraded"] is True and kvbm["misconfigured"] is True, kvbm
+            assert str(VBLOCK_BYTES) in kvbm["reason"] and "32768" in kvbm["reason"], kvbm
+            assert "block_bytes" in kvbm["reason"] and "--block-size" in kvbm["reason"], kvbm
+        log = (tmp_path / "small.log").read_text()
+        assert "unavailable" not in log, log[-3000:]
+        warnings = [ln for ln in log.splitlines() if "kvbm:" in ln and "block_bytes" in ln]
+        assert len(warnings) == 1, warnings
+        assert daemon.stats()["daemon"]["registered"] == 0
     finally:
         daemon.stop()

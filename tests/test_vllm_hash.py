@@ -1,6 +1,7 @@
 """kvbm's reimplementation of vLLM's block hash."""
 
 import pytest
+from needs import import_or_skip
 
 from kvbm.hashing import prefix_hashes
 from kvbm.vllm_hash import cbor_canonical, none_hash, vllm_block_hashes
@@ -40,7 +41,7 @@ def test_salt_only_changes_everything_through_the_chain():
 
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
 def test_identical_to_vllms_own_hash_when_vllm_is_installed(algo):
-    hashing = pytest.importorskip("vllm.utils.hashing", reason="vLLM not installed (pip install -e '.[vllm]')")
+    hashing = import_or_skip("vllm", "vllm.utils.hashing")
     from vllm.v1.core import kv_cache_utils as kcu
 
     fn = hashing.get_hash_fn_by_name(algo)

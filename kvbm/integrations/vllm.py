@@ -1,13 +1,14 @@
 """KvbmConnector: kvbm embedded in vLLM (v1 KV-connector API) as an offload/onboard connector.
 
-Load it with::
+kvbm registers it with vLLM through the ``vllm.general_plugins`` entry point, so once kvbm is installed
+next to vLLM it loads by name::
 
-    --kv-transfer-config '{"kv_connector": "KvbmConnector",
-                           "kv_connector_module_path": "kvbm.integrations.vllm",
-                           "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"daemon": "tcp://127.0.0.1:5557",
-                                                          "model_name": "llama-3.1-8b",
-                                                          "vllm_blocks_per_kvbm_block": 1}}'
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvbmConnector", "kv_role": "kv_both"}'
+
+Optional ``kv_connector_extra_config`` keys: ``daemon`` (endpoint; else $KVBM_DAEMON, else
+tcp://127.0.0.1:5557), ``model_name``, ``vllm_blocks_per_kvbm_block`` (by default derived from the
+daemon: as many vLLM blocks as fill one of its ``block_bytes`` blocks), ``timeout_s``, ``save``, ``load``,
+``async_load``, ``async_save``, ``load_failure_policy``.
 
 * Scheduler side (EngineCore process): asks the daemon for the longest stored prefix of each new
   request, hands the worker side the vLLM block ids to fill (loads) and the full blocks to save, and
@@ -18,6 +19,9 @@ Load it with::
   and V inside a block in an ISA-specific order.
 * A kvbm block spans ``k`` vLLM blocks and is keyed by vLLM's own hash of its last vLLM block, so kvbm
   and vLLM's KV events agree on identity (the namespace carries the layout fingerprint per TP rank).
+  ``k`` is read from the daemon when the connector first reaches it (its G2 slot size, in ``Stats``,
+  which needs no registration); a vLLM block bigger than the daemon's blocks is a configuration error,
+  reported in ``kv_transfer_params`` and logged once at WARNING with both sizes and what to change.
 * Every kvbm failure (daemon down, a checksum miss, S3 down) turns into a miss or a load error that vLLM
   recomputes (the connector switches ``kv_load_failure_policy`` to ``recompute`` unless the extra
   config asks for ``fail``); it is logged once and never raises into the engine.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
-from kvbm.errors import ConfigError
+from kvbm.errors import ConfigError, KvbmError
 from kvbm.layout import DTYPE_BYTES, KVLayout
 
 if TYPE_CHECKING:
@@ -55,6 +60,61 @@ log = logging.getLogger("kvbm.vllm")
 
 RETRY_AFTER_S = 5.0
 MAX_RETRY_AFTER_S = 60.0
+K_SETTING = "vllm_blocks_per_kvbm_block"
+_warned: set[str] = set()  # configuration errors already logged by this process (scheduler and workers)
+
+
+class MisconfiguredError(KvbmError):
+    """The engine's blocks and the daemon's do not fit together: a setting has to change."""
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning("%s", msg)
+
+
+class _Geometry:
+    """How many vLLM blocks make one kvbm block (``k``): as set in the extra config, else derived from the
+    daemon's block size so that ``k`` vLLM blocks fill one daemon block. Fixed once first resolved (the
+    namespace depends on it); every (re)connection checks it still fits the daemon's blocks."""
+
+    def __init__(self, vllm_block_size: int, vblock_nbytes: int, k: int | None) -> None:
+        self.vllm_block_size = vllm_block_size
+        self.vblock_nbytes = vblock_nbytes  # one vLLM block of one TP rank, every layer
+        self.explicit = k
+        self.k: int | None = k
+
+    def resolve(self, slot_bytes: int | None) -> int:
+        if slot_bytes is None:  # a daemon that does not say: trust an explicit k, the daemon checks it
+            if self.k is None:
+                raise MisconfiguredError(f"kvbm: the daemon does not report its block size; set "
+                                         f"kv_connector_extra_config.{K_SETTING}")
+            return self.k
+        k = self.k or slot_bytes // self.vblock_nbytes
+        if k < 1 or k * self.vblock_nbytes > slot_bytes:
+            raise MisconfiguredError(self.mismatch(slot_bytes))
+        self.k = k
+        return k
+
+    def mismatch(self, slot_bytes: int) -> str:
+        k = self.k or 1
+        per_token = max(1, self.vblock_nbytes // self.vllm_block_size)
+        fix = (f"set the daemon's block_bytes to at least {k * self.vblock_nbytes} B, or lower vLLM's "
+               f"--block-size to at most {slot_bytes // per_token // k} tokens")
+        if self.explicit:
+            fix += f", or lower kv_connector_extra_config.{K_SETTING} (unset derives it)"
+        return (f"kvbm: {k} vLLM block(s) of {self.vblock_nbytes} B ({self.vllm_block_size} tokens x {per_token} "
+                f"B/token per TP rank) do not fit the daemon's block_bytes of {slot_bytes} B: {fix}. kvbm is "
+                f"off for this engine until then (vLLM recomputes).")
+
+
+def _daemon_block_bytes(client: WorkerClient) -> int | None:
+    """The daemon's block size: its G2 slot size, from Stats (answered without registering)."""
+    for tier in client.stats()["tiers"]:
+        if tier.get("tier") == "G2" and tier.get("slot_bytes"):
+            return int(tier["slot_bytes"])
+    return None
 
 
 @dataclass
@@ -70,6 +130,7 @@ class BlockTransfer:
 class KvbmConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    k: int = 0  # the scheduler's vLLM blocks per kvbm block; workers refuse transfers planned with another
 
 
 # vLLM cache_dtype -> the dtype of the bytes in its KV cache. "fp8" and "fp8_e4m3" are the platform's e4m3
@@ -150,14 +211,20 @@ def layout_for(vllm_config: VllmConfig, tp_rank: int, block_tokens: int, model_n
 
 
 class _Link:
-    """A daemon client that degrades instead of failing: errors mark it down for a few seconds."""
+    """A daemon client that degrades instead of failing: errors mark it down for a few seconds.
 
-    def __init__(self, endpoint: str, layout: KVLayout, engine_id: str, worker_id: str, timeout_s: float):
-        self.endpoint, self.layout, self.engine_id, self.worker_id = endpoint, layout, engine_id, worker_id
+    On connecting it resolves the block geometry against the daemon, then registers ``layout_of(k)``."""
+
+    def __init__(self, endpoint: str, geometry: _Geometry, layout_of: Callable[[int], KVLayout], engine_id: str,
+                 worker_id: str, timeout_s: float):
+        self.endpoint, self.engine_id, self.worker_id = endpoint, engine_id, worker_id
+        self.geometry, self.layout_of = geometry, layout_of
+        self.layout: KVLayout | None = None
         self.timeout_s = timeout_s
         self.client: WorkerClient | None = None
         self.down_until = 0.0
         self.degraded_reason = ""
+        self.misconfigured = False
         self.warned = False
         self.failures = 0
 
@@ -172,15 +239,23 @@ class _Link:
             return None
         client = WorkerClient(self.endpoint, timeout_s=self.timeout_s)
         try:
-            client.register(self.layout, worker_id=self.worker_id, engine_id=self.engine_id)
-        except (DaemonUnavailable, DaemonError, OSError) as e:
+            layout = self.layout_of(self.geometry.resolve(_daemon_block_bytes(client)))
+            try:
+                client.register(layout, worker_id=self.worker_id, engine_id=self.engine_id)
+            except DaemonError as e:
+                if e.code != p.E_BAD_REQUEST:
+                    raise
+                raise MisconfiguredError(f"kvbm: the daemon refused this engine's KV layout ({e.message}); "
+                                         f"check the daemon's block_bytes and {K_SETTING}") from e
+        except (MisconfiguredError, DaemonUnavailable, DaemonError, OSError) as e:
             client.close()
             self.fail(e)
             return None
-        self.client = client
+        self.client, self.layout = client, layout
         if self.degraded_reason:
             log.warning("kvbm: daemon %s is back", self.endpoint)
         self.degraded_reason = ""
+        self.misconfigured = False
         self.warned = False
         self.failures = 0
         return client
@@ -190,7 +265,12 @@ class _Link:
         # Back off (5 s, 10 s, ... 60 s) so a dead daemon costs the engine one timeout now and then.
         self.failures += 1
         self.down_until = time.monotonic() + min(MAX_RETRY_AFTER_S, RETRY_AFTER_S * 2 ** (self.failures - 1))
-        if not self.warned:
+        self.misconfigured = isinstance(e, MisconfiguredError)
+        if self.misconfigured:
+            # Not an outage: retried (the daemon may be reconfigured), but said once and as it is.
+            self.degraded_reason = str(e)
+            _warn_once(str(e))
+        elif not self.warned:
             log.warning("kvbm: daemon %s unavailable, recomputing instead (%s)", self.endpoint, e)
             self.warned = True
         if self.client is not None:
@@ -222,13 +302,15 @@ class KvbmConnector(KVConnectorBase_V1):
         extra = dict(ktc.kv_connector_extra_config or {})
         self.endpoint = str(extra.get("daemon") or os.environ.get("KVBM_DAEMON")
                             or os.environ.get("KVBM_DAEMON_ENDPOINT") or "tcp://127.0.0.1:5557")
-        self.k = int(extra.get("vllm_blocks_per_kvbm_block", 1))
-        if self.k < 1:
-            raise ValueError("kv_connector_extra_config.vllm_blocks_per_kvbm_block must be >= 1")
+        k = extra.get(K_SETTING)
+        if k is not None and int(k) < 1:
+            raise ValueError(f"kv_connector_extra_config.{K_SETTING} must be >= 1 (or unset: derived from the daemon)")
         self.vllm_block_size = vllm_config.cache_config.block_size
-        self.block_tokens = self.k * self.vllm_block_size
         self.model_name = str(extra.get("model_name") or vllm_config.model_config.served_model_name
                               or vllm_config.model_config.model)
+        # Layout arithmetic, identical on the scheduler and every rank, so all derive the same k.
+        vblock = layout_for(vllm_config, 0, self.vllm_block_size, self.model_name).block_nbytes
+        self.geometry = _Geometry(self.vllm_block_size, vblock, None if k is None else int(k))
         self.timeout_s = float(extra.get("timeout_s", 5.0))
         self.save = bool(extra.get("save", True))
         self.load = bool(extra.get("load", True))
@@ -242,8 +324,8 @@ class KvbmConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # One scheduler serves all TP ranks: a prefix counts only if every rank stored it.
             self._links = [
-                _Link(self.endpoint, layout_for(vllm_config, r, self.block_tokens, self.model_name),
-                      self.engine_id, f"{self.engine_id}-scheduler-r{r}", self.timeout_s)
+                _Link(self.endpoint, self.geometry, self._layout_of(vllm_config, r), self.engine_id,
+                      f"{self.engine_id}-scheduler-r{r}", self.timeout_s)
                 for r in range(self.tp_size)
             ]
             self._reqs: dict[str, _ReqState] = {}
@@ -253,33 +335,56 @@ class KvbmConnector(KVConnectorBase_V1):
             # sending / receiving instead. Both sides derive this from the same metadata, so they agree.
             self._save_pending: set[str] = set()
             self._load_pending: set[str] = set()
+            self._connect()  # at startup: a configuration error shows now, not at the first request
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self.tp_rank = get_tensor_model_parallel_rank()
-            self.layout = layout_for(vllm_config, self.tp_rank, self.block_tokens, self.model_name)
-            self._link = _Link(self.endpoint, self.layout, self.engine_id,
+            layout_of = self._layout_of(vllm_config, self.tp_rank)
+            self._link = _Link(self.endpoint, self.geometry, layout_of, self.engine_id,
                                f"{self.engine_id}-worker-r{self.tp_rank}-{os.getpid()}", self.timeout_s)
             self._kv: list[tuple[str, torch.Tensor, int]] = []  # (layer, cache, block dim)
-            self._block_bytes = 0
+            self._vblock_bytes = 0  # one vLLM block as the engine stores it, every layer
             self._load_errors: set[int] = set()
             # Async loads run on their own thread with their own daemon session (a client is single-threaded).
-            self._load_link = _Link(self.endpoint, self.layout, self.engine_id,
+            self._load_link = _Link(self.endpoint, self.geometry, layout_of, self.engine_id,
                                     f"{self.engine_id}-loader-r{self.tp_rank}-{os.getpid()}", self.timeout_s)
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")
             self._loading: dict[str, Future[set[int]]] = {}
             # Async saves: copies into G2 run on their own thread (and CUDA stream) after each forward.
-            self._save_link = _Link(self.endpoint, self.layout, self.engine_id,
+            self._save_link = _Link(self.endpoint, self.geometry, layout_of, self.engine_id,
                                     f"{self.engine_id}-saver-r{self.tp_rank}-{os.getpid()}", self.timeout_s)
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvbm-save")
             self._saving: dict[str, list[Future[None]]] = {}
             self._finishing: set[str] = set()
             self._save_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
+    def _layout_of(self, vllm_config: VllmConfig, tp_rank: int) -> Callable[[int], KVLayout]:
+        return lambda k: layout_for(vllm_config, tp_rank, k * self.vllm_block_size, self.model_name)
+
+    @property
+    def k(self) -> int:
+        """vLLM blocks per kvbm block; 0 until resolved against a daemon."""
+        return self.geometry.k or 0
+
+    @property
+    def block_tokens(self) -> int:
+        return self.k * self.vllm_block_size
+
     # ------------------------------------------------------------------------------------------------
     # scheduler side
     # ------------------------------------------------------------------------------------------------
+    def _connect(self) -> bool:
+        """Register every rank's link now if it is not (each stops at its first failure)."""
+        return all(link.get() is not None for link in self._links)
+
+    def layouts(self) -> list[KVLayout]:
+        """The layout (and so the namespace) of each TP rank; scheduler side, empty until the daemon was reached."""
+        return [link.layout for link in self._links if link.layout is not None]
+
     def _kvbm_hashes(self, request: Request) -> list[bytes]:
+        if not self.k and not self._connect():
+            return []  # geometry unknown (daemon never reached): no loads, no saves for this request
         return [bytes(h) for h in request.block_hashes[self.k - 1 :: self.k]]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -329,7 +434,7 @@ class KvbmConnector(KVConnectorBase_V1):
         st.saved_blocks = local_blocks + n  # loaded blocks are already stored
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvbmConnectorMetadata()
+        meta = KvbmConnectorMetadata(k=self.k)
         for st in self._reqs.values():
             if st.load is not None:
                 meta.loads.append(st.load)
@@ -355,6 +460,8 @@ class KvbmConnector(KVConnectorBase_V1):
             return
         if new_block_ids:
             st.block_ids.extend(new_block_ids[0])
+        if not st.hashes:
+            return
         # Blocks whose every token is computed by the end of this step, prompt and output alike.
         done = min(len(st.hashes), (computed + scheduled) // self.block_tokens, len(st.block_ids) // self.k)
         if done > st.saved_blocks:
@@ -377,10 +484,12 @@ class KvbmConnector(KVConnectorBase_V1):
         # sending (async saves) or finished receiving (an async load of a request aborted while waiting).
         delay_free = rid in self._save_pending or rid in self._load_pending
         self._save_pending.discard(rid)
-        degraded = [link.degraded_reason for link in self._links if link.degraded]
-        params: dict[str, Any] = {"kvbm": {"degraded": bool(degraded), "endpoint": self.endpoint, **self._stats}}
+        degraded = [link for link in self._links if link.degraded]
+        params: dict[str, Any] = {"kvbm": {
+            "degraded": bool(degraded), "misconfigured": any(link.misconfigured for link in degraded),
+            "endpoint": self.endpoint, K_SETTING: self.k, **self._stats}}
         if degraded:
-            params["kvbm"]["reason"] = degraded[0]
+            params["kvbm"]["reason"] = degraded[0].degraded_reason
         return delay_free, params
 
     # ------------------------------------------------------------------------------------------------
@@ -397,10 +506,33 @@ class KvbmConnector(KVConnectorBase_V1):
             bdim = dims[0] if dims else 0
             self._kv.append((name, t, bdim))
             per_block += t.select(bdim, 0).numel() * t.element_size()
-        self._block_bytes = per_block * self.k
-        if self._block_bytes != self.layout.block_nbytes:
+        self._vblock_bytes = per_block
+        if per_block != self.geometry.vblock_nbytes:
             log.info("kvbm: engine block is %d B, layout arithmetic says %d B; storing the engine's bytes",
-                     self._block_bytes, self.layout.block_nbytes)
+                     per_block, self.geometry.vblock_nbytes)
+        client = self._link.get()  # at startup: a configuration error shows now, not at the first request
+        if client is not None and client.registered is not None and self._block_bytes > client.registered.slot_bytes:
+            # k came from the layout arithmetic; the engine's real blocks are bigger and overflow a slot.
+            _warn_once(f"kvbm: this engine stores {per_block} B per vLLM block (the layout arithmetic says "
+                       f"{self.geometry.vblock_nbytes} B), so {self.k} of them exceed the daemon's block_bytes of "
+                       f"{client.registered.slot_bytes} B: set kv_connector_extra_config.{K_SETTING} to at most "
+                       f"{client.registered.slot_bytes // per_block} or raise the daemon's block_bytes")
+
+    @property
+    def _block_bytes(self) -> int:
+        return self._vblock_bytes * self.k
+
+    def _same_k(self, meta: KvbmConnectorMetadata) -> bool:
+        """Transfers planned with another k (a daemon restarted with other blocks in between) are refused."""
+        if not self.k:
+            self._link.get()  # this rank has not reached the daemon yet: resolve k now
+        if meta.k == self.k:
+            return True
+        if not self.k:
+            return False  # daemon unreachable from this rank: loads are recomputed, saves dropped
+        _warn_once(f"kvbm: the scheduler plans {meta.k} vLLM blocks per kvbm block, this worker {self.k}; "
+                   f"transfers skipped (vLLM recomputes); restart the engine")
+        return False
 
     def _copy_blocks(self, slot_view: torch.Tensor, vblocks: list[int], to_engine: bool,
                      non_blocking: bool = False) -> None:
@@ -419,6 +551,9 @@ class KvbmConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvbmConnectorMetadata) or not meta.loads:
+            return
+        if not self._same_k(meta):
+            self._load_errors.update(i for tr in meta.loads for ids in tr.block_ids for i in ids)
             return
         for tr in meta.loads:
             if self.async_load:
@@ -489,7 +624,7 @@ class KvbmConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KvbmConnectorMetadata) or not meta.saves:
+        if not isinstance(meta, KvbmConnectorMetadata) or not meta.saves or not self._same_k(meta):
             return
         if self.async_save:
             # The saver copies after everything queued so far (this step's forward) has run.
