@@ -261,6 +261,9 @@ def test_expired_worker_slots_stay_quarantined_until_its_commit_is_refused(tmp_p
             other._copy_in(got, [payload(ks[0])], NB)
             other.request(p.CommitStore(namespace=ns, hashes=[ks[0].hash]), p.Ack)
         assert given and not set(given) & set(held)
+        st = other.stats()
+        assert st["daemon"]["quarantined_slots"] == 3
+        assert next(t for t in st["tiers"] if t["tier"] == "G2")["detached_slots"] == 3
         slow._copy_in(held, [payload(k) for k in mine], NB)
         tok = slow.token
         with pytest.raises(DaemonError) as ei:
@@ -270,8 +273,8 @@ def test_expired_worker_slots_stay_quarantined_until_its_commit_is_refused(tmp_p
         # Its commit was refused, so its slots are free again; the block it wrote was not stored.
         assert other.lookup(mine).matched == 0
         st = other.stats()
-        g2 = next(t for t in st["tiers"] if t["tier"] == "G2")
-        assert g2.get("quarantined", 0) == 0
+        assert st["daemon"]["quarantined_slots"] == 0
+        assert next(t for t in st["tiers"] if t["tier"] == "G2")["detached_slots"] == 0
         slow.close()
         other.close()
     finally:
