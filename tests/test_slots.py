@@ -129,6 +129,7 @@ def test_remove_stale_pools_keeps_a_pool_whose_owner_holds_the_lock(tmp_path):
     pid = _dead_pid()
     live = f"kvbm-g2-{pid}-live{uuid.uuid4().hex[:4]}"
     dead = f"kvbm-g2-{pid}-dead{uuid.uuid4().hex[:4]}"
+    half = host_mod.SHM_DIR / f".kvbm-new-{pid}-{uuid.uuid4().hex[:4]}"  # a creator died mid-way
     # A live owner in "another PID namespace": its name carries a pid that does not exist here.
     code = ("import sys, time; from kvbm.tiers.host import HostTier; "
             f"HostTier(1 << 20, 1 << 20, {live!r}, pin=False); print('up', flush=True); sys.stdin.read()")
@@ -136,14 +137,18 @@ def test_remove_stale_pools_keeps_a_pool_whose_owner_holds_the_lock(tmp_path):
     try:
         assert owner.stdout.readline().strip() == "up"
         shm_path(dead).write_bytes(b"\0" * 4096)  # left by an owner that died: nobody holds its lock
+        half.write_bytes(b"")
+        os.utime(half, (time.time() - 120, time.time() - 120))
         removed = remove_stale_pools()
         assert dead in removed and not shm_path(dead).exists()
+        assert half.name in removed and not half.exists()
         assert live not in removed and shm_path(live).exists()
     finally:
         owner.stdin.close()
         owner.wait(10)
         shm_path(live).unlink(missing_ok=True)
         shm_path(dead).unlink(missing_ok=True)
+        half.unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import secrets
+import time
 from pathlib import Path
 
 import torch
@@ -53,13 +54,16 @@ def remove_stale_pools() -> list[str]:
     another PID namespace sharing /dev/shm.
     """
     removed = []
-    for path in SHM_DIR.glob("kvbm-g2-*"):
+    # Also half-built pools (``_create`` died before linking one into place).
+    for path in [*SHM_DIR.glob("kvbm-g2-*"), *SHM_DIR.glob(".kvbm-new-*")]:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue
         try:
-            if _locked_by_other(fd):
+            # A half-built pool gets a minute: its creator may be between creating and locking it.
+            young = path.name.startswith(".") and time.time() - os.fstat(fd).st_mtime < 60
+            if young or _locked_by_other(fd):
                 continue
             path.unlink()  # while we hold the lock, so no new owner can have taken it meanwhile
             removed.append(path.name)
