@@ -304,10 +304,58 @@ def test_stress_store_onboard_evict_prefetch_on_the_same_keys_is_byte_exact(tmp_
         print(f"stress {seconds:g}s: loaded {loaded}, wrong {wrong}, "
               f"stored {sum(r['stored'] for r in results)}, evicted {sum(r['evicted'] for r in results)}, "
               f"full/shed {sum(r['full'] for r in results)}")
+        assert wrong == 0, f"{wrong} of {loaded} loaded blocks had another block's bytes"
         errors = [e for r in results for e in r["errors"]]
         assert not errors, errors[:5]
-        assert wrong == 0, f"{wrong} of {loaded} loaded blocks had another block's bytes"
         assert loaded >= 50 and sum(r["evicted"] for r in results) > 0
         assert d.proc.poll() is None
     finally:
         d.stop()
+
+
+def _fill(pool, tag, n):
+    """Store ``n`` new blocks until the pool has no free slot; returns the slots they took."""
+    taken = []
+    for i in range(n):
+        k = keys(1, tag + b"%d" % i)[0]
+        try:
+            slot = pool.allocate(k, NB)
+        except Exception:
+            break
+        pool.slot_tensor(slot, NB).fill_(0xEE)
+        pool.commit(k)
+        taken.append(slot)
+    return taken
+
+
+def test_a_removed_slot_is_not_reused_while_a_reader_holds_it():
+    g2 = HostTier(4 * SLOT, SLOT, pin=False)
+    try:
+        k = keys(1, b"held")[0]
+        asyncio.run(g2.put(k, payload(k).tobytes()))
+        slot, n = g2.acquire(k)  # a worker onboarded it and copies out of the slot
+        assert g2.remove(k) and g2.nbytes(k) is None  # an Evict: the key is gone at once
+        assert slot not in _fill(g2, b"new", 8)  # but its slot is handed to no one
+        assert bytes(g2.slot_tensor(slot, n).numpy()) == payload(k).tobytes()
+        assert g2.detached_slots() == 1 and g2.free_slots() == 0
+        g2.unref(slot)  # the reader is done: now it is free
+        assert g2.detached_slots() == 0 and g2.free_slots() == 1
+    finally:
+        g2.release()
+
+
+def test_commit_over_a_committed_key_keeps_the_slot_readers_use():
+    g2 = HostTier(4 * SLOT, SLOT, pin=False)
+    try:
+        k = keys(1, b"twice")[0]
+        asyncio.run(g2.put(k, payload(k).tobytes()))
+        with g2.hold(k) as view:  # a cascade copying the block out
+            again = g2.allocate(k, NB)  # a second copy of the same block (e.g. a re-store)
+            g2.slot_tensor(again, NB).copy_(torch_from(payload(k)))
+            assert g2.commit(k) is False  # a no-op: the first copy stays
+            assert g2.slot_of(k) != again
+            _fill(g2, b"new", 8)
+            assert bytes(view.numpy()) == payload(k).tobytes()
+        assert bytes(g2.block_tensor(k).numpy()) == payload(k).tobytes()
+    finally:
+        g2.release()
