@@ -22,7 +22,7 @@ from kvbm.layout import KVLayout
 SLOT = 64 * 1024
 LAYOUT = KVLayout(model="stress", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=SLOT)
 NB = LAYOUT.block_nbytes
-KEYS = [BlockKey(LAYOUT.namespace, (b"stress" + i.to_bytes(4, "big")).ljust(32, b"\x00")) for i in range(96)]
+KEYS = [BlockKey(LAYOUT.namespace, (b"stress" + i.to_bytes(4, "big")).ljust(32, b"\x00")) for i in range(64)]
 _cache: dict[BlockKey, np.ndarray] = {}
 
 

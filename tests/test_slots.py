@@ -39,7 +39,7 @@ def payload(key):
     return rng.integers(0, 256, NB, dtype=np.uint8)
 
 
-def daemon_cfg(tmp, *, host="2MiB", shm_name="", fsync=False, **daemon):
+def daemon_cfg(tmp, *, host="2MiB", shm_name="", fsync=False, io_threads=4, **daemon):
     return {
         "block_bytes": SLOT,
         "device": {"enabled": False},
@@ -47,7 +47,7 @@ def daemon_cfg(tmp, *, host="2MiB", shm_name="", fsync=False, **daemon):
         "disk": {"dir": str(tmp / "disk"), "capacity": "256MiB", "fsync": fsync, "o_direct": False},
         "s3": {"enabled": False},
         "embedded_s3": {"enabled": False},
-        "transfer": {"backend": "plain"},
+        "transfer": {"backend": "plain", "io_threads": io_threads},
         "daemon": {"endpoint": f"ipc://{tmp}/kvbm.sock", "events_endpoint": "", "metrics_port": 0, **daemon},
     }
 
@@ -288,9 +288,9 @@ def test_expired_worker_slots_stay_quarantined_until_its_commit_is_refused(tmp_p
 
 def test_stress_store_onboard_evict_prefetch_on_the_same_keys_is_byte_exact(tmp_path):
     seconds = float(os.environ.get("KVBM_STRESS_S", "20"))
-    d = ServeProc(tmp_path, daemon_cfg(tmp_path, host=f"{32 * SLOT}", fsync=True, prefetch=True)).start()
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, host=f"{32 * SLOT}", fsync=True, io_threads=1, prefetch=True)).start()
     try:
-        roles = ["writer", "writer", "reader", "reader", "reader", "evictor"]
+        roles = ["writer", "writer", "reader", "reader", "reader", "evictor", "evictor"]
         procs = [subprocess.Popen([sys.executable, str(HERE / "slots_stress_worker.py"), role, d.endpoint,
                                    str(seconds), str(i)], stdout=subprocess.PIPE, text=True)
                  for i, role in enumerate(roles)]
