@@ -163,6 +163,7 @@ class HostTier(SlotPoolTier):
         that is not yet locked (``remove_stale_pools`` would take it for dead) or not yet allocated. A
         pool whose lock can be taken has no owner and is replaced; one whose cannot is an error.
         """
+        self._check_not_in_use(path)  # before allocating: a live pool of this name is the error to report
         tmp = SHM_DIR / f".kvbm-new-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -174,7 +175,7 @@ class HostTier(SlotPoolTier):
                 old = os.open(path, os.O_RDWR | os.O_CLOEXEC)
                 try:
                     if _locked_by_other(old):
-                        raise FileExistsError(f"shared pool {self.shm_name} is in use by a running process") from None
+                        raise self._in_use()
                     log.warning("G2: replacing pool %s left by a process that died", self.shm_name)
                     os.replace(tmp, path)  # atomic: the name goes straight from the dead pool to ours
                 finally:
@@ -185,6 +186,20 @@ class HostTier(SlotPoolTier):
             raise
         tmp.unlink(missing_ok=True)
         return fd
+
+    def _in_use(self) -> FileExistsError:
+        return FileExistsError(f"shared pool {self.shm_name} is in use by a running process")
+
+    def _check_not_in_use(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            if _locked_by_other(fd):
+                raise self._in_use()
+        finally:
+            os.close(fd)
 
     @classmethod
     def attach(cls, shm_name: str, capacity_bytes: int, slot_bytes: int, pin: bool = True) -> HostTier:
