@@ -65,7 +65,9 @@ def remove_stale_pools() -> list[str]:
             young = path.name.startswith(".") and time.time() - os.fstat(fd).st_mtime < 60
             if young or _locked_by_other(fd):
                 continue
-            path.unlink()  # while we hold the lock, so no new owner can have taken it meanwhile
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:  # a new owner replaced it meanwhile
+                continue
+            path.unlink()
             removed.append(path.name)
         except OSError:
             pass
