@@ -359,3 +359,39 @@ def test_commit_over_a_committed_key_keeps_the_slot_readers_use():
         assert bytes(g2.block_tensor(k).numpy()) == payload(k).tobytes()
     finally:
         g2.release()
+
+
+def test_quarantine_ends_after_its_grace_period_and_unregister_releases_at_once():
+    from kvbm.manager import BlockManager
+    from kvbm.sessions import Sessions
+
+    async def go():
+        g2 = HostTier(4 * SLOT, SLOT, pin=False)
+        m = BlockManager([g2])
+        await m.start()
+        try:
+            sessions = Sessions(m, "G2", grace_s=0.3)
+            reg = p.Register(worker_id="w", engine_id="e", layout=LAYOUT)
+            for quarantine in (True, False):
+                w = sessions.add(f"tok-{quarantine}", reg)
+                k, held = keys(2, b"q%d" % quarantine)
+                await m.put(held, payload(held).tobytes(), "G2")
+                m.registry.pin([held])
+                sessions.pin(w, [(held, g2.acquire(held)[0])])
+                slots = await m.prepare_store([k], NB)
+                sessions.prepared(w, [k], slots)
+                assert sessions.drop(w, quarantine=quarantine, why="lease expired") == 1
+                assert not m.registry.is_pinned(held) and not g2.is_pending(k)
+                assert (await m.prepare_store([k], NB))[0] is not None  # the key may be stored again
+                m.complete_store([k], ok=False)
+                if quarantine:
+                    assert sessions.quarantined_slots() == 2 and g2.detached_slots() == 1  # + the pinned slot
+                    deadline = time.monotonic() + 10
+                    while sessions.reap_quarantine() == 0 and time.monotonic() < deadline:
+                        await asyncio.sleep(0.05)
+                assert sessions.quarantined_slots() == 0 and g2.detached_slots() == 0
+                assert g2.free_slots() == g2.num_slots - len(g2._index)
+        finally:
+            await m.close()
+
+    asyncio.run(go())
