@@ -190,6 +190,7 @@ class BlockManager:
                     slots.append(None)
                     continue
                 await self._reserve(pool, pool.footprint(nbytes))
+                await self._free_a_slot(pool)
                 if self.registry.holds(tier, key) or pool.is_pending(key):  # it arrived while we made room
                     self._unreserve(pool, pool.footprint(nbytes))
                     slots.append(None)
@@ -204,6 +205,22 @@ class BlockManager:
             self.complete_store([k for k, s in zip(keys, slots, strict=False) if s is not None], ok=False)
             raise
         return slots
+
+    async def _free_a_slot(self, pool: SlotPoolTier) -> None:
+        """Room in the registry is not always a free slot: a removed block's slot stays taken while a
+        reader still references it. Evict further LRU blocks until a slot is free (or none can go)."""
+        for _ in range(pool.num_slots):
+            if pool.free_slots():
+                return
+            used = self.registry.used(pool.name)
+            try:
+                victims = self.registry.victims(pool.name, pool.capacity_bytes - used + pool.slot_bytes,
+                                                pool.capacity_bytes)
+            except LookupError:
+                return  # everything left is pinned: allocate reports the pool full
+            if not victims:
+                return
+            await self._evict(pool, victims[0])
 
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
         """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below.

@@ -395,3 +395,33 @@ def test_quarantine_ends_after_its_grace_period_and_unregister_releases_at_once(
             await m.close()
 
     asyncio.run(go())
+
+
+def test_prepare_evicts_for_a_free_slot_when_removed_blocks_still_hold_theirs(tmp_path):
+    from kvbm.manager import BlockManager
+    from kvbm.tiers.disk import DiskTier
+    from kvbm.transfer import PlainFileIO
+
+    async def go():
+        g2 = HostTier(4 * SLOT, SLOT, pin=False)
+        m = BlockManager([g2, DiskTier(tmp_path / "d", 64 << 20, PlainFileIO())])
+        await m.start()
+        try:
+            ks = keys(5, b"room")
+            for k in ks[:4]:
+                await m.put(k, payload(k).tobytes(), "G2")
+            await m.drain()
+            slot, _n = g2.acquire(ks[0])  # a reader copies block 0 out
+            assert await m.delete([ks[0]], ["G2"]) == 1  # an Evict meanwhile: 3 blocks, no free slot
+            assert g2.free_slots() == 0 and m.registry.used("G2") == 3 * SLOT
+            slots = await m.prepare_store([ks[4]], NB)  # evicts an LRU block rather than failing "full"
+            assert isinstance(slots[0], int) and slots[0] != slot
+            g2.slot_tensor(slots[0], NB).copy_(torch_from(payload(ks[4])))
+            assert m.complete_store([ks[4]]) == 1
+            assert bytes(g2.slot_tensor(slot, NB).numpy()) == payload(ks[0]).tobytes()  # the reader's bytes
+            g2.unref(slot)
+            assert await m.read(ks[0]) == payload(ks[0]).tobytes()  # still on disk
+        finally:
+            await m.close()
+
+    asyncio.run(go())
