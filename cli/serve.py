@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import subprocess
 import sys
 
@@ -13,22 +12,6 @@ import msgspec
 
 from kvbm.config import Config, load_config
 from kvbm.errors import KvbmError
-
-
-def remove_stale_pools() -> list[str]:
-    """Unlink G2 pools (``kvbm-g2-<pid>-*``) left in shared memory by daemons that died (e.g. kill -9)."""
-    from kvbm.tiers.host import SHM_DIR
-
-    removed = []
-    for path in SHM_DIR.glob("kvbm-g2-*-*"):
-        pid = path.name.split("-")[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
-            try:
-                path.unlink()
-                removed.append(path.name)
-            except OSError:
-                pass
-    return removed
 
 
 async def run_daemon(cfg: Config) -> None:
@@ -78,6 +61,8 @@ def serve(config_path: str | None, endpoint: str | None, metrics_port: int | Non
     from kvbm.daemon import configure_logging
 
     configure_logging(cfg.daemon.log_format, getattr(logging, log_level.upper()))
+    from kvbm.tiers.host import remove_stale_pools
+
     stale = remove_stale_pools()
     if stale:
         logging.getLogger("kvbm.serve").info("removed stale G2 pools", extra={"kv": {"pools": stale}})

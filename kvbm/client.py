@@ -2,7 +2,10 @@
 
 Block bytes never travel over the socket: :meth:`register` maps the daemon's G2 slot pool (shared
 memory), ``store`` copies into the slots the daemon reserved, ``load`` copies out of the slots it
-onboarded into. Requests carry ids; a reply that does not arrive within ``timeout_s`` raises
+onboarded into. The mapping follows the pool's generation: when a re-registration (after a daemon
+restart, kill -9 or clean) reports a new one, the client maps the new pool, even under the same
+``shm_name``, and its slot requests carry the generation so the daemon refuses any that do not match.
+Requests carry ids; a reply that does not arrive within ``timeout_s`` raises
 :class:`DaemonUnavailable` (and the socket is recreated, so a late reply cannot be mistaken for the next).
 """
 
@@ -95,6 +98,7 @@ class _Core:
         self.namespace = ""
         self.registered: p.Registered | None = None
         self.g2: HostTier | None = None
+        self.generation = ""  # of the G2 pool mapped in self.g2
         self._reg_msg: p.Register | None = None
         self._rids = itertools.count(1)
 
@@ -111,12 +115,14 @@ class _Core:
         msg.rid = next(self._rids)
         if not isinstance(msg, p.Register):
             msg.token = self.token
+        if isinstance(msg, p._SlotReq):
+            msg.generation = self.generation
         return p.encode(msg, self.max_message_bytes)
 
     def _reregister(self, msg: Any, reply: Any) -> bool:
         """Whether to register again and resend: the daemon forgot us (restart, lease) and ``msg`` is safe."""
-        return (isinstance(reply, p.Error) and reply.code == p.E_UNREGISTERED and self._reg_msg is not None
-                and isinstance(msg, _RESENDABLE))
+        return (isinstance(reply, p.Error) and reply.code in (p.E_UNREGISTERED, p.E_STALE)
+                and self._reg_msg is not None and isinstance(msg, _RESENDABLE))
 
     @staticmethod
     def _check(reply: Any, expect: type[R]) -> R:
@@ -153,9 +159,11 @@ class _Core:
         if isinstance(reg, p.Error):
             raise DaemonError(reg.code, reg.message)
         self.token, self.namespace, self.registered = reg.token, reg.namespace, reg
-        if self.g2 is None or self.g2.shm_name != reg.shm_name:
+        # A new generation is a new pool even under the same name: the old mapping is an orphan.
+        if self.g2 is None or self.g2.shm_name != reg.shm_name or self.generation != reg.generation:
             self._detach()
             self.g2 = HostTier.attach(reg.shm_name, reg.capacity_bytes, reg.slot_bytes)
+            self.generation = reg.generation
 
     def _forget(self) -> None:
         """Drop the registration, the G2 mapping and the socket (after Unregister, or when it failed)."""
@@ -168,6 +176,7 @@ class _Core:
         if self.g2 is not None:
             self.g2.release()
             self.g2 = None
+            self.generation = ""
 
     def _store_msgs(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer]) -> tuple[str, list[bytes], int]:
         if len(keys) != len(bufs):

@@ -8,6 +8,9 @@ Bad frames get an Error reply (or are dropped) and are counted; none stops the d
 
 Pins: blocks onboarded for a worker stay pinned in G2 until it sends Release or Unregister, or its
 lease (``worker_timeout_s`` since its last request) runs out; its unfinished stores are aborted then.
+Worker sessions, and the G2 slot references they hold, live in :mod:`kvbm.sessions` (see there for
+the quarantine of an expired worker's slots). Slot requests carrying another G2 pool generation than
+this daemon's are refused (``E_STALE``).
 The daemon publishes its own block events on ``events_endpoint`` (topic ``kvbm``) and follows vLLM
 KV-event streams (``vllm_events``), exposing them in Stats.
 """
@@ -21,7 +24,6 @@ import logging
 import os
 import secrets
 import time
-from collections import Counter
 from typing import Any
 
 import msgspec
@@ -36,6 +38,7 @@ from kvbm.health import readiness
 from kvbm.kvevents import KVEventSubscriber, describe_views
 from kvbm.manager import PERSISTENT, BlockManager
 from kvbm.metrics import Metrics, MetricsServer
+from kvbm.sessions import Sessions, WorkerSession
 from kvbm.tiers.pool import SlotPoolTier
 
 log = logging.getLogger(__name__)
@@ -60,20 +63,12 @@ class DaemonStats(msgspec.Struct):
     errors: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-class WorkerState:
-    """What the daemon holds on behalf of one registered worker."""
 
-    def __init__(self, token: str, msg: p.Register) -> None:
-        self.token = token
-        self.worker_id = msg.worker_id
-        self.engine_id = msg.engine_id
-        self.tp_rank = msg.tp_rank
-        self.tp_size = msg.tp_size
-        self.layout = msg.layout
-        self.namespace = msg.layout.namespace
-        self.pins: Counter[BlockKey] = Counter()
-        self.prepared: set[BlockKey] = set()
-        self.last_seen = time.monotonic()
+
+def quarantine_grace_s(worker_timeout_s: float) -> float:
+    """How long an expired worker's slots stay quarantined at most: it was already silent a whole
+    lease; give it two more (and at least 30 s) to finish a copy it may have been stalled in."""
+    return max(30.0, 2 * worker_timeout_s)
 
 
 class _Handled(Exception):
@@ -92,7 +87,8 @@ class Daemon:
         self.dc = cfg.daemon
         self.manager = manager
         self.stats = DaemonStats()
-        self.workers: dict[str, WorkerState] = {}
+        self.sessions = Sessions(manager, STORE_TIER, quarantine_grace_s(self.dc.worker_timeout_s))
+        self.workers: dict[str, WorkerSession] = self.sessions.workers
         self.endpoint = self.dc.endpoint
         self.events_endpoint = self.dc.events_endpoint
         self.metrics_port: int | None = None
@@ -247,7 +243,7 @@ class Daemon:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for w in list(self.workers.values()):
-            self._drop_worker(w, "shutdown")
+            self._drop_worker(w, "shutdown", quarantine=False)
         for sub in self._subs:
             sub.close()
         if self._metrics is not None:
@@ -305,7 +301,7 @@ class Daemon:
             # Ping with an unknown token still gets E_UNREGISTERED: that worker's lease ran out, it must register.
             monitor = isinstance(msg, p.Stats) or (isinstance(msg, p.Ping) and not msg.token)
             if worker is None and not monitor:
-                self._error(route, msg.rid, p.E_UNREGISTERED, "unknown worker token; send Register first")
+                self._error(route, msg.rid, p.E_UNREGISTERED, self.sessions.unknown_token(msg))
                 return
             if worker is not None:
                 worker.last_seen = time.monotonic()
@@ -334,7 +330,7 @@ class Daemon:
         self._offloads -= offload
         self._slot_free.set()
 
-    async def _handle(self, route: list[bytes], msg: Any, worker: WorkerState | None) -> None:
+    async def _handle(self, route: list[bytes], msg: Any, worker: WorkerSession | None) -> None:
         try:
             reply = await self._handlers[type(msg)](msg, worker)
         except Exception as e:
@@ -385,26 +381,35 @@ class Daemon:
         if not 0 <= msg.tp_rank < max(msg.tp_size, 1):
             raise _Handled(p.E_BAD_REQUEST, f"tp_rank {msg.tp_rank} outside [0, {msg.tp_size})")
         await self._index_namespace(layout.namespace)
-        for old in [w for w in self.workers.values() if w.worker_id == msg.worker_id]:
+        for old in self.sessions.by_worker_id(msg.worker_id):
             self._drop_worker(old, "re-registered")
         token = secrets.token_hex(16)
-        self.workers[token] = WorkerState(token, msg)
+        self.sessions.add(token, msg)
         self.stats.registered += 1
         logj("worker.registered", worker=msg.worker_id, engine=msg.engine_id, rank=msg.tp_rank,
              namespace=layout.namespace)
         return p.Registered(
-            token=token, namespace=layout.namespace, shm_name=getattr(g2, "shm_name", ""),
+            token=token, namespace=layout.namespace, shm_name=getattr(g2, "shm_name", ""), generation=self._generation,
             slot_bytes=g2.slot_bytes, num_slots=g2.num_slots, capacity_bytes=g2.capacity_bytes,
             block_nbytes=layout.block_nbytes,
         )
 
-    def _unregister(self, _msg: p.Unregister, w: WorkerState) -> p.Released:
-        return p.Released(count=self._drop_worker(w, "unregistered"))
+    @property
+    def _generation(self) -> str:
+        return getattr(self.g2, "generation", "")
 
-    def _ping(self, _msg: p.Ping, _w: WorkerState) -> p.Pong:
+    def _check_generation(self, msg: p._SlotReq) -> None:
+        if msg.generation != self._generation:
+            raise _Handled(p.E_STALE, f"G2 pool generation {msg.generation!r} is not this daemon's "
+                                      f"({self._generation!r}): register again and map the new pool")
+
+    def _unregister(self, _msg: p.Unregister, w: WorkerSession) -> p.Released:
+        return p.Released(count=self._drop_worker(w, "unregistered", quarantine=False))
+
+    def _ping(self, _msg: p.Ping, _w: WorkerSession) -> p.Pong:
         return p.Pong()
 
-    def _lookup(self, msg: p.Lookup, _w: WorkerState) -> p.LookupReply:
+    def _lookup(self, msg: p.Lookup, _w: WorkerSession) -> p.LookupReply:
         t0 = time.perf_counter()
         keys = msg.keys()
         tiers = self.manager.lookup(keys)
@@ -433,12 +438,13 @@ class Daemon:
         self.stats.prefetches += 1
         self._spawn(run())
 
-    def _check_store(self, msg: p.PrepareStore | p.CommitStore, w: WorkerState) -> None:
+    def _check_store(self, msg: p.PrepareStore | p.CommitStore, w: WorkerSession) -> None:
         if msg.namespace != w.namespace:
             raise _Handled(p.E_BAD_REQUEST, f"namespace {msg.namespace!r} is not this worker's ({w.namespace!r})")
 
-    async def _prepare(self, msg: p.PrepareStore, w: WorkerState) -> p.Slots:
+    async def _prepare(self, msg: p.PrepareStore, w: WorkerSession) -> p.Slots:
         self._check_store(msg, w)
+        self._check_generation(msg)
         if not 0 < msg.nbytes <= self.g2.slot_bytes:
             raise _Handled(p.E_BAD_REQUEST, f"nbytes {msg.nbytes} outside (0, {self.g2.slot_bytes}]")
         t0 = time.perf_counter()
@@ -448,18 +454,18 @@ class Daemon:
         finally:
             self.stats.offload_seconds += time.perf_counter() - t0
             self.metrics.store.labels(op="prepare").observe(time.perf_counter() - t0)
-        w.prepared.update(k for k, s in zip(keys, slots, strict=True) if s is not None)
-        if w.token not in self.workers:  # dropped while we waited: give the slots back
+        if not self.sessions.alive(w):  # dropped while we waited (nothing copied yet): give the slots back
             self.manager.complete_store([k for k, s in zip(keys, slots, strict=True) if s is not None], ok=False)
             raise _Handled(p.E_UNREGISTERED, "worker left")
+        self.sessions.prepared(w, keys, slots)
         return p.Slots(slots=slots)
 
-    async def _commit(self, msg: p.CommitStore, w: WorkerState) -> p.Ack:
+    async def _commit(self, msg: p.CommitStore, w: WorkerSession) -> p.Ack:
         self._check_store(msg, w)
+        self._check_generation(msg)
         t0 = time.perf_counter()
         keys = msg.keys()
-        mine = [k for k in keys if k in w.prepared]
-        w.prepared.difference_update(mine)
+        mine = self.sessions.take_prepared(w, keys)
         stored = self.manager.complete_store(mine, msg.ok, cascade=not msg.durable)
         durable = 0
         try:
@@ -472,7 +478,8 @@ class Daemon:
             self.metrics.store.labels(op=op).observe(time.perf_counter() - t0)
         return p.Ack(stored=stored, durable=durable)
 
-    async def _onboard(self, msg: p.Onboard, w: WorkerState) -> p.Onboarded:
+    async def _onboard(self, msg: p.Onboard, w: WorkerSession) -> p.Onboarded:
+        self._check_generation(msg)
         t0 = time.perf_counter()
         keys = msg.keys()
         reg = self.manager.registry
@@ -484,57 +491,45 @@ class Daemon:
             reg.unpin(keys)
             raise
         g2 = self.g2
-        slots: list[int] = []
+        held: list[tuple[BlockKey, int]] = []
         nbytes: list[int] = []
         for k in keys[:n]:
-            slot, nb = g2.slot_of(k), g2.nbytes(k)
-            if slot is None or nb is None:
+            got = g2.acquire(k)  # the worker's reference on this very slot, until it releases it
+            if got is None:
                 break
-            slots.append(slot)
-            nbytes.append(nb)
-        n = len(slots)
+            held.append((k, got[0]))
+            nbytes.append(got[1])
+        n = len(held)
         reg.unpin(keys[n:])
-        if w.token in self.workers:
-            w.pins.update(keys[:n])
+        if self.sessions.alive(w):
+            self.sessions.pin(w, held)
         else:
             reg.unpin(keys[:n])
-            n, slots, nbytes = 0, [], []
+            for _k, slot in held:
+                g2.unref(slot)
+            n, held, nbytes = 0, [], []
+        slots = [slot for _k, slot in held]
         self.stats.onboard_seconds += time.perf_counter() - t0
         self.metrics.onboard.labels(tier=source).observe(time.perf_counter() - t0)
         if n:
             self._publish(p.BlocksOnboarded(namespace=msg.namespace, hashes=msg.hashes[:n], worker_id=w.worker_id))
         return p.Onboarded(count=n, slots=slots, nbytes=nbytes)
 
-    def _release(self, msg: p.Release, w: WorkerState) -> p.Released:
-        return p.Released(count=self._unpin(w, msg.keys()))
+    def _release(self, msg: p.Release, w: WorkerSession) -> p.Released:
+        self._check_generation(msg)
+        return p.Released(count=self.sessions.release(w, msg.keys()))
 
-    def _unpin(self, w: WorkerState, keys: list[BlockKey]) -> int:
-        done = [k for k in keys if w.pins[k] > 0]
-        for k in done:
-            w.pins[k] -= 1
-            if w.pins[k] == 0:
-                del w.pins[k]
-        self.manager.registry.unpin(done)
-        return len(done)
-
-    def _drop_worker(self, w: WorkerState, why: str) -> int:
-        """Forget a worker: release its pins and abort its unfinished stores."""
-        if self.workers.pop(w.token, None) is None:
-            return 0
-        pins = sum(w.pins.values())
-        for k, n in w.pins.items():
-            self.manager.registry.unpin([k] * n)
-        w.pins.clear()
-        if w.prepared:
-            self.manager.complete_store(list(w.prepared), ok=False)
-            w.prepared.clear()
+    def _drop_worker(self, w: WorkerSession, why: str, *, quarantine: bool = True) -> int:
+        """Forget a worker: release its pins and abort its unfinished stores (its slots quarantined
+        unless it said it is done: Unregister, or the daemon is shutting down)."""
+        pins = self.sessions.drop(w, quarantine=quarantine, why=why)
         logj("worker.dropped", worker=w.worker_id, why=why, pins=pins)
         return pins
 
-    def _stats(self, msg: p.Stats, _w: WorkerState | None) -> p.StatsReply:
+    def _stats(self, msg: p.Stats, _w: WorkerSession | None) -> p.StatsReply:
         return p.StatsReply(stats=self.snapshot(resident=msg.resident))
 
-    async def _barrier(self, msg: p.Barrier, w: WorkerState) -> p.BarrierReply:
+    async def _barrier(self, msg: p.Barrier, w: WorkerSession) -> p.BarrierReply:
         world = msg.world_size or w.tp_size
         key = (msg.engine_id, str(msg.step))
         ent = self._barriers.get(key)
@@ -555,7 +550,7 @@ class Daemon:
             return p.BarrierReply(arrived=len(ranks), complete=False)
         return p.BarrierReply(arrived=len(ranks), complete=True)
 
-    async def _evict(self, msg: p.Evict, _w: WorkerState) -> p.Evicted:
+    async def _evict(self, msg: p.Evict, _w: WorkerSession) -> p.Evicted:
         names = [t.name for t in self.manager.tiers]
         tiers = msg.tiers or names
         bad = [t for t in tiers if t not in names]
@@ -574,7 +569,7 @@ class Daemon:
         removed = await self.manager.delete(present, tiers) if present else 0
         return p.Evicted(removed=removed, skipped=len(keys) - len(free))
 
-    async def _reindex(self, msg: p.Reindex, _w: WorkerState) -> p.Reindexed:
+    async def _reindex(self, msg: p.Reindex, _w: WorkerSession) -> p.Reindexed:
         names = msg.tiers or [t.name for t in self.manager.tiers if t.kind in PERSISTENT]
         unknown = [n for n in names if n not in self.manager.by_name]
         if unknown:
@@ -622,10 +617,10 @@ class Daemon:
         period = max(0.05, min(1.0, self.dc.worker_timeout_s / 4))
         while True:
             await asyncio.sleep(period)
-            cutoff = time.monotonic() - self.dc.worker_timeout_s
-            for w in [w for w in self.workers.values() if w.last_seen < cutoff]:
+            for w in self.sessions.expired(self.dc.worker_timeout_s):
                 self.stats.expired_workers += 1
                 self._drop_worker(w, "lease expired")
+            self.sessions.reap_quarantine()
 
     def readiness(self) -> dict[str, Any]:
         """What ``/readyz`` answers (see :func:`kvbm.health.readiness`)."""
@@ -640,7 +635,7 @@ class Daemon:
         d.update(
             queue_depth=self._offloads, inflight=self._inflight, workers=len(self.workers),
             bucket_indexed=self._bucket_indexed.is_set(), namespaces_indexed=len(self._ns_indexed),
-            pins=sum(sum(w.pins.values()) for w in self.workers.values()),
+            pins=self.sessions.pin_total(), quarantined_slots=self.sessions.quarantined_slots(),
         )
         snap["daemon"] = d
         snap["engines"] = describe_views(self._subs)

@@ -404,6 +404,7 @@ class DaemonLink:
             self.client = None
             raise
         self.client.token = reg.token
+        self.client.generation = reg.generation  # its Onboard/Release name slots of this pool generation
         self.registered = reg
         return self
 

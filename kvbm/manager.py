@@ -176,7 +176,8 @@ class BlockManager:
 
     # -- external stores (a worker copies into G2 slots itself) ---------------------------------------
     async def prepare_store(self, keys: Sequence[BlockKey], nbytes: int, tier: str = "G2") -> list[int | None]:
-        """Reserve a slot in pool tier ``tier`` for each key; None for keys already stored there.
+        """Reserve a slot in pool tier ``tier`` for each key; None for keys already stored there or being
+        stored right now (another worker's prepared store, a prefetch or a cascade copying it in).
 
         The caller fills the slots (e.g. a GPU worker copying through shared memory) and then calls
         :meth:`complete_store`. Slots stay reserved, and out of eviction's reach, until then.
@@ -187,10 +188,15 @@ class BlockManager:
         slots: list[int | None] = []
         try:
             for key in keys:
-                if self.registry.holds(tier, key) or key in self._external:
+                if self.registry.holds(tier, key) or key in self._external or pool.is_pending(key):
                     slots.append(None)
                     continue
                 await self._reserve(pool, pool.footprint(nbytes))
+                await self._free_a_slot(pool)
+                if self.registry.holds(tier, key) or pool.is_pending(key):  # it arrived while we made room
+                    self._unreserve(pool, pool.footprint(nbytes))
+                    slots.append(None)
+                    continue
                 try:
                     slots.append(pool.allocate(key, nbytes))
                 except BaseException:
@@ -202,8 +208,27 @@ class BlockManager:
             raise
         return slots
 
+    async def _free_a_slot(self, pool: SlotPoolTier) -> None:
+        """Room in the registry is not always a free slot: a removed block's slot stays taken while a
+        reader still references it. Evict further LRU blocks until a slot is free (or none can go)."""
+        for _ in range(pool.num_slots):
+            if pool.free_slots():
+                return
+            used = self.registry.used(pool.name)
+            try:
+                victims = self.registry.victims(pool.name, pool.capacity_bytes - used + pool.slot_bytes,
+                                                pool.capacity_bytes)
+            except LookupError:
+                return  # everything left is pinned: allocate reports the pool full
+            if not victims:
+                return
+            await self._evict(pool, victims[0])
+
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
-        """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below."""
+        """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below.
+
+        Committing a key that is already there is a no-op (its slot stays; readers may be using it).
+        """
         done = 0
         for key in keys:
             ent = self._external.pop(key, None)
@@ -212,17 +237,32 @@ class BlockManager:
             tier, nbytes = ent
             pool = self.by_name[tier]
             assert isinstance(pool, SlotPoolTier)
-            if ok:
-                pool.commit(key)
+            if ok and pool.commit(key):
                 self.registry.add(tier, key, pool.footprint(nbytes))
                 done += 1
                 if cascade:
                     self._schedule_cascade(key, tier)
-            else:
+            elif not ok:
                 pool.abort(key)
             self._unreserve(pool, pool.footprint(nbytes))
         self.stats.offload_blocks += done
         return done
+
+    def detach_store(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
+        """Abort prepared stores whose writer may still be copying: the keys are free to be stored
+        again, but their slots stay referenced (returned; the caller unrefs them when safe)."""
+        slots: dict[BlockKey, int] = {}
+        for key in keys:
+            ent = self._external.pop(key, None)
+            if ent is None:
+                continue
+            pool = self.by_name[ent[0]]
+            assert isinstance(pool, SlotPoolTier)
+            slot = pool.detach(key)
+            if slot is not None:
+                slots[key] = slot
+            self._unreserve(pool, pool.footprint(ent[1]))
+        return slots
 
     def _schedule_cascade(self, key: BlockKey, from_tier: str | None) -> bool:
         if len(self._pending) >= self.max_pending_cascades:
@@ -366,18 +406,18 @@ class BlockManager:
 
     async def _copy(self, key: BlockKey, src: Tier, dst: Tier, n: int) -> bool:
         if isinstance(src, SlotPoolTier) and isinstance(dst, SlotPoolTier):
-            view = src.block_tensor(key)
-            if view is None:
-                return False
-            slot = dst.allocate(key, n)
-            try:
-                if self.mover is not None:
-                    await asyncio.to_thread(self.mover.copy, [(view, dst.slot_tensor(slot, n))])  # type: ignore[attr-defined]
-                else:
-                    await asyncio.to_thread(dst.slot_tensor(slot, n).copy_, view)
-            except BaseException:
-                dst.abort(key)
-                raise
+            with src.hold(key) as view:  # the source slot is not reused while we copy from it
+                if view is None:
+                    return False
+                slot = dst.allocate(key, n)
+                try:
+                    if self.mover is not None:
+                        await asyncio.to_thread(self.mover.copy, [(view, dst.slot_tensor(slot, n))])  # type: ignore[attr-defined]
+                    else:
+                        await asyncio.to_thread(dst.slot_tensor(slot, n).copy_, view)
+                except BaseException:
+                    dst.abort(key)
+                    raise
             dst.commit(key)
             return True
         if isinstance(dst, SlotPoolTier) and not dst.pool.is_cuda:
@@ -393,10 +433,10 @@ class BlockManager:
             dst.commit(key)
             return True
         if isinstance(src, SlotPoolTier) and not src.pool.is_cuda:
-            view = src.block_tensor(key)
-            if view is None:
-                return False
-            await dst.put(key, memoryview(view.numpy()))
+            with src.hold(key) as view:  # an Evict meanwhile must not hand the slot to a new block
+                if view is None:
+                    return False
+                await dst.put(key, memoryview(view.numpy()))
             return True
         data = await src.get(key)
         if data is None:

@@ -2,7 +2,10 @@
 
 Every message is a tagged ``msgspec.Struct`` (``"type"`` names it) carrying the protocol version
 ``v`` and a request id ``rid`` that the reply echoes. Requests (except :class:`Register`) carry the
-worker ``token`` handed out by :class:`Registered`. Blocks are named by one ``namespace`` (the layout's)
+worker ``token`` handed out by :class:`Registered`; requests that name G2 slots (PrepareStore,
+CommitStore, Onboard, Release) also carry the pool ``generation`` from :class:`Registered` and are
+refused (``E_STALE``) when it is not the daemon's current pool: a worker that outlived a daemon restart
+must map the new pool before touching a slot. Blocks are named by one ``namespace`` (the layout's)
 plus a list of chained block hashes. A request is one frame; a DEALER sends ``[payload]`` and the
 daemon's ROUTER answers ``[payload]`` (a REQ's empty delimiter frame is accepted and echoed).
 
@@ -20,7 +23,7 @@ from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError
 from kvbm.layout import KVLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: G2 pool generation in Registered and in slot requests
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 EVENTS_TOPIC = b"kvbm"
 
@@ -52,6 +55,12 @@ class _Blocks(_Req, kw_only=True):
         return [BlockKey(self.namespace, h) for h in self.hashes]
 
 
+class _SlotReq(_Blocks, kw_only=True):
+    """A request about G2 slots: valid only for the pool generation the worker mapped."""
+
+    generation: str = ""
+
+
 # -- requests ----------------------------------------------------------------------------------------
 class Register(_Req, kw_only=True):
     """Announce a worker (one TP rank of one engine) and its KV layout."""
@@ -76,24 +85,24 @@ class Lookup(_Blocks, kw_only=True):
     """How many leading blocks are held anywhere, and the fastest tier of each."""
 
 
-class PrepareStore(_Blocks, kw_only=True):
+class PrepareStore(_SlotReq, kw_only=True):
     """Reserve a G2 slot per block (the worker then copies the bytes into shared memory)."""
 
     nbytes: int
 
 
-class CommitStore(_Blocks, kw_only=True):
+class CommitStore(_SlotReq, kw_only=True):
     """Commit (``ok``) or abort prepared slots; ``durable`` waits until they are on disk/S3."""
 
     ok: bool = True
     durable: bool = False
 
 
-class Onboard(_Blocks, kw_only=True):
+class Onboard(_SlotReq, kw_only=True):
     """Bring the leading held run into G2 and pin it there for this worker until :class:`Release`."""
 
 
-class Release(_Blocks, kw_only=True):
+class Release(_SlotReq, kw_only=True):
     """Drop this worker's pins on blocks it onboarded."""
 
 
@@ -138,6 +147,7 @@ class Registered(_Msg, kw_only=True):
     token: str
     namespace: str
     shm_name: str
+    generation: str  # random per G2 pool creation: a new value means "map the pool again"
     slot_bytes: int
     num_slots: int
     capacity_bytes: int
@@ -154,7 +164,7 @@ class LookupReply(_Msg, kw_only=True):
 
 
 class Slots(_Msg, kw_only=True):
-    slots: list[int | None]  # None: already stored (nothing to copy)
+    slots: list[int | None]  # None: already stored or being stored by someone else (nothing to copy)
 
 
 class Shed(_Msg, kw_only=True):
@@ -220,6 +230,7 @@ E_BAD_REQUEST = "bad_request"
 E_INTERNAL = "internal"
 E_TIMEOUT = "timeout"
 E_FULL = "full"
+E_STALE = "stale_generation"
 
 
 # -- daemon block events -----------------------------------------------------------------------------

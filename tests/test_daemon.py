@@ -186,8 +186,9 @@ def test_fuzzed_frames_never_kill_the_daemon(daemon):
     frames += [[reg[:n]] for n in range(0, len(reg), 7)]
     frames += [
         [msgspec.msgpack.encode({"type": "Ping", "v": 99, "rid": 5})],
-        [msgspec.msgpack.encode({"type": "Explode", "v": 1, "rid": 6})],
-        [msgspec.msgpack.encode({"type": "Lookup", "v": 1, "rid": 7, "namespace": "n", "hashes": "nope"})],
+        [msgspec.msgpack.encode({"type": "Explode", "v": p.PROTOCOL_VERSION, "rid": 6})],
+        [msgspec.msgpack.encode({"type": "Lookup", "v": p.PROTOCOL_VERSION, "rid": 7, "namespace": "n",
+                                 "hashes": "nope"})],
         [b"\x00" * (256 * 1024 + 1)],  # oversized
         [good, good, good],  # wrong frame count: dropped
         [b"", b"", good],

@@ -15,7 +15,7 @@ REQUESTS = [
     p.Unregister(token="t"),
     p.Ping(token="t"),
     p.Lookup(token="t", namespace="ns", hashes=H),
-    p.PrepareStore(token="t", namespace="ns", hashes=H, nbytes=4096),
+    p.PrepareStore(token="t", namespace="ns", hashes=H, nbytes=4096, generation="g1"),
     p.CommitStore(token="t", namespace="ns", hashes=H, ok=False, durable=True),
     p.Onboard(token="t", namespace="ns", hashes=H),
     p.Release(token="t", namespace="ns", hashes=H),
@@ -26,8 +26,8 @@ REQUESTS = [
     p.Evict(token="t", namespace="ns", hashes=H, tiers=["G2"]),
 ]
 REPLIES = [
-    p.Registered(token="t", namespace="ns", shm_name="s", slot_bytes=1, num_slots=2, capacity_bytes=2,
-                 block_nbytes=1),
+    p.Registered(token="t", namespace="ns", shm_name="s", generation="g1", slot_bytes=1, num_slots=2,
+                 capacity_bytes=2, block_nbytes=1),
     p.Pong(),
     p.LookupReply(matched=2, tiers=["G2", "G3"]),
     p.Slots(slots=[0, None, 5]),
@@ -68,18 +68,21 @@ def _code(buf, **kw):
 
 
 def test_bad_frames_raise_typed_errors_with_the_rid_when_readable():
+    V = p.PROTOCOL_VERSION
     good = p.encode(p.Lookup(rid=9, token="t", namespace="ns", hashes=H))
     assert _code(b"")[0] == p.E_MALFORMED
     assert _code(b"\xc1garbage")[0] == p.E_MALFORMED
     assert _code(good[:-5])[0] == p.E_MALFORMED
     assert _code(msgspec.msgpack.encode([1, 2, 3]))[0] == p.E_MALFORMED
-    assert _code(msgspec.msgpack.encode({"type": "Lookup", "v": 2, "rid": 3})) == (p.E_VERSION, 3)
-    assert _code(msgspec.msgpack.encode({"type": "Nope", "v": 1, "rid": 4})) == (p.E_UNKNOWN_TYPE, 4)
-    assert _code(msgspec.msgpack.encode({"v": 1, "rid": 4})) == (p.E_UNKNOWN_TYPE, 4)
-    assert _code(msgspec.msgpack.encode({"type": "Lookup", "v": 1, "rid": 5, "namespace": 1, "hashes": []})) == (
+    assert _code(msgspec.msgpack.encode({"type": "Lookup", "v": V + 1, "rid": 3})) == (p.E_VERSION, 3)
+    assert _code(msgspec.msgpack.encode({"type": "Lookup", "v": 1, "rid": 3, "namespace": "n", "hashes": []})) == (
+        p.E_VERSION, 3)  # a version-1 client (no pool generation) is refused, not half understood
+    assert _code(msgspec.msgpack.encode({"type": "Nope", "v": V, "rid": 4})) == (p.E_UNKNOWN_TYPE, 4)
+    assert _code(msgspec.msgpack.encode({"v": V, "rid": 4})) == (p.E_UNKNOWN_TYPE, 4)
+    assert _code(msgspec.msgpack.encode({"type": "Lookup", "v": V, "rid": 5, "namespace": 1, "hashes": []})) == (
         p.E_MALFORMED, 5)
     # A layout that fails its own validation is a malformed Register, not a crash.
-    bad_layout = msgspec.msgpack.encode({"type": "Register", "v": 1, "rid": 6, "worker_id": "w", "engine_id": "e",
+    bad_layout = msgspec.msgpack.encode({"type": "Register", "v": V, "rid": 6, "worker_id": "w", "engine_id": "e",
                                          "layout": {"model": "m", "num_layers": 0, "num_kv_heads": 1, "head_size": 1}})
     assert _code(bad_layout) == (p.E_MALFORMED, 6)
     assert _code(good, max_bytes=len(good) - 1)[0] == p.E_TOO_LARGE

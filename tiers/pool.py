@@ -2,6 +2,14 @@
 
 No allocation per block: a block lives in a slot of ``slot_bytes`` bytes (blocks smaller than a slot
 use its prefix). The manager moves blocks between two pools with a :class:`MemoryMover` in one batch.
+
+Slot lifetime has one owner, this pool: every slot carries a reference count. The index entry of a
+committed block holds one reference, a pending allocation holds one, and every reader holds one for as
+long as it copies out of the slot (an in-flight copy to another tier, a worker that onboarded the block,
+a quarantined store of a worker whose lease ran out). :meth:`remove` detaches the key at once (lookups
+stop finding it), but the slot returns to the free list only when its last reference drops, so a slot
+is never handed to a new block while anything can still read or write it. Committing over a key that
+is already committed is a no-op (the first copy stays; both are the same content-addressed bytes).
 """
 
 from __future__ import annotations
@@ -9,14 +17,19 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from kvbm.blocks import BlockKey
-from kvbm.errors import TierFullError
+from kvbm.errors import KvbmError, TierFullError
 from kvbm.tiers.base import StoredBlock, Tier
+
+
+class SlotBusyError(KvbmError):
+    """The key already has a pending slot (another copy of it is being written)."""
 
 
 def readonly_tensor(arr: np.ndarray) -> torch.Tensor:
@@ -39,6 +52,7 @@ class SlotPoolTier(Tier):
         super().__init__(self.num_slots * slot_bytes)
         self.pool = pool
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+        self._refs: list[int] = [0] * self.num_slots
         # key -> (slot, nbytes, mtime); "pending" slots are allocated but not yet committed.
         self._index: dict[BlockKey, tuple[int, int, float]] = {}
         self._pending: dict[BlockKey, tuple[int, int]] = {}
@@ -49,7 +63,8 @@ class SlotPoolTier(Tier):
         return self.pool[start : start + (self.slot_bytes if nbytes is None else nbytes)]
 
     def block_tensor(self, key: BlockKey) -> torch.Tensor | None:
-        """The pool view holding committed block ``key`` (valid while the block stays here)."""
+        """The pool view holding committed block ``key`` (valid while the block stays here; hold a
+        reference with :meth:`hold` or :meth:`acquire` across any await)."""
         ent = self._index.get(key)
         return None if ent is None else self.slot_tensor(ent[0], ent[1])
 
@@ -60,31 +75,78 @@ class SlotPoolTier(Tier):
     def free_slots(self) -> int:
         return len(self._free)
 
+    def detached_slots(self) -> int:
+        """Slots neither free, committed nor pending: removed blocks still referenced by a reader or a
+        quarantined writer."""
+        return self.num_slots - len(self._free) - len(self._index) - len(self._pending)
+
+    def is_pending(self, key: BlockKey) -> bool:
+        return key in self._pending
+
     def allocate(self, key: BlockKey, nbytes: int) -> int:
         """Reserve a slot for ``key`` to be filled by a copy (then :meth:`commit` or :meth:`abort`)."""
         if nbytes > self.slot_bytes:
             raise ValueError(f"block of {nbytes} bytes does not fit a {self.slot_bytes}-byte slot")
         if key in self._pending:
-            raise ValueError(f"{key} already has a pending slot")
+            raise SlotBusyError(f"{key} already has a pending slot")
         if not self._free:
             raise TierFullError(f"{self.name}: all {self.num_slots} slots are in use")
         slot = self._free.pop()
+        self._refs[slot] = 1
         self._pending[key] = (slot, nbytes)
         return slot
 
-    def commit(self, key: BlockKey) -> None:
+    def commit(self, key: BlockKey) -> bool:
+        """Make ``key``'s pending slot its committed copy; False (and the new slot released) when the
+        key is already committed, whose slot readers may be copying from."""
         slot, nbytes = self._pending.pop(key)
-        old = self._index.get(key)
-        if old is not None:
-            self._free.append(old[0])
+        if key in self._index:
+            self.unref(slot)
+            return False
         self._index[key] = (slot, nbytes, time.time())
         self.stats.puts += 1
         self.stats.bytes_in += nbytes
+        return True
 
     def abort(self, key: BlockKey) -> None:
         ent = self._pending.pop(key, None)
         if ent is not None:
-            self._free.append(ent[0])
+            self.unref(ent[0])
+
+    def detach(self, key: BlockKey) -> int | None:
+        """Forget ``key``'s pending slot but keep its reference (the caller :meth:`unref` s it later):
+        for a writer that may still be copying into it."""
+        ent = self._pending.pop(key, None)
+        return None if ent is None else ent[0]
+
+    def acquire(self, key: BlockKey) -> tuple[int, int] | None:
+        """Take a reference on committed block ``key``'s slot: (slot, nbytes), or None if absent."""
+        ent = self._index.get(key)
+        if ent is None:
+            return None
+        self._refs[ent[0]] += 1
+        return ent[0], ent[1]
+
+    def unref(self, slot: int) -> None:
+        """Drop one reference; the slot is free again when none is left."""
+        n = self._refs[slot] - 1
+        if n < 0:
+            raise AssertionError(f"{self.name}: slot {slot} released more often than taken")
+        self._refs[slot] = n
+        if n == 0:
+            self._free.append(slot)
+
+    @contextmanager
+    def hold(self, key: BlockKey) -> Iterator[torch.Tensor | None]:
+        """The view of committed block ``key`` (None if absent), its slot referenced while inside."""
+        got = self.acquire(key)
+        if got is None:
+            yield None
+            return
+        try:
+            yield self.slot_tensor(*got)
+        finally:
+            self.unref(got[0])
 
     # -- Tier --------------------------------------------------------------------------------------
     async def put(self, key: BlockKey, data: memoryview | bytes) -> None:
@@ -106,13 +168,13 @@ class SlotPoolTier(Tier):
 
     async def get_into(self, key: BlockKey, out: memoryview) -> int | None:
         self.stats.gets += 1
-        ent = self._index.get(key)
-        if ent is None:
-            self.stats.misses += 1
-            return None
-        slot, nbytes, _ = ent
-        dst = np.frombuffer(out, dtype=np.uint8)[:nbytes]
-        await asyncio.to_thread(lambda: torch.from_numpy(dst).copy_(self.slot_tensor(slot, nbytes)))
+        with self.hold(key) as view:
+            if view is None:
+                self.stats.misses += 1
+                return None
+            nbytes = view.numel()
+            dst = np.frombuffer(out, dtype=np.uint8)[:nbytes]
+            await asyncio.to_thread(lambda: torch.from_numpy(dst).copy_(view))
         self.stats.hits += 1
         self.stats.bytes_out += nbytes
         return nbytes
@@ -121,10 +183,11 @@ class SlotPoolTier(Tier):
         return self.remove(key)
 
     def remove(self, key: BlockKey) -> bool:
+        """Detach committed ``key``; its slot is freed once no reader references it."""
         ent = self._index.pop(key, None)
         if ent is None:
             return False
-        self._free.append(ent[0])
+        self.unref(ent[0])
         self.stats.deletes += 1
         return True
 
@@ -143,3 +206,8 @@ class SlotPoolTier(Tier):
 
     def used_bytes(self) -> int:
         return (self.num_slots - len(self._free)) * self.slot_bytes
+
+    def describe(self) -> dict[str, object]:
+        d = super().describe()
+        d["detached_slots"] = self.detached_slots()
+        return d

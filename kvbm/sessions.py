@@ -1,0 +1,190 @@
+"""Worker sessions: what the daemon holds on behalf of each registered worker, in one place.
+
+A session owns the worker's lease (``last_seen``), its pins (blocks it onboarded: a registry pin so
+eviction leaves the block in G2, plus a reference on the exact G2 slot it was handed, so an Evict and
+re-store of the same key can never give that slot to another block while the worker copies out of it)
+and its prepared stores (key -> slot it is copying into).
+
+Dropping a session: on Unregister or daemon shutdown the worker is done with its slots, so they are
+released at once. On lease expiry or a re-registration under the same ``worker_id`` the old worker may
+still be copying (a stalled process): its prepared stores are aborted (the keys may be stored again by
+others) and its pins leave the registry, but every slot it was handed stays referenced, in quarantine,
+until that worker's token shows up again naming those keys (its CommitStore is refused with a clear
+"lease expired" error, its Release just releases) or a grace period (``grace_s``) passes. A slot is
+thus reused only when no worker can still read or write it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from kvbm import protocol as p
+from kvbm.blocks import BlockKey
+from kvbm.manager import BlockManager
+from kvbm.tiers.pool import SlotPoolTier
+
+
+class WorkerSession:
+    """One registered worker (one TP rank of one engine)."""
+
+    def __init__(self, token: str, msg: p.Register) -> None:
+        self.token = token
+        self.worker_id = msg.worker_id
+        self.engine_id = msg.engine_id
+        self.tp_rank = msg.tp_rank
+        self.tp_size = msg.tp_size
+        self.layout = msg.layout
+        self.namespace = msg.layout.namespace
+        self.pins: dict[BlockKey, list[int]] = {}  # key -> G2 slots handed out by Onboard (one per Onboard)
+        self.prepared: dict[BlockKey, int] = {}  # key -> G2 slot handed out by PrepareStore
+        self.last_seen = time.monotonic()
+
+    def pin_count(self) -> int:
+        return sum(len(s) for s in self.pins.values())
+
+
+class _Quarantine:
+    """The slots of a dropped worker that may still be copying."""
+
+    def __init__(self, pins: dict[BlockKey, list[int]], prepared: dict[BlockKey, int], until: float, why: str):
+        self.pins = pins
+        self.prepared = prepared
+        self.until = until
+        self.why = why
+
+    def empty(self) -> bool:
+        return not self.pins and not self.prepared
+
+
+class Sessions:
+    """Every worker session and every G2 slot reference held for a worker."""
+
+    def __init__(self, manager: BlockManager, store_tier: str, grace_s: float) -> None:
+        self.manager = manager
+        self.store_tier = store_tier
+        self.grace_s = grace_s
+        self.workers: dict[str, WorkerSession] = {}
+        self._quarantine: dict[str, _Quarantine] = {}
+
+    @property
+    def pool(self) -> SlotPoolTier:
+        tier = self.manager.by_name[self.store_tier]
+        assert isinstance(tier, SlotPoolTier)
+        return tier
+
+    # -- membership -------------------------------------------------------------------------------------
+    def add(self, token: str, msg: p.Register) -> WorkerSession:
+        w = WorkerSession(token, msg)
+        self.workers[token] = w
+        return w
+
+    def get(self, token: str) -> WorkerSession | None:
+        return self.workers.get(token)
+
+    def alive(self, w: WorkerSession) -> bool:
+        return self.workers.get(w.token) is w
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def by_worker_id(self, worker_id: str) -> list[WorkerSession]:
+        return [w for w in self.workers.values() if w.worker_id == worker_id]
+
+    def expired(self, timeout_s: float) -> list[WorkerSession]:
+        cutoff = time.monotonic() - timeout_s
+        return [w for w in self.workers.values() if w.last_seen < cutoff]
+
+    # -- stores -----------------------------------------------------------------------------------------
+    def prepared(self, w: WorkerSession, keys: Iterable[BlockKey], slots: Iterable[int | None]) -> None:
+        for k, s in zip(keys, slots, strict=True):
+            if s is not None:
+                w.prepared[k] = s
+
+    def take_prepared(self, w: WorkerSession, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        """The keys among ``keys`` this worker prepared (no longer its to commit afterwards)."""
+        return [k for k in keys if w.prepared.pop(k, None) is not None]
+
+    # -- pins -------------------------------------------------------------------------------------------
+    def pin(self, w: WorkerSession, held: list[tuple[BlockKey, int]]) -> None:
+        """Record slots (already referenced via ``pool.acquire``, keys registry-pinned) handed to ``w``."""
+        for k, slot in held:
+            w.pins.setdefault(k, []).append(slot)
+
+    def release(self, w: WorkerSession, keys: Iterable[BlockKey]) -> int:
+        """Drop one pin per key (the slot handed out first); returns pins released."""
+        done = 0
+        for k in keys:
+            slots = w.pins.get(k)
+            if not slots:
+                continue
+            self.pool.unref(slots.pop(0))
+            if not slots:
+                del w.pins[k]
+            self.manager.registry.unpin([k])
+            done += 1
+        return done
+
+    # -- dropping -------------------------------------------------------------------------------------
+    def drop(self, w: WorkerSession, *, quarantine: bool, why: str = "") -> int:
+        """Forget a worker; returns the pins it held. See the module docstring for ``quarantine``."""
+        if self.workers.pop(w.token, None) is None:
+            return 0
+        pins = w.pin_count()
+        for k, slots in w.pins.items():
+            self.manager.registry.unpin([k] * len(slots))
+        prepared = list(w.prepared)
+        if quarantine and (w.pins or prepared):
+            detached = self.manager.detach_store(prepared)
+            self._quarantine[w.token] = _Quarantine(w.pins, detached, time.monotonic() + self.grace_s, why)
+        else:
+            for slots in w.pins.values():
+                for slot in slots:
+                    self.pool.unref(slot)
+            if prepared:
+                self.manager.complete_store(prepared, ok=False)
+        w.pins = {}
+        w.prepared = {}
+        return pins
+
+    def unknown_token(self, msg: p.Request) -> str:
+        """The error message for a request from a token with no session; a dropped worker's request
+        naming quarantined keys ends their quarantine (it has finished copying)."""
+        q = self._quarantine.get(msg.token)
+        if q is None:
+            return "unknown worker token; send Register first"
+        if isinstance(msg, p.Unregister):
+            self._unquarantine(q, list(q.pins), list(q.prepared))
+        elif isinstance(msg, p.CommitStore):
+            self._unquarantine(q, [], msg.keys())
+        elif isinstance(msg, p.Release):
+            self._unquarantine(q, msg.keys(), [])
+        if q.empty():
+            del self._quarantine[msg.token]
+        return f"worker {q.why}: its token is gone and its unfinished stores were aborted; send Register"
+
+    def _unquarantine(self, q: _Quarantine, pins: Iterable[BlockKey], prepared: Iterable[BlockKey]) -> None:
+        for k in pins:
+            for slot in q.pins.pop(k, []):
+                self.pool.unref(slot)
+        for k in prepared:
+            slot = q.prepared.pop(k, None)
+            if slot is not None:
+                self.pool.unref(slot)
+
+    def reap_quarantine(self) -> int:
+        """Release quarantines whose grace period is over; returns slots released."""
+        now = time.monotonic()
+        n = 0
+        for token, q in list(self._quarantine.items()):
+            if q.until <= now:
+                n += sum(len(s) for s in q.pins.values()) + len(q.prepared)
+                self._unquarantine(q, list(q.pins), list(q.prepared))
+                del self._quarantine[token]
+        return n
+
+    def quarantined_slots(self) -> int:
+        return sum(sum(len(s) for s in q.pins.values()) + len(q.prepared) for q in self._quarantine.values())
+
+    def pin_total(self) -> int:
+        return sum(w.pin_count() for w in self.workers.values())
