@@ -89,8 +89,8 @@ def daemon_report(link: DaemonLink) -> dict[str, Any]:
                "used_bytes": t.get("used_bytes"), "blocks": t.get("blocks"),
                "hit_rate": round(st.get("hits", 0) / looked, 4) if looked else None, "errors": st.get("errors", 0)}
         if t.get("kind") == "s3":
-            row.update(endpoint=t.get("endpoint"), bucket=t.get("bucket"), breaker=t.get("breaker"),
-                       pending_writes=t.get("pending_writes"))
+            row.update(endpoint=t.get("endpoint"), bucket=t.get("bucket"),
+                       breaker=(t.get("breaker") or {}).get("state"), pending_writes=t.get("pending_writes"))
         tiers.append(row)
     d = dict(stats.get("daemon", {}) or {})
     mgr = stats.get("manager", {}) or {}

@@ -10,7 +10,7 @@ import pytest
 
 from kvbm.blocks import BlockKey
 from kvbm.config import S3Config
-from kvbm.errors import ConfigError, TierUnavailableError
+from kvbm.errors import ConfigError, TierUnavailableError, WriteShedError
 from kvbm.s3server import EmbeddedS3, pick_ports
 from kvbm.tiers.s3 import HEADER_LEN, CircuitBreaker, S3Tier, make_s3_tier
 
@@ -257,11 +257,15 @@ def test_endpoint_killed_then_recovers(weed_binary, tmp_path):
                     assert await t.get_into(k, memoryview(out)) is None
                 assert t.breaker.state == "open" and t.stats.errors >= 2, t.client_kind
                 t0 = time.perf_counter()
+                errors = t.stats.errors
                 assert await t.get_into(keys[2], memoryview(out)) is None
                 for k in shed_keys:
-                    await t.put(k, b"y" * 1000)
-                assert time.perf_counter() - t0 < 0.5  # no I/O while open
+                    # A shed write raises: no caller may take it for a stored block.
+                    with pytest.raises(WriteShedError, match="circuit breaker open"):
+                        await t.put(k, b"y" * 1000)
+                assert t.stats.errors == errors  # no request was tried while open
                 assert t.stats.shed == 5 and not any(t.contains(k) for k in shed_keys)
+                assert t.describe()["breaker"] == {"state": "open", "opens": 1, "consecutive": t.breaker.consecutive}
             srv.port = port
             srv.start()
             assert srv.port == port

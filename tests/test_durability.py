@@ -1,0 +1,326 @@
+"""Durability is honest: a tier write that did not happen is never reported, recorded or relied on.
+
+Outages are real: a dedicated SeaweedFS is stopped (SIGKILL) under a started tier or daemon and brought
+back on the same port. Only the ValueError of a misbehaving tier is faked (no real server raises it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+from serve_proc import ServeProc
+
+from kvbm.blocks import BlockKey
+from kvbm.config import S3Config, TransferConfig
+from kvbm.errors import TierFullError, TierUnavailableError
+from kvbm.layout import KVLayout
+from kvbm.manager import BlockManager
+from kvbm.s3server import EmbeddedS3, pick_ports
+from kvbm.tiers.disk import DiskTier
+from kvbm.tiers.host import HostTier
+from kvbm.tiers.s3 import S3Tier, make_s3_tier
+from kvbm.transfer import make_file_io
+
+pytestmark = pytest.mark.s3
+
+NS = "durable-model-0123456789abcdef"
+SLOT = 64 * 1024
+# Fail fast against a dead endpoint: no retries, short timeouts, a breaker that opens after 2 failures
+# and lets a probe through after 1 s.
+FAST = dict(max_retries=0, connect_timeout_s=0.5, read_timeout_s=5.0, breaker_failures=2, breaker_reset_s=1.0)
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(NS, i.to_bytes(4, "big") + os.urandom(12))
+
+
+def block(k: BlockKey, n: int = SLOT) -> bytes:
+    return (k.hash * (n // 16 + 1))[:n]
+
+
+def s3_tier(srv: EmbeddedS3, prefix: str, **over) -> S3Tier:
+    cfg = S3Config(bucket=srv.bucket, prefix=prefix, **{**FAST, **over})
+    return make_s3_tier(cfg, srv.endpoint, (srv.access_key, srv.secret_key))
+
+
+def in_bucket(srv: EmbeddedS3, prefix: str, k: BlockKey) -> bytes | None:
+    """The block as a fresh S3 client reads it from the bucket (no shared index or cache)."""
+
+    async def go() -> bytes | None:
+        t = s3_tier(srv, prefix)
+        await t.start()
+        try:
+            out = bytearray(SLOT)
+            n = await t.get_into(k, memoryview(out))
+            return None if n is None else bytes(out[:n])
+        finally:
+            await t.close()
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def outage_s3(weed_binary, tmp_path):
+    """A SeaweedFS of this test's own, which the test may stop and restart on the same port."""
+    srv = EmbeddedS3(tmp_path / "sw", weed=weed_binary, bucket="kvbm-durable", stop_timeout_s=1.0, reuse=False)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop(force=True)
+
+
+def restart(srv: EmbeddedS3) -> None:
+    port = srv.port
+    srv.port = port
+    srv.start()
+    assert srv.port == port
+
+
+async def until(pred, timeout: float = 30.0, step: float = 0.2):
+    """Poll an async predicate until it returns something truthy (generous deadline, no timing asserts)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await pred()
+        if got or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(step)
+
+
+def test_offload_durable_with_s3_down_reports_nothing_durable(outage_s3, tmp_path):
+    """G2+G4, S3 killed after the tier started: offload(durable=True) is 0 and G4 is not recorded; once the
+    server is back a new offload is durable and the object really is in the bucket."""
+    srv, prefix = outage_s3, "off"
+
+    async def go():
+        g2 = HostTier(8 * SLOT, SLOT)
+        g4 = s3_tier(srv, prefix)
+        mgr = BlockManager([g2, g4])
+        await mgr.start()
+        try:
+            down = [key(i) for i in range(3)]
+            for k in down:
+                await mgr.put(k, block(k), tier="G2", cascade=False)
+            srv.stop(force=True)
+            assert await mgr.offload(down, durable=True) == 0
+            assert all(mgr.where(k) == ["G2"] for k in down)
+            assert g4.stats.errors + g4.stats.shed == len(down)
+            assert mgr.stats.cascade_failures == len(down)
+            # The breaker opened; its state is reported for the metrics.
+            d = g4.describe()
+            assert d["breaker"]["state"] == "open" and d["breaker"]["opens"] >= 1
+            assert d["stats"]["shed"] == g4.stats.shed and d["stats"]["errors"] == g4.stats.errors
+
+            await asyncio.to_thread(restart, srv)
+            up = key(100)
+            await mgr.put(up, block(up), tier="G2", cascade=False)
+            assert await until(lambda: mgr.offload([up], durable=True)) == 1
+            assert mgr.where(up) == ["G2", "G4"]
+            return down, up
+        finally:
+            await mgr.close()
+
+    down, up = asyncio.run(go())
+    assert in_bucket(srv, prefix, up) == block(up)
+    assert all(in_bucket(srv, prefix, k) is None for k in down)
+
+
+class FlakyDisk(DiskTier):
+    """A disk tier whose first ``bad`` writes raise ValueError (a bug no real server produces)."""
+
+    def __init__(self, *a, bad: int, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.bad = bad
+
+    async def put(self, key, data):
+        if self.bad > 0:
+            self.bad -= 1
+            raise ValueError("flaky disk says no")
+        await super().put(key, data)
+
+
+def test_background_cascade_survives_any_exception(s3_server, s3_prefix, tmp_path, caplog):
+    """A ValueError from G3 in background write-through is counted, logged once, the block stays in G2 and
+    still reaches G4 below it, and later cascades run normally."""
+
+    async def go():
+        g2 = HostTier(16 * SLOT, SLOT)
+        g3 = FlakyDisk(str(tmp_path / "disk"), 16 * (SLOT + 8192), make_file_io(TransferConfig()), fsync=False,
+                       bad=4)
+        g4 = s3_tier(s3_server, s3_prefix)
+        mgr = BlockManager([g2, g3, g4])
+        await mgr.start(index=False)
+        try:
+            bad = [key(i) for i in range(4)]
+            for k in bad:
+                await mgr.put(k, block(k), tier="G2")
+            await mgr.drain()
+            assert mgr.stats.cascade_failures == 4
+            for k in bad:
+                assert mgr.where(k) == ["G2", "G4"]  # kept in G2, written through past the failing G3
+                assert await mgr.read(k) == block(k)
+            good = key(50)
+            await mgr.put(good, block(good), tier="G2")
+            await mgr.drain()
+            assert mgr.where(good) == ["G2", "G3", "G4"]
+            s = mgr.describe()["manager"]
+            assert s["errors"] == {"G3:ValueError": 4}
+        finally:
+            await mgr.close()
+
+    with caplog.at_level(logging.WARNING, logger="kvbm.manager"):
+        asyncio.run(go())
+    flaky = [r for r in caplog.records if "ValueError" in r.getMessage() or "flaky" in r.getMessage()]
+    assert len(flaky) == 1, [r.getMessage() for r in flaky]
+
+
+def test_disk_eviction_never_drops_a_block_s3_lacks(outage_s3, tmp_path):
+    """G3 (room for 2 blocks) + G4 with S3 down: evicting from G3 would lose the block (its G4 write was
+    shed), so G3 keeps it and refuses the new one; with S3 back, eviction demotes it for real."""
+    srv, prefix = outage_s3, "evict"
+
+    async def go():
+        g3 = DiskTier(str(tmp_path / "disk"), 2 * (SLOT + 8192), make_file_io(TransferConfig()), fsync=False)
+        g4 = s3_tier(srv, prefix)
+        mgr = BlockManager([g3, g4])
+        await mgr.start()
+        try:
+            srv.stop(force=True)
+            first = [key(i) for i in range(2)]
+            for k in first:
+                assert await mgr.put(k, block(k), tier="G3") == "G3"
+            await mgr.drain()
+            assert all(mgr.where(k) == ["G3"] for k in first)
+            third = key(2)
+            with pytest.raises((TierFullError, TierUnavailableError)):
+                await mgr.put(third, block(third), tier="G3")
+            await mgr.drain()
+            for k in first:
+                assert mgr.where(k) == ["G3"]
+                assert await mgr.read(k) == block(k)
+            assert mgr.where(third) == []
+            assert g4.stats.shed + g4.stats.errors >= 3
+
+            await asyncio.to_thread(restart, srv)
+
+            async def stored() -> bool:
+                try:
+                    return await mgr.put(third, block(third), tier="G3") == "G3"
+                except (TierFullError, TierUnavailableError):
+                    return False
+
+            assert await until(stored)
+            await mgr.drain()
+            # The LRU block went down to S3 before it left the disk.
+            assert mgr.where(first[0]) == ["G4"]
+            assert await mgr.read(first[0]) == block(first[0])
+            return first
+        finally:
+            await mgr.close()
+
+    first = asyncio.run(go())
+    assert in_bucket(srv, prefix, first[0]) == block(first[0])
+
+
+LAYOUT = KVLayout(model="durable", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)
+
+
+def daemon_cfg(tmp_path, endpoint: str, srv: EmbeddedS3, prefix: str, *, disk: bool) -> dict:
+    return {
+        "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
+        "disk": {"enabled": disk, "dir": str(tmp_path / "disk"), "capacity": "16MiB", "fsync": False},
+        "s3": {"endpoint": endpoint, "bucket": srv.bucket, "prefix": prefix, "access_key": srv.access_key,
+               "secret_key": srv.secret_key, **FAST},
+        "embedded_s3": {"enabled": False},
+        "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "events_endpoint": "", "metrics_port": 0},
+    }
+
+
+def payload(k: BlockKey) -> np.ndarray:
+    return np.frombuffer(block(k, LAYOUT.block_nbytes), dtype=np.uint8).copy()
+
+
+def g4_of(stats: dict) -> dict:
+    return next(t for t in stats["tiers"] if t["tier"] == "G4")
+
+
+def wait_for(pred, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def test_serve_starts_during_s3_outage_and_brings_g4_in_later(weed_binary, tmp_path):
+    """``kvbm serve`` with its S3 endpoint down at start serves G2/G3, reports the bucket unindexed and the
+    breaker open; when a server comes up on that port the daemon indexes it and durable stores reach S3."""
+    port = pick_ports(1)[0]
+    srv = EmbeddedS3(tmp_path / "sw", weed=weed_binary, port=port, bucket="kvbm-late", stop_timeout_s=1.0,
+                     reuse=False)
+    prefix = "late"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True)).start()
+    try:
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(4)]
+            ack = c.store(ks[:2], [payload(k) for k in ks[:2]], durable=True)
+            assert ack.stored == 2 and ack.durable == 2  # on G3: durable without S3
+            outs = [np.zeros(LAYOUT.block_nbytes, np.uint8) for _ in range(2)]
+            assert c.load(ks[:2], outs) == 2
+            assert all(np.array_equal(o, payload(k)) for o, k in zip(outs, ks[:2], strict=True))
+            st = c.stats()
+            assert st["daemon"]["bucket_indexed"] is False and st["daemon"]["bucket_index_error"]
+            assert g4_of(st)["breaker"]["state"] == "open" and g4_of(st)["online"] is False
+            assert g4_of(st)["blocks"] == 0
+
+            # A block another node left in the bucket while we were cut off.
+            srv.start()
+            assert srv.port == port
+            other = BlockKey(LAYOUT.namespace, os.urandom(16))
+
+            async def seed():
+                t = s3_tier(srv, prefix)
+                await t.start()
+                await t.put(other, block(other, LAYOUT.block_nbytes))
+                await t.close()
+
+            asyncio.run(seed())
+            assert wait_for(lambda: c.stats()["daemon"]["bucket_indexed"])
+            st = c.stats()
+            assert g4_of(st)["online"] is True and g4_of(st)["breaker"]["state"] == "closed"
+            assert not st["daemon"]["bucket_index_error"]
+            assert c.lookup([other]).tiers == ["G4"]
+            ack = c.store(ks[2:], [payload(k) for k in ks[2:]], durable=True)
+            assert ack.stored == 2 and ack.durable == 2
+        # A durable store writes through every tier below G2 before it is acknowledged: S3 has them now.
+        assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks[2:])
+    finally:
+        d.stop()
+        srv.stop(force=True)
+
+
+def test_commit_durable_with_s3_down_and_no_disk_is_not_durable(outage_s3, tmp_path):
+    """CommitStore(durable=True) through the daemon, G2+G4, S3 killed: the Ack counts 0 durable blocks."""
+    srv, prefix = outage_s3, "commit"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=False)).start()
+    try:
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(3)]
+            ack = c.store(ks[:1], [payload(ks[0])], durable=True)
+            assert ack.stored == 1 and ack.durable == 1  # S3 up: really durable
+            srv.stop(force=True)
+            ack = c.store(ks[1:], [payload(k) for k in ks[1:]], durable=True)
+            assert ack.stored == 2 and ack.durable == 0
+            assert c.lookup(ks[1:]).tiers == ["G2", "G2"]
+            g4 = g4_of(c.stats())
+            assert g4["stats"]["errors"] + g4["stats"]["shed"] >= 2
+    finally:
+        d.stop()
