@@ -130,6 +130,24 @@ def test_offload_durable_with_s3_down_reports_nothing_durable(outage_s3, tmp_pat
     assert all(in_bucket(srv, prefix, k) is None for k in down)
 
 
+def test_index_tier_reports_a_listing_that_failed(outage_s3):
+    """index_tier on an S3 tier whose server is gone raises instead of returning as if it had listed."""
+    srv = outage_s3
+
+    async def go():
+        g4 = s3_tier(srv, "idx")
+        mgr = BlockManager([HostTier(4 * SLOT, SLOT), g4])
+        await mgr.start()
+        try:
+            srv.stop(force=True)
+            with pytest.raises(TierUnavailableError, match="S3 LIST"):
+                await mgr.index_tier("G4")
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+
+
 class FlakyDisk(DiskTier):
     """A disk tier whose first ``bad`` writes raise ValueError (a bug no real server produces)."""
 
@@ -322,5 +340,19 @@ def test_commit_durable_with_s3_down_and_no_disk_is_not_durable(outage_s3, tmp_p
             assert c.lookup(ks[1:]).tiers == ["G2", "G2"]
             g4 = g4_of(c.stats())
             assert g4["stats"]["errors"] + g4["stats"]["shed"] >= 2
+    finally:
+        d.stop()
+
+
+def test_serve_with_wrong_credentials_is_a_start_up_error(s3_server, s3_prefix, tmp_path):
+    """A reachable endpoint that rejects the credentials is misconfiguration, not an outage: serve exits."""
+    cfg = daemon_cfg(tmp_path, s3_server.endpoint, s3_server, s3_prefix, disk=False)
+    cfg["s3"]["secret_key"] = "wrong-secret"
+    d = ServeProc(tmp_path, cfg)
+    try:
+        with pytest.raises(RuntimeError, match="daemon exited") as ei:
+            d.start()
+        assert f"S3 credentials rejected by {s3_server.endpoint}" in str(ei.value)
+        assert "wrong-secret" not in str(ei.value)
     finally:
         d.stop()
