@@ -76,8 +76,8 @@ def outage_s3(weed_binary, tmp_path):
 
 
 def restart(srv: EmbeddedS3) -> None:
+    """Bring a stopped server back on the same port (and data directory)."""
     port = srv.port
-    srv.port = port
     srv.start()
     assert srv.port == port
 
@@ -283,6 +283,18 @@ def test_serve_starts_during_s3_outage_and_brings_g4_in_later(weed_binary, tmp_p
     srv = EmbeddedS3(tmp_path / "sw", weed=weed_binary, port=port, bucket="kvbm-late", stop_timeout_s=1.0,
                      reuse=False)
     prefix = "late"
+    # A block another node left in the bucket; then the endpoint goes down before the daemon starts.
+    other = BlockKey(LAYOUT.namespace, os.urandom(16))
+
+    async def seed():
+        t = s3_tier(srv, prefix)
+        await t.start()
+        await t.put(other, block(other, LAYOUT.block_nbytes))
+        await t.close()
+
+    srv.start()
+    asyncio.run(seed())
+    srv.stop(force=True)
     d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True)).start()
     try:
         with d.client() as c:
@@ -296,20 +308,10 @@ def test_serve_starts_during_s3_outage_and_brings_g4_in_later(weed_binary, tmp_p
             st = c.stats()
             assert st["daemon"]["bucket_indexed"] is False and st["daemon"]["bucket_index_error"]
             assert g4_of(st)["breaker"]["state"] == "open" and g4_of(st)["online"] is False
-            assert g4_of(st)["blocks"] == 0
+            assert g4_of(st)["blocks"] == 0 and c.lookup([other]).matched == 0
 
-            # A block another node left in the bucket while we were cut off.
-            srv.start()
+            restart(srv)
             assert srv.port == port
-            other = BlockKey(LAYOUT.namespace, os.urandom(16))
-
-            async def seed():
-                t = s3_tier(srv, prefix)
-                await t.start()
-                await t.put(other, block(other, LAYOUT.block_nbytes))
-                await t.close()
-
-            asyncio.run(seed())
             assert wait_for(lambda: c.stats()["daemon"]["bucket_indexed"])
             st = c.stats()
             assert g4_of(st)["online"] is True and g4_of(st)["breaker"]["state"] == "closed"

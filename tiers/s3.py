@@ -241,7 +241,6 @@ class S3Tier(Tier):
         self.wait_for_endpoint = wait_for_endpoint
         self.online = False
         self.last_error = ""
-        self._online_event: asyncio.Event | None = None
         self._prober: asyncio.Task[None] | None = None
 
     # -- naming ----------------------------------------------------------------------------------
@@ -304,7 +303,6 @@ class S3Tier(Tier):
             kwargs.update(aws_access_key_id=self._access_key, aws_secret_access_key=self._secret_key)
             if self._session_token:
                 kwargs["aws_session_token"] = self._session_token
-        self._online_event = asyncio.Event()
         try:
             self._s3 = await self._stack.enter_async_context(session.create_client("s3", **kwargs))
             # "Expect: 100-continue" costs a round trip per PUT to save a body the server would refuse;
@@ -336,8 +334,6 @@ class S3Tier(Tier):
             await self._start_nixl(session)
         self.online = True
         self.last_error = ""
-        assert self._online_event is not None
-        self._online_event.set()
 
     async def _probe_until_online(self, session: Any) -> None:
         """Re-check the endpoint with backoff (0.5 s doubling up to ``breaker_reset_s``) until it answers."""
@@ -365,12 +361,6 @@ class S3Tier(Tier):
             self.breaker.success()
             log.info("S3 endpoint %s answers: G4 online", self.endpoint_name)
             return
-
-    async def wait_online(self) -> None:
-        """Return once the endpoint has answered (at once for a tier that started online)."""
-        self._require_started()
-        assert self._online_event is not None
-        await self._online_event.wait()
 
     async def _check_bucket(self) -> None:
         import botocore.exceptions as bex
