@@ -17,7 +17,7 @@ from serve_proc import ServeProc
 
 from kvbm.blocks import BlockKey
 from kvbm.config import S3Config, TransferConfig
-from kvbm.errors import TierFullError, TierUnavailableError
+from kvbm.errors import TierFullError, TierUnavailableError, WriteShedError
 from kvbm.layout import KVLayout
 from kvbm.manager import BlockManager
 from kvbm.s3server import EmbeddedS3, pick_ports
@@ -128,6 +128,29 @@ def test_offload_durable_with_s3_down_reports_nothing_durable(outage_s3, tmp_pat
     down, up = asyncio.run(go())
     assert in_bucket(srv, prefix, up) == block(up)
     assert all(in_bucket(srv, prefix, k) is None for k in down)
+
+
+def test_s3_put_beyond_max_pending_writes_raises(s3_server, s3_prefix):
+    """A write shed for ``s3.max_pending_writes`` raises WriteShedError and is counted; it is not stored."""
+
+    async def go():
+        t = s3_tier(s3_server, s3_prefix, max_pending_writes=1)
+        await t.start()
+        try:
+            ks = [key(i) for i in range(2)]
+            got = await asyncio.gather(*(t.put(k, block(k)) for k in ks), return_exceptions=True)
+            assert got[0] is None and isinstance(got[1], WriteShedError), got
+            assert "max_pending_writes" in str(got[1])
+            assert t.stats.shed == 1 and t.stats.puts == 1
+            assert t.contains(ks[0]) and not t.contains(ks[1])
+            assert t.describe()["stats"]["shed"] == 1
+            return ks
+        finally:
+            await t.close()
+
+    ks = asyncio.run(go())
+    assert in_bucket(s3_server, s3_prefix, ks[0]) == block(ks[0])
+    assert in_bucket(s3_server, s3_prefix, ks[1]) is None
 
 
 def test_index_tier_reports_a_listing_that_failed(outage_s3):
