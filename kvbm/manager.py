@@ -96,6 +96,7 @@ class BlockManager:
         *,
         min_hits_to_offload: int = 0,
         max_pending_cascades: int = 1024,
+        max_concurrent_cascades: int = 32,
     ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
@@ -106,6 +107,9 @@ class BlockManager:
         self.mover = mover
         self.min_hits_to_offload = min_hits_to_offload
         self.max_pending_cascades = max_pending_cascades
+        # Cascades copying at once: a burst (a big durable offload) queues here instead of being shed by a
+        # lower tier's own write limit (s3.max_pending_writes), which would leave the blocks above only.
+        self._cascade_slots = asyncio.Semaphore(max(1, max_concurrent_cascades))
         self.stats = ManagerStats()
         self.failures = FailureLog(self.stats.errors)
         self._pending: set[asyncio.Task[None]] = set()
@@ -271,6 +275,10 @@ class BlockManager:
 
     async def _cascade(self, key: BlockKey) -> bool:
         """Copy ``key`` to every lower tier that lacks it; True if it ends on a persistent tier."""
+        async with self._cascade_slots:
+            return await self._cascade_now(key)
+
+    async def _cascade_now(self, key: BlockKey) -> bool:
         where = self.registry.where(key)
         if not where:
             return False

@@ -90,8 +90,10 @@ async def build_stack(
                 endpoint = embedded.endpoint
                 creds = (embedded.access_key, embedded.secret_key)
             built.append(make_s3_tier(cfg.s3, endpoint, creds, wait_for_endpoint=wait_for_s3))
+        # Cascades at once: below S3's own write limit, so write-through bursts wait instead of being shed.
+        cascades = min(32, cfg.s3.max_pending_writes) if any(t.kind == "s3" for t in built) else 32
         manager = BlockManager(built, make_memory_mover(cfg.transfer),
-                               min_hits_to_offload=cfg.disk.min_hits_to_offload)
+                               min_hits_to_offload=cfg.disk.min_hits_to_offload, max_concurrent_cascades=cascades)
         if start:
             await manager.start(index=index)
     except BaseException:

@@ -153,6 +153,29 @@ def test_s3_put_beyond_max_pending_writes_raises(s3_server, s3_prefix):
     assert in_bucket(s3_server, s3_prefix, ks[1]) is None
 
 
+def test_durable_offload_of_a_big_batch_does_not_shed_itself(s3_server, s3_prefix):
+    """offload(durable=True) of more blocks than s3.max_pending_writes, healthy S3: every block is really
+    written (the manager bounds its own cascades instead of having S3 shed them)."""
+    n = 100
+
+    async def go():
+        g4 = s3_tier(s3_server, s3_prefix)
+        assert g4.cfg.max_pending_writes < n
+        mgr = BlockManager([HostTier(n * 4096, 4096), g4])
+        await mgr.start(index=False)
+        try:
+            ks = [key(i) for i in range(n)]
+            for k in ks:
+                await mgr.put(k, block(k, 4096), tier="G2", cascade=False)
+            assert await mgr.offload(ks, durable=True) == n
+            assert g4.stats.shed == 0 and g4.stats.puts == n
+            assert all(mgr.where(k) == ["G2", "G4"] for k in ks)
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+
+
 def test_index_tier_reports_a_listing_that_failed(outage_s3):
     """index_tier on an S3 tier whose server is gone raises instead of returning as if it had listed."""
     srv = outage_s3
