@@ -322,9 +322,11 @@ def wait_for(pred, timeout: float = 60.0):
         time.sleep(0.2)
 
 
-def test_serve_starts_during_s3_outage_and_brings_g4_in_later(weed_binary, tmp_path):
+@pytest.mark.parametrize("mode", ["background", "start", "lazy"])
+def test_serve_starts_during_s3_outage_and_brings_g4_in_later(weed_binary, tmp_path, mode):
     """``kvbm serve`` with its S3 endpoint down at start serves G2/G3, reports the bucket unindexed and the
-    breaker open; when a server comes up on that port the daemon indexes it and durable stores reach S3."""
+    breaker open; when a server comes up on that port the daemon indexes it (all of it, or in ``lazy`` mode
+    the registered namespace) and durable stores reach S3."""
     port = pick_ports(1)[0]
     srv = EmbeddedS3(tmp_path / "sw", weed=weed_binary, port=port, bucket="kvbm-late", stop_timeout_s=1.0,
                      reuse=False)
@@ -341,7 +343,9 @@ def test_serve_starts_during_s3_outage_and_brings_g4_in_later(weed_binary, tmp_p
     srv.start()
     asyncio.run(seed())
     srv.stop(force=True)
-    d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True)).start()
+    cfg = daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True)
+    cfg["daemon"]["index_bucket"] = mode
+    d = ServeProc(tmp_path, cfg).start()
     try:
         with d.client() as c:
             c.register(LAYOUT, worker_id="w")
@@ -358,7 +362,11 @@ def test_serve_starts_during_s3_outage_and_brings_g4_in_later(weed_binary, tmp_p
 
             restart(srv)
             assert srv.port == port
-            assert wait_for(lambda: c.stats()["daemon"]["bucket_indexed"])
+            if mode == "lazy":  # only registered namespaces are ever listed
+                assert wait_for(lambda: c.stats()["daemon"]["namespaces_indexed"] == 1)
+                assert c.stats()["daemon"]["bucket_indexed"] is False
+            else:
+                assert wait_for(lambda: c.stats()["daemon"]["bucket_indexed"])
             st = c.stats()
             assert g4_of(st)["online"] is True and g4_of(st)["breaker"]["state"] == "closed"
             assert not st["daemon"]["bucket_index_error"]
