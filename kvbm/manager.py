@@ -434,9 +434,14 @@ class BlockManager:
                         self.registry.add(dst.name, key, fp)
             if ok:
                 return True
-            # A corrupt or vanished copy: forget it and try the next tier.
-            self.registry.remove(src_name, key)
+            self._forget_if_gone(src, key)
         return False
+
+    def _forget_if_gone(self, tier: Tier, key: BlockKey) -> None:
+        """After a failed read: forget ``tier``'s copy only if the tier dropped it (corrupt or vanished);
+        a read that failed because the tier is unreachable (S3 down) leaves a copy that is still there."""
+        if tier.nbytes(key) is None:
+            self.registry.remove(tier.name, key)
 
     async def _copy(self, key: BlockKey, src: Tier, dst: Tier, n: int) -> bool:
         if isinstance(src, SlotPoolTier) and isinstance(dst, SlotPoolTier):
@@ -524,7 +529,7 @@ class BlockManager:
             if data is not None:
                 self.registry.record_hit([key])
                 return data
-            self.registry.remove(name, key)
+            self._forget_if_gone(self.by_name[name], key)
         return None
 
     def device_tensor(self, key: BlockKey) -> object | None:

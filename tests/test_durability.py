@@ -194,6 +194,57 @@ def test_index_tier_reports_a_listing_that_failed(outage_s3):
     asyncio.run(go())
 
 
+def test_memory_tier_keeps_taking_blocks_during_an_outage(outage_s3):
+    """G2 (2 slots) + G4 with S3 down: G2 still stores new blocks, evicting (and counting as dropped) what
+    S3 could not take; the registry never claims G4 holds them."""
+    srv = outage_s3
+
+    async def go():
+        g4 = s3_tier(srv, "mem")
+        mgr = BlockManager([HostTier(2 * SLOT, SLOT), g4])
+        await mgr.start()
+        try:
+            srv.stop(force=True)
+            ks = [key(i) for i in range(4)]
+            for k in ks:
+                assert await mgr.put(k, block(k)) == "G2"
+                await mgr.drain()
+            assert [mgr.where(k) for k in ks] == [[], [], ["G2"], ["G2"]]
+            assert mgr.stats.dropped == 2 and mgr.stats.kept == 0
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+
+
+def test_outage_read_does_not_forget_what_s3_holds(outage_s3):
+    """An onboard from G4 while S3 is down misses, but the registry keeps the block: once S3 is back it
+    is served again without re-listing the bucket."""
+    srv = outage_s3
+
+    async def go():
+        g4 = s3_tier(srv, "read")
+        mgr = BlockManager([HostTier(4 * SLOT, SLOT), g4])
+        await mgr.start()
+        try:
+            k = key(1)
+            await mgr.put(k, block(k), tier="G2", cascade=False)
+            assert await mgr.offload([k], durable=True) == 1
+            await mgr.delete([k], tiers=["G2"])
+            assert mgr.where(k) == ["G4"]
+            srv.stop(force=True)
+            assert await mgr.onboard([k], to="G2") == 0
+            assert await mgr.read(k) is None
+            assert mgr.where(k) == ["G4"]
+            await asyncio.to_thread(restart, srv)
+            assert await until(lambda: mgr.onboard([k], to="G2")) == 1
+            assert await mgr.read(k) == block(k)
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+
+
 class FlakyDisk(DiskTier):
     """A disk tier whose first ``bad`` writes raise ValueError (a bug no real server produces)."""
 
