@@ -294,6 +294,30 @@ def test_background_cascade_survives_any_exception(s3_server, s3_prefix, tmp_pat
     assert len(flaky) == 1, [r.getMessage() for r in flaky]
 
 
+def test_eviction_survives_any_exception_from_the_tier_below(tmp_path):
+    """A ValueError while demoting a G2 victim to G3 is counted and does not fail the store that needed
+    the room; the next demotion works."""
+
+    async def go():
+        g2 = HostTier(2 * SLOT, SLOT)
+        g3 = FlakyDisk(str(tmp_path / "disk"), 16 * (SLOT + 8192), make_file_io(TransferConfig()), fsync=False,
+                       bad=1)
+        mgr = BlockManager([g2, g3])
+        await mgr.start()
+        try:
+            ks = [key(i) for i in range(4)]
+            for k in ks:
+                assert await mgr.put(k, block(k), tier="G2", cascade=False) == "G2"
+            assert mgr.stats.demotion_failures == 1 and mgr.stats.errors == {"G3:ValueError": 1}
+            assert mgr.stats.dropped == 1 and mgr.stats.demotions == 1
+            assert [mgr.where(k) for k in ks] == [[], ["G3"], ["G2"], ["G2"]]
+            assert await mgr.read(ks[1]) == block(ks[1])
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+
+
 def test_disk_eviction_never_drops_a_block_s3_lacks(outage_s3, tmp_path):
     """G3 (room for 2 blocks) + G4 with S3 down: evicting from G3 would lose the block (its G4 write was
     shed), so G3 keeps it and refuses the new one; with S3 back, eviction demotes it for real."""
