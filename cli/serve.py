@@ -19,7 +19,8 @@ async def run_daemon(cfg: Config) -> None:
     from kvbm.daemon import serve
     from kvbm.stack import build_stack
 
-    stack = await build_stack(cfg, device=False, start=False)
+    # An S3 outage must not take G2/G3 down with it: G4 starts offline and joins when S3 answers.
+    stack = await build_stack(cfg, device=False, start=False, wait_for_s3=True)
     try:
         await serve(cfg, stack.manager)  # starts the manager, which re-indexes disk and the bucket
     finally:

@@ -33,7 +33,7 @@ import zmq.asyncio
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.config import Config
-from kvbm.errors import KvbmError, TierFullError
+from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
 from kvbm.health import readiness
 from kvbm.kvevents import KVEventSubscriber, describe_views
 from kvbm.manager import PERSISTENT, BlockManager
@@ -44,6 +44,7 @@ from kvbm.tiers.pool import SlotPoolTier
 log = logging.getLogger(__name__)
 
 STORE_TIER = "G2"
+INDEX_RETRY_S = (0.5, 10.0)  # bucket listing retries: first delay, cap (doubling in between)
 
 
 class DaemonStats(msgspec.Struct):
@@ -109,6 +110,8 @@ class Daemon:
         self._pending_events: dict[tuple[str, str, str], list[bytes]] = {}
         self._prefetching = 0
         self._bucket_indexed = asyncio.Event()
+        self._bucket_index_error = ""  # why the last listing failed (until one completes)
+        self._ns_retrying: set[str] = set()
         self._ns_indexed: set[str] = set()
         self._ns_locks: dict[str, asyncio.Lock] = {}
         self._flush_scheduled = False
@@ -182,10 +185,15 @@ class Daemon:
         """Start the manager (re-indexing persistent tiers), bind, and serve until :meth:`stop`."""
         _ = self.g2
         s3_tiers = [t.name for t in self.manager.tiers if t.kind == "s3"]
-        eager = self.dc.index_bucket == "start" or not s3_tiers
-        await self.manager.start(index=True if eager else ("device", "host", "disk"))
-        if eager:
+        # The bucket is listed apart from the other tiers: S3 being down must not stop G2/G3 serving.
+        await self.manager.start(index=("device", "host", "disk"))
+        if not s3_tiers:
             self._bucket_indexed.set()
+        elif self.dc.index_bucket == "start":
+            try:
+                await self._list_bucket(s3_tiers)
+            except TierUnavailableError as e:
+                self._index_failed(e, INDEX_RETRY_S[0])
         self._bind()
         self.manager.registry.listeners.append(self._on_registry)
         for i, ep in enumerate(self.dc.vllm_events):
@@ -198,7 +206,7 @@ class Daemon:
             self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
             self.metrics_port = await self._metrics.start()
         self._spawn(self._reaper())
-        if not eager and self.dc.index_bucket == "background":
+        if s3_tiers and not self._bucket_indexed.is_set() and self.dc.index_bucket != "lazy":
             self._spawn(self._index_bucket(s3_tiers))
         logj("daemon.started", endpoint=self.endpoint, events=self.events_endpoint, metrics_port=self.metrics_port,
              tiers=[t.name for t in self.manager.tiers], blocks=len(self.manager.registry), pid=os.getpid())
@@ -217,26 +225,65 @@ class Daemon:
     async def stop(self) -> None:
         self._stop.set()
 
-    async def _index_bucket(self, names: list[str]) -> None:
-        """List the whole bucket in the background; lookups find G4 blocks as their pages arrive."""
+    async def _list_bucket(self, names: list[str]) -> None:
+        """List the whole bucket once (raises TierUnavailableError if it cannot be listed to the end)."""
         t0 = time.perf_counter()
         blocks = 0
         for name in names:
             blocks += await self.manager.index_tier(name)
+        self._bucket_index_error = ""
         self._bucket_indexed.set()
         logj("bucket.indexed", blocks=blocks, seconds=round(time.perf_counter() - t0, 3))
 
+    def _index_failed(self, e: Exception, retry_s: float, namespace: str = "") -> None:
+        first = str(e) != self._bucket_index_error
+        self._bucket_index_error = str(e)
+        logj("bucket.index_failed", level=logging.WARNING if first else logging.DEBUG, error=str(e),
+             namespace=namespace or None, retry_s=retry_s)
+
+    async def _index_bucket(self, names: list[str]) -> None:
+        """List the whole bucket in the background (lookups find G4 blocks as their pages arrive), retrying
+        with backoff until a listing completes: until then the snapshot says ``bucket_indexed: false``."""
+        delay, cap = INDEX_RETRY_S
+        while not self._bucket_indexed.is_set():
+            try:
+                await self._list_bucket(names)
+            except TierUnavailableError as e:
+                self._index_failed(e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, cap)
+
     async def _index_namespace(self, namespace: str) -> None:
-        """Before a worker's first Registered reply: list its namespace in the bucket (once)."""
+        """Before a worker's first Registered reply: list its namespace in the bucket (once). If S3 cannot
+        be listed now the worker is registered anyway and the namespace is listed later."""
         if self._bucket_indexed.is_set() or namespace in self._ns_indexed:
             return
         async with self._ns_locks.setdefault(namespace, asyncio.Lock()):
             if namespace in self._ns_indexed:
                 return
-            for t in self.manager.tiers:
-                if t.kind == "s3":
-                    await self.manager.index_tier(t.name, namespace)
+            try:
+                for t in self.manager.tiers:
+                    if t.kind == "s3":
+                        await self.manager.index_tier(t.name, namespace)
+            except TierUnavailableError as e:
+                self._index_failed(e, INDEX_RETRY_S[0], namespace)
+                if namespace not in self._ns_retrying:
+                    self._ns_retrying.add(namespace)
+                    self._spawn(self._retry_namespace(namespace))
+                return
             self._ns_indexed.add(namespace)
+            if not self._ns_retrying - {namespace}:
+                self._bucket_index_error = ""
+
+    async def _retry_namespace(self, namespace: str) -> None:
+        delay, cap = INDEX_RETRY_S
+        try:
+            while namespace not in self._ns_indexed and not self._bucket_indexed.is_set():
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, cap)
+                await self._index_namespace(namespace)
+        finally:
+            self._ns_retrying.discard(namespace)
 
     async def _shutdown(self) -> None:
         for t in list(self._tasks):
@@ -634,7 +681,8 @@ class Daemon:
         d["errors"] = dict(self.stats.errors)
         d.update(
             queue_depth=self._offloads, inflight=self._inflight, workers=len(self.workers),
-            bucket_indexed=self._bucket_indexed.is_set(), namespaces_indexed=len(self._ns_indexed),
+            bucket_indexed=self._bucket_indexed.is_set(), bucket_index_error=self._bucket_index_error,
+            namespaces_indexed=len(self._ns_indexed),
             pins=self.sessions.pin_total(), quarantined_slots=self.sessions.quarantined_slots(),
         )
         snap["daemon"] = d

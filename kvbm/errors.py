@@ -19,3 +19,8 @@ class CorruptBlockError(KvbmError):
 
 class TierUnavailableError(KvbmError):
     """A tier's backing store (e.g. the S3 endpoint) cannot be reached right now."""
+
+
+class WriteShedError(TierUnavailableError):
+    """A tier refused a write without attempting it (circuit breaker open, too many writes in flight, or
+    the endpoint not reachable yet). Nothing was stored; the refusal is counted in the tier's ``stats.shed``."""

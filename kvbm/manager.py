@@ -5,8 +5,14 @@ Tiers are ordered fastest first (G1 device, G2 host, G3 disk, G4 S3; any subset)
 * **Offload is write-through.** A block stored into a tier is copied, in the background, to every
   lower tier, so a block acknowledged as durable survives the loss of the faster tiers.
 * **Eviction demotes.** When a tier is full, its least-recently-used unpinned blocks leave; one that no
-  lower tier holds yet is first written to the next tier that has room (never silently dropped while
-  a lower tier could keep it).
+  lower tier holds yet is first written to the next tier that has room. A persistent tier (disk) never
+  lets go of a block no lower tier really holds: if the demotion fails it keeps the block, and the write
+  that needed the room fails with TierFullError. A memory tier drops it (counted in ``dropped``).
+* **Only real copies count.** A tier write that raised (failed or shed) is not recorded; ``offload(...,
+  durable=True)`` counts only blocks that reached disk or S3.
+* **Background work never dies.** A cascade or demotion that raises anything is counted per tier and
+  exception type (``errors``), logged once per kind (then at most once a minute), and leaves the block
+  where it was; the rest of the write-through goes on.
 * **Frequency filter.** With ``min_hits_to_offload > 0``, G3 only receives blocks that were hit at
   least that often (as Dynamo does for G2->G3, to spare the disk one-off blocks); they still go to G4.
 * **Onboard** finds the longest run of leading blocks held anywhere and brings them up to the target
@@ -34,6 +40,7 @@ from kvbm.tiers.pool import SlotPoolTier
 log = logging.getLogger(__name__)
 
 PERSISTENT = ("disk", "s3")  # tier kinds that survive a restart
+FAILURE_LOG_EVERY_S = 60.0  # after the first, a kind of failure is logged at most this often
 
 
 class ManagerStats(msgspec.Struct):
@@ -50,7 +57,34 @@ class ManagerStats(msgspec.Struct):
     shed_offloads: int = 0
     evictions: int = 0
     demotions: int = 0
+    demotion_failures: int = 0
+    kept: int = 0  # evictions refused: a persistent tier's block no lower tier could take
+    dropped: int = 0  # memory-tier blocks evicted although no lower tier could take them
     filtered: int = 0
+    errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
+
+
+class FailureLog:
+    """Counts background failures per ``tier:ExceptionType`` and logs each kind once, then at most once
+    every ``every_s`` (with how many were not logged), so an outage is one line, not one per block."""
+
+    def __init__(self, counts: dict[str, int], every_s: float = FAILURE_LOG_EVERY_S) -> None:
+        self.counts = counts
+        self.every_s = every_s
+        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (when, count then)
+
+    def record(self, what: str, key: BlockKey, tier: str, e: BaseException) -> None:
+        kind = f"{tier}:{type(e).__name__}"
+        n = self.counts.get(kind, 0) + 1
+        self.counts[kind] = n
+        now = time.monotonic()
+        last = self._logged.get(kind)
+        if last is not None and now - last[0] < self.every_s:
+            return
+        self._logged[kind] = (now, n)
+        since = "" if last is None else f" ({n - last[1] - 1} more like it not logged)"
+        log.warning("%s of %s to %s failed: %s: %s%s", what, key, tier, type(e).__name__, e, since,
+                    exc_info=not isinstance(e, (KvbmError, OSError)))
 
 
 class BlockManager:
@@ -63,6 +97,7 @@ class BlockManager:
         *,
         min_hits_to_offload: int = 0,
         max_pending_cascades: int = 1024,
+        max_concurrent_cascades: int = 32,
     ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
@@ -73,8 +108,12 @@ class BlockManager:
         self.mover = mover
         self.min_hits_to_offload = min_hits_to_offload
         self.max_pending_cascades = max_pending_cascades
+        # Cascades copying at once: a burst (a big durable offload) queues here instead of being shed by a
+        # lower tier's own write limit (s3.max_pending_writes), which would leave the blocks above only.
+        self._cascade_slots = asyncio.Semaphore(max(1, max_concurrent_cascades))
         self.stats = ManagerStats()
         self.observe_copy = no_observe  # (src tier, dst tier, seconds) per block copy; see kvbm.metrics
+        self.failures = FailureLog(self.stats.errors)
         self._pending: set[asyncio.Task[None]] = set()
         self._moves: dict[tuple[BlockKey, str], asyncio.Future[bool]] = {}
         self._pools_registered = False
@@ -102,17 +141,16 @@ class BlockManager:
         """Load what tier ``name`` holds into the registry (restart recovery); returns blocks found.
 
         With ``refresh`` the tier first re-reads its backing store for blocks other processes wrote.
+        Raises TierUnavailableError when the tier cannot be listed (e.g. S3 is down): the index is then
+        incomplete, and the caller decides whether to retry (blocks listed before the failure stay).
         """
         tier = self.by_name[name]
         n = 0
-        try:
-            if refresh:
-                await tier.refresh(namespace)
-            async for sb in tier.scan(namespace):
-                self.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes))
-                n += 1
-        except TierUnavailableError as e:
-            log.warning("cannot index %s: %s", name, e)
+        if refresh:
+            await tier.refresh(namespace)
+        async for sb in tier.scan(namespace):
+            self.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes))
+            n += 1
         return n
 
     async def drain(self) -> None:
@@ -279,6 +317,10 @@ class BlockManager:
 
     async def _cascade(self, key: BlockKey) -> bool:
         """Copy ``key`` to every lower tier that lacks it; True if it ends on a persistent tier."""
+        async with self._cascade_slots:
+            return await self._cascade_now(key)
+
+    async def _cascade_now(self, key: BlockKey) -> bool:
         where = self.registry.where(key)
         if not where:
             return False
@@ -292,8 +334,8 @@ class BlockManager:
                 continue
             try:
                 ok = await self._move(key, tier.name)
-            except (KvbmError, OSError) as e:
-                log.warning("cascade of %s to %s failed: %s", key, tier.name, e)
+            except Exception as e:  # any failure: count it, keep the block where it is, go on below
+                self.failures.record("cascade", key, tier.name, e)
                 ok = False
             if ok:
                 self.stats.cascade_writes += 1
@@ -303,16 +345,36 @@ class BlockManager:
         return durable
 
     async def _reserve(self, tier: Tier, footprint: int) -> None:
-        """Reserve ``footprint`` bytes in ``tier``, evicting LRU blocks as needed."""
+        """Reserve ``footprint`` bytes in ``tier``, evicting LRU blocks as needed.
+
+        Raises TierFullError when pinned blocks, or blocks the tier must keep (no lower tier could take
+        them), leave too little room.
+        """
         lock = self._room_locks.setdefault(tier.name, asyncio.Lock())
         async with lock:
             need = footprint + self._reserved.get(tier.name, 0)
+            skipped: list[BlockKey] = []  # pinned meanwhile: passed over (pinned here) while we look on
             try:
-                victims = self.registry.victims(tier.name, need, tier.capacity_bytes)
-            except LookupError as e:
-                raise TierFullError(str(e)) from None
-            for victim in victims:
-                await self._evict(tier, victim)
+                while True:
+                    try:
+                        victims = self.registry.victims(tier.name, need, tier.capacity_bytes)
+                    except LookupError as e:
+                        raise TierFullError(str(e)) from None
+                    if not victims:
+                        break
+                    for victim in victims:
+                        gone = await self._evict(tier, victim)
+                        if gone is None:
+                            # The LRU block must stay and nothing below takes blocks now: the next
+                            # victims would fare no better, so stop here instead of trying them all.
+                            raise TierFullError(
+                                f"{tier.name} is full: its least recently used block {victim} is held by no "
+                                "lower tier and none can take it now")
+                        if not gone:
+                            skipped.append(victim)
+                            self.registry.pin([victim], tier.name)
+            finally:
+                self.registry.unpin(skipped, tier.name)
             self._reserved[tier.name] = self._reserved.get(tier.name, 0) + footprint
 
     def _unreserve(self, tier: Tier, footprint: int) -> None:
@@ -327,24 +389,40 @@ class BlockManager:
         finally:
             self._unreserve(tier, footprint)
 
-    async def _evict(self, tier: Tier, key: BlockKey) -> None:
+    async def _evict(self, tier: Tier, key: BlockKey) -> bool | None:
+        """Evict ``key`` from ``tier``, demoting it first when no lower tier holds it.
+
+        True: evicted. False: pinned meanwhile, left in place. None: kept because it is a persistent
+        tier's only copy and no lower tier could take it (S3 down, disk full): it is never dropped.
+        """
         below = self._below(tier.name)
         if below and not any(self.registry.holds(t.name, key) for t in below):
             with self.registry.pinned([key]):
                 for t in below:
                     if self._filtered(t, key):
                         continue
+                    if not t.writable():  # would be shed: do not read the block for nothing
+                        continue
                     try:
                         if await self._move(key, t.name):
                             self.stats.demotions += 1
                             break
-                    except (KvbmError, OSError) as e:
-                        log.warning("demotion of %s to %s failed: %s", key, t.name, e)
+                    except Exception as e:  # any failure: count it; the block stays until it is demoted
+                        self.stats.demotion_failures += 1
+                        self.failures.record("demotion", key, t.name, e)
+            demoted = any(self.registry.holds(t.name, key) for t in below)
+            filtered_only = all(self._filtered(t, key) for t in below)
+            if not demoted and not filtered_only:
+                if tier.kind in PERSISTENT:
+                    self.stats.kept += 1
+                    return None
+                self.stats.dropped += 1
         if self.registry.is_pinned(key, tier.name):
-            return
+            return False
         self.registry.remove(tier.name, key)
         await tier.delete(key)
         self.stats.evictions += 1
+        return True
 
     async def _store(self, tier: Tier, key: BlockKey, data: memoryview | bytes) -> None:
         fp = tier.footprint(len(data))
@@ -400,9 +478,14 @@ class BlockManager:
                         self.registry.add(dst.name, key, fp)
             if ok:
                 return True
-            # A corrupt or vanished copy: forget it and try the next tier.
-            self.registry.remove(src_name, key)
+            self._forget_if_gone(src, key)
         return False
+
+    def _forget_if_gone(self, tier: Tier, key: BlockKey) -> None:
+        """After a failed read: forget ``tier``'s copy only if the tier dropped it (corrupt or vanished);
+        a read that failed because the tier is unreachable (S3 down) leaves a copy that is still there."""
+        if tier.nbytes(key) is None:
+            self.registry.remove(tier.name, key)
 
     async def _copy(self, key: BlockKey, src: Tier, dst: Tier, n: int) -> bool:
         if isinstance(src, SlotPoolTier) and isinstance(dst, SlotPoolTier):
@@ -490,7 +573,7 @@ class BlockManager:
             if data is not None:
                 self.registry.record_hit([key])
                 return data
-            self.registry.remove(name, key)
+            self._forget_if_gone(self.by_name[name], key)
         return None
 
     def device_tensor(self, key: BlockKey) -> object | None:
@@ -516,6 +599,7 @@ class BlockManager:
             d["blocks"] = self.registry.count(t.name)
             tiers.append(d)
         s = msgspec.structs.asdict(self.stats)
+        s["errors"] = dict(self.stats.errors)
         s["hit_rate"] = (self.stats.lookup_hit_blocks / self.stats.lookup_blocks) if self.stats.lookup_blocks else 0.0
         s["pending_cascades"] = len(self._pending)
         return {"tiers": tiers, "manager": s}

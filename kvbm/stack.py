@@ -55,8 +55,13 @@ async def build_stack(
     start: bool = True,
     index: bool = True,
     tiers: tuple[str, ...] = ("G1", "G2", "G3", "G4"),
+    wait_for_s3: bool = False,
 ) -> Stack:
-    """Create the enabled tiers of ``cfg`` (restricted to ``tiers``) and start the manager over them."""
+    """Create the enabled tiers of ``cfg`` (restricted to ``tiers``) and start the manager over them.
+
+    With ``wait_for_s3`` (the daemon) an unreachable S3 endpoint does not fail the start: G4 starts
+    offline and comes online by itself when the endpoint answers (see :class:`~kvbm.tiers.s3.S3Tier`).
+    """
     from kvbm.tiers.device import DeviceTier
     from kvbm.tiers.disk import DiskTier
     from kvbm.tiers.host import HostTier
@@ -84,9 +89,11 @@ async def build_stack(
                 embedded = await asyncio.to_thread(start_embedded_s3, cfg)
                 endpoint = embedded.endpoint
                 creds = (embedded.access_key, embedded.secret_key)
-            built.append(make_s3_tier(cfg.s3, endpoint, creds))
+            built.append(make_s3_tier(cfg.s3, endpoint, creds, wait_for_endpoint=wait_for_s3))
+        # Cascades at once: below S3's own write limit, so write-through bursts wait instead of being shed.
+        cascades = min(32, cfg.s3.max_pending_writes) if any(t.kind == "s3" for t in built) else 32
         manager = BlockManager(built, make_memory_mover(cfg.transfer),
-                               min_hits_to_offload=cfg.disk.min_hits_to_offload)
+                               min_hits_to_offload=cfg.disk.min_hits_to_offload, max_concurrent_cascades=cascades)
         if start:
             await manager.start(index=index)
     except BaseException:

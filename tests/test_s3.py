@@ -10,7 +10,7 @@ import pytest
 
 from kvbm.blocks import BlockKey
 from kvbm.config import S3Config
-from kvbm.errors import ConfigError, TierUnavailableError
+from kvbm.errors import ConfigError, TierUnavailableError, WriteShedError
 from kvbm.s3server import EmbeddedS3, pick_ports
 from kvbm.tiers.s3 import HEADER_LEN, CircuitBreaker, S3Tier, make_s3_tier
 
@@ -260,11 +260,14 @@ def test_endpoint_killed_then_recovers(weed_binary, tmp_path):
                 errors, misses = t.stats.errors, t.stats.misses
                 assert await t.get_into(keys[2], memoryview(out)) is None
                 for k in shed_keys:
-                    await t.put(k, b"y" * 1000)
+                    # A shed write raises: no caller may take it for a stored block.
+                    with pytest.raises(WriteShedError, match="circuit breaker open"):
+                        await t.put(k, b"y" * 1000)
                 # No I/O while open: the read is a miss and the writes are shed, none of them an error
                 # (any request to the dead endpoint would have failed and counted one).
                 assert t.stats.errors == errors and t.stats.misses == misses + 1 and t.breaker.state == "open"
                 assert t.stats.shed == 5 and not any(t.contains(k) for k in shed_keys)
+                assert t.describe()["breaker"] == {"state": "open", "opens": 1, "consecutive": t.breaker.consecutive}
             srv.port = port
             srv.start()
             assert srv.port == port

@@ -96,6 +96,11 @@ class Tier(abc.ABC):
     def used_bytes(self) -> int:
         """Capacity currently consumed."""
 
+    def writable(self) -> bool:
+        """False when a write would be refused right now without being tried (e.g. S3's circuit breaker is
+        open), so callers can skip reading the source block."""
+        return True
+
     async def refresh(self, namespace: str | None = None) -> None:  # noqa: B027 - optional hook
         """Pick up blocks written to the backing store by another process (no-op for memory tiers)."""
 

@@ -29,10 +29,17 @@ Data paths (``s3.client``)
 Failure handling
 ----------------
 A circuit breaker opens after ``breaker_failures`` consecutive failures: for ``breaker_reset_s`` reads
-are misses without I/O and writes are shed (``stats.shed``); then one probe request is let through
-(half-open) and a success closes it again. Writes beyond ``max_pending_writes`` in flight are shed too.
-A failed write is counted in ``stats.errors`` and never raises: the block is simply not in the index.
-Credentials are never logged.
+are misses without I/O and writes are shed; then one probe request is let through (half-open) and a
+success closes it again. Writes beyond ``max_pending_writes`` in flight are shed too. A write that did not
+happen always raises, so no caller mistakes it for a stored block: a shed write raises
+:class:`~kvbm.errors.WriteShedError` (counted in ``stats.shed``), a failed one
+:class:`~kvbm.errors.TierUnavailableError` (counted in ``stats.errors``).
+
+With ``wait_for_endpoint`` (the daemon) an endpoint that cannot be reached at start is an outage, not an
+error: the tier starts *offline* (breaker open, reads miss, writes shed, listings raise) and a background
+task re-probes the bucket with backoff until it answers, then brings the tier online. Misconfiguration
+(rejected credentials, a missing bucket that may not be created) still fails the start. Credentials are
+never logged.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from kvbm.blocks import (
     verify,
 )
 from kvbm.config import S3Config, parse_size
-from kvbm.errors import ConfigError, CorruptBlockError, TierFullError, TierUnavailableError
+from kvbm.errors import ConfigError, CorruptBlockError, TierFullError, TierUnavailableError, WriteShedError
 from kvbm.keys import object_relkey, parse_object_relkey
 from kvbm.metrics import no_observe
 from kvbm.tiers.base import StoredBlock, Tier
@@ -114,6 +121,26 @@ class CircuitBreaker:
         self.opened_at = 0.0
         self.opens = 0
         self._probing = False
+
+    def would_allow(self) -> bool:
+        """Whether :meth:`allow` would let a request through now (without changing the state)."""
+        if self.state == "closed":
+            return True
+        if self.state == "open":
+            return self.clock() - self.opened_at >= self.reset_s
+        return not self._probing
+
+    def trip(self, why: str) -> None:
+        """Open now (e.g. the endpoint is unreachable at start), whatever the count."""
+        if self.state != "open":
+            log.warning("S3 circuit breaker open: %s", why)
+            self.opens += 1
+        self.state = "open"
+        self.opened_at = self.clock()
+        self._probing = False
+
+    def describe(self) -> dict[str, object]:
+        return {"state": self.state, "opens": self.opens, "consecutive": self.consecutive}
 
     def allow(self) -> bool:
         if self.state == "closed":
@@ -180,6 +207,7 @@ class S3Tier(Tier):
         bucket: str | None = None,
         prefix: str | None = None,
         client: str | None = None,
+        wait_for_endpoint: bool = False,
     ) -> None:
         cfg = cfg or S3Config()
         cap = parse_size(cfg.capacity, "s3.capacity") if capacity_bytes is None else capacity_bytes
@@ -209,6 +237,11 @@ class S3Tier(Tier):
         self._nixl: _NixlObj | None = None
         self._started = False
         self._warned_at = 0.0
+        # Offline: started, but the endpoint has not answered yet (only with wait_for_endpoint).
+        self.wait_for_endpoint = wait_for_endpoint
+        self.online = False
+        self.last_error = ""
+        self._prober: asyncio.Task[None] | None = None
 
     # -- naming ----------------------------------------------------------------------------------
     @property
@@ -267,16 +300,57 @@ class S3Tier(Tier):
             from botocore.handlers import add_expect_header
 
             self._s3.meta.events.unregister("before-call.s3", add_expect_header)
-            await self._check_bucket()
-            if self.client_kind == "nixl":
-                await self._start_nixl(session)
+            await self._connect(session)
+        except TierUnavailableError as e:
+            if not self.wait_for_endpoint:
+                await self._teardown()
+                raise
+            # An outage, not misconfiguration: serve without G4 until the endpoint answers.
+            self.last_error = str(e)
+            self.breaker.trip(f"{self.endpoint_name} unreachable at start; G4 offline until it answers")
+            self._prober = asyncio.get_running_loop().create_task(self._probe_until_online(session))
         except BaseException:
             await self._teardown()
             raise
         self._started = True
-        if cfg.scan_on_start:
+        if cfg.scan_on_start and self.online:
             async for _ in self.scan():
                 pass
+
+    async def _connect(self, session: Any) -> None:
+        """Check (or create) the bucket and start NIXL; the tier is online afterwards."""
+        await self._check_bucket()
+        if self.client_kind == "nixl" and self._nixl is None:
+            await self._start_nixl(session)
+        self.online = True
+        self.last_error = ""
+
+    async def _probe_until_online(self, session: Any) -> None:
+        """Re-check the endpoint with backoff (0.5 s doubling up to ``breaker_reset_s``) until it answers."""
+        cap = max(1.0, self.cfg.breaker_reset_s)
+        delay = min(0.5, cap)
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, cap)
+            try:
+                await self._connect(session)
+            except (TierUnavailableError, ConfigError) as e:
+                # ConfigError now (e.g. a missing bucket that may not be created) is worth saying loudly,
+                # but the tier keeps probing: an operator may fix it without restarting the daemon.
+                if str(e) != self.last_error:
+                    log.log(logging.ERROR if isinstance(e, ConfigError) else logging.INFO,
+                            "S3 tier still offline: %s", e)
+                self.last_error = str(e)
+                self.breaker.failure()
+                self.breaker.trip(self.last_error)
+                continue
+            except Exception as e:  # anything else: stay offline, keep probing
+                self.last_error = f"{type(e).__name__}: {_one_line(e)}"
+                self.breaker.failure()
+                continue
+            self.breaker.success()
+            log.info("S3 endpoint %s answers: G4 online", self.endpoint_name)
+            return
 
     async def _check_bucket(self) -> None:
         import botocore.exceptions as bex
@@ -354,8 +428,14 @@ class S3Tier(Tier):
             return _err_code(e)
 
     async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+            self._prober = None
         await self._teardown()
         self._started = False
+        self.online = False
 
     async def _teardown(self) -> None:
         if self._nixl is not None:
@@ -371,6 +451,15 @@ class S3Tier(Tier):
         if not self._started or self._s3 is None:
             raise TierUnavailableError("S3 tier is not started (call await tier.start())")
 
+    def _require_online(self) -> None:
+        self._require_started()
+        if not self.online:
+            raise TierUnavailableError(f"S3 endpoint {self.endpoint_name} not reachable yet: {self.last_error}")
+
+    def writable(self) -> bool:
+        return (self.online and self._pending_writes < self.cfg.max_pending_writes
+                and self.breaker.would_allow())
+
     # -- data path -------------------------------------------------------------------------------
     def _meta(self, key: BlockKey, nbytes: int) -> dict[str, str]:
         return {
@@ -381,8 +470,9 @@ class S3Tier(Tier):
             "kvbm-created": f"{time.time():.3f}",
         }
 
-    def _shed(self) -> None:
+    def _shed(self, key: BlockKey, why: str) -> WriteShedError:
         self.stats.shed += 1
+        return WriteShedError(f"G4 S3 {self.endpoint_name}: write of {key} shed ({why})")
 
     def _failed(self, what: str, key: BlockKey | None, e: BaseException) -> None:
         self.stats.errors += 1
@@ -399,9 +489,12 @@ class S3Tier(Tier):
         old = self._index.get(key)
         if old is None and self.capacity_bytes and self._used + fp > self.capacity_bytes:
             raise TierFullError(f"G4 S3: {self._used + fp} bytes would exceed capacity {self.capacity_bytes}")
-        if self._pending_writes >= self.cfg.max_pending_writes or not self.breaker.allow():
-            self._shed()
-            return
+        if not self.online:
+            raise self._shed(key, f"endpoint not reachable yet: {self.last_error}")
+        if self._pending_writes >= self.cfg.max_pending_writes:
+            raise self._shed(key, f"{self._pending_writes} writes in flight, s3.max_pending_writes")
+        if not self.breaker.allow():
+            raise self._shed(key, "circuit breaker open")
         self._pending_writes += 1
         try:
             okey = self.object_key(key)
@@ -428,7 +521,7 @@ class S3Tier(Tier):
             raise
         except Exception as e:
             self._failed("PUT", key, e)
-            return
+            raise TierUnavailableError(f"S3 PUT of {key} at {self.endpoint_name} failed: {_one_line(e)}") from None
         finally:
             self._pending_writes -= 1
         self.breaker.success()
@@ -439,7 +532,7 @@ class S3Tier(Tier):
     async def get_into(self, key: BlockKey, out: memoryview) -> int | None:
         self._require_started()
         self.stats.gets += 1
-        if not self.breaker.allow():
+        if not self.online or not self.breaker.allow():
             self.stats.misses += 1
             return None
         okey = self.object_key(key)
@@ -554,7 +647,7 @@ class S3Tier(Tier):
         return int(resp["ContentLength"])
 
     async def delete(self, key: BlockKey) -> bool:
-        self._require_started()
+        self._require_online()
         okey = self.object_key(key)
         existed = key in self._index
         try:
@@ -593,7 +686,7 @@ class S3Tier(Tier):
 
     async def scan(self, namespace: str | None = None) -> AsyncIterator[StoredBlock]:  # type: ignore[override]
         """List every block under the prefix, or one namespace of it (paging), and rebuild the index."""
-        self._require_started()
+        self._require_online()
         before = {k for k in self._index if namespace is None or k.namespace == namespace}
         seen: set[BlockKey] = set()
         async for bkey, _okey, size, mtime in self.list_objects(namespace):
@@ -613,7 +706,7 @@ class S3Tier(Tier):
         """``(BlockKey or None for a foreign key, s3 key, size, last_modified)`` for every object under
         ``{prefix}/[{namespace}/][{key_prefix}]``; ``key_prefix`` is a raw key prefix relative to that
         (e.g. ``"llama-"`` for every namespace of a model slug, or ``"ab/"`` for one shard)."""
-        self._require_started()
+        self._require_online()
         list_prefix = self._base()
         if namespace:
             list_prefix += f"{namespace.strip('/')}/"
@@ -640,7 +733,7 @@ class S3Tier(Tier):
     async def head_many(self, keys: Iterable[BlockKey]) -> dict[BlockKey, dict[str, Any] | None]:
         """HEAD each block (``max_concurrency`` at a time): ``{key: {size, nbytes, last_modified, metadata}}``
         or None where there is no object. Updates the index."""
-        self._require_started()
+        self._require_online()
         assert self._sem is not None
         sem = self._sem
 
@@ -669,7 +762,7 @@ class S3Tier(Tier):
 
     async def delete_many(self, s3_keys: Iterable[str]) -> tuple[int, list[tuple[str, str, str]]]:
         """DeleteObjects in chunks of 1000: ``(deleted, [(key, code, message), ...])``."""
-        self._require_started()
+        self._require_online()
         keys = list(dict.fromkeys(s3_keys))
         deleted = 0
         errors: list[tuple[str, str, str]] = []
@@ -714,7 +807,8 @@ class S3Tier(Tier):
         d = super().describe()
         d.update(
             endpoint=self.endpoint_name, bucket=self.bucket, prefix=self.prefix, client=self.client_kind,
-            breaker=self.breaker.state, pending_writes=self._pending_writes, indexed_blocks=len(self._index),
+            breaker=self.breaker.describe(), online=self.online, last_error=self.last_error,
+            pending_writes=self._pending_writes, indexed_blocks=len(self._index),
         )
         return d
 

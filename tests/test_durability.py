@@ -1,0 +1,489 @@
+"""Durability is honest: a tier write that did not happen is never reported, recorded or relied on.
+
+Outages are real: a dedicated SeaweedFS is stopped (SIGKILL) under a started tier or daemon and brought
+back on the same port. Only the ValueError of a misbehaving tier is faked (no real server raises it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+from serve_proc import ServeProc
+
+from kvbm.blocks import BlockKey
+from kvbm.config import S3Config, TransferConfig
+from kvbm.errors import TierFullError, TierUnavailableError, WriteShedError
+from kvbm.layout import KVLayout
+from kvbm.manager import BlockManager
+from kvbm.s3server import EmbeddedS3, pick_ports
+from kvbm.tiers.disk import DiskTier
+from kvbm.tiers.host import HostTier
+from kvbm.tiers.s3 import S3Tier, make_s3_tier
+from kvbm.transfer import make_file_io
+
+pytestmark = pytest.mark.s3
+
+NS = "durable-model-0123456789abcdef"
+SLOT = 64 * 1024
+# Fail fast against a dead endpoint: no retries, short timeouts, a breaker that opens after 2 failures
+# and lets a probe through after 1 s.
+FAST = dict(max_retries=0, connect_timeout_s=0.5, read_timeout_s=5.0, breaker_failures=2, breaker_reset_s=1.0)
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(NS, i.to_bytes(4, "big") + os.urandom(12))
+
+
+def block(k: BlockKey, n: int = SLOT) -> bytes:
+    return (k.hash * (n // 16 + 1))[:n]
+
+
+def s3_tier(srv: EmbeddedS3, prefix: str, **over) -> S3Tier:
+    cfg = S3Config(bucket=srv.bucket, prefix=prefix, **{**FAST, **over})
+    return make_s3_tier(cfg, srv.endpoint, (srv.access_key, srv.secret_key))
+
+
+def in_bucket(srv: EmbeddedS3, prefix: str, k: BlockKey) -> bytes | None:
+    """The block as a fresh S3 client reads it from the bucket (no shared index or cache)."""
+
+    async def go() -> bytes | None:
+        t = s3_tier(srv, prefix)
+        await t.start()
+        try:
+            out = bytearray(SLOT)
+            n = await t.get_into(k, memoryview(out))
+            return None if n is None else bytes(out[:n])
+        finally:
+            await t.close()
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def outage_s3(weed_binary, tmp_path):
+    """A SeaweedFS of this test's own, which the test may stop and restart on the same port."""
+    srv = EmbeddedS3(tmp_path / "sw", weed=weed_binary, bucket="kvbm-durable", stop_timeout_s=1.0, reuse=False)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop(force=True)
+
+
+def restart(srv: EmbeddedS3) -> None:
+    """Bring a stopped server back on the same port (and data directory)."""
+    port = srv.port
+    srv.start()
+    assert srv.port == port
+
+
+async def until(pred, timeout: float = 30.0, step: float = 0.2):
+    """Poll an async predicate until it returns something truthy (generous deadline, no timing asserts)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await pred()
+        if got or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(step)
+
+
+def test_offload_durable_with_s3_down_reports_nothing_durable(outage_s3, tmp_path):
+    """G2+G4, S3 killed after the tier started: offload(durable=True) is 0 and G4 is not recorded; once the
+    server is back a new offload is durable and the object really is in the bucket."""
+    srv, prefix = outage_s3, "off"
+
+    async def go():
+        g2 = HostTier(8 * SLOT, SLOT)
+        g4 = s3_tier(srv, prefix)
+        mgr = BlockManager([g2, g4])
+        await mgr.start()
+        try:
+            down = [key(i) for i in range(3)]
+            for k in down:
+                await mgr.put(k, block(k), tier="G2", cascade=False)
+            srv.stop(force=True)
+            assert await mgr.offload(down, durable=True) == 0
+            assert all(mgr.where(k) == ["G2"] for k in down)
+            assert g4.stats.errors + g4.stats.shed == len(down)
+            assert mgr.stats.cascade_failures == len(down)
+            # The breaker opened; its state is reported for the metrics.
+            d = g4.describe()
+            assert d["breaker"]["state"] == "open" and d["breaker"]["opens"] >= 1
+            assert d["stats"]["shed"] == g4.stats.shed and d["stats"]["errors"] == g4.stats.errors
+
+            await asyncio.to_thread(restart, srv)
+            up = key(100)
+            await mgr.put(up, block(up), tier="G2", cascade=False)
+            assert await until(lambda: mgr.offload([up], durable=True)) == 1
+            assert mgr.where(up) == ["G2", "G4"]
+            return down, up
+        finally:
+            await mgr.close()
+
+    down, up = asyncio.run(go())
+    assert in_bucket(srv, prefix, up) == block(up)
+    assert all(in_bucket(srv, prefix, k) is None for k in down)
+
+
+def test_s3_put_beyond_max_pending_writes_raises(s3_server, s3_prefix):
+    """A write shed for ``s3.max_pending_writes`` raises WriteShedError and is counted; it is not stored."""
+
+    async def go():
+        t = s3_tier(s3_server, s3_prefix, max_pending_writes=1)
+        await t.start()
+        try:
+            ks = [key(i) for i in range(2)]
+            got = await asyncio.gather(*(t.put(k, block(k)) for k in ks), return_exceptions=True)
+            assert got[0] is None and isinstance(got[1], WriteShedError), got
+            assert "max_pending_writes" in str(got[1])
+            assert t.stats.shed == 1 and t.stats.puts == 1
+            assert t.contains(ks[0]) and not t.contains(ks[1])
+            assert t.describe()["stats"]["shed"] == 1
+            return ks
+        finally:
+            await t.close()
+
+    ks = asyncio.run(go())
+    assert in_bucket(s3_server, s3_prefix, ks[0]) == block(ks[0])
+    assert in_bucket(s3_server, s3_prefix, ks[1]) is None
+
+
+def test_durable_offload_of_a_big_batch_does_not_shed_itself(s3_server, s3_prefix):
+    """offload(durable=True) of more blocks than s3.max_pending_writes, healthy S3: every block is really
+    written (the manager bounds its own cascades instead of having S3 shed them)."""
+    n = 100
+
+    async def go():
+        g4 = s3_tier(s3_server, s3_prefix)
+        assert g4.cfg.max_pending_writes < n
+        mgr = BlockManager([HostTier(n * 4096, 4096), g4])
+        await mgr.start(index=False)
+        try:
+            ks = [key(i) for i in range(n)]
+            for k in ks:
+                await mgr.put(k, block(k, 4096), tier="G2", cascade=False)
+            assert await mgr.offload(ks, durable=True) == n
+            assert g4.stats.shed == 0 and g4.stats.puts == n
+            assert all(mgr.where(k) == ["G2", "G4"] for k in ks)
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+
+
+def test_index_tier_reports_a_listing_that_failed(outage_s3):
+    """index_tier on an S3 tier whose server is gone raises instead of returning as if it had listed."""
+    srv = outage_s3
+
+    async def go():
+        g4 = s3_tier(srv, "idx")
+        mgr = BlockManager([HostTier(4 * SLOT, SLOT), g4])
+        await mgr.start()
+        try:
+            srv.stop(force=True)
+            with pytest.raises(TierUnavailableError, match="S3 LIST"):
+                await mgr.index_tier("G4")
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+
+
+def test_memory_tier_keeps_taking_blocks_during_an_outage(outage_s3):
+    """G2 (2 slots) + G4 with S3 down: G2 still stores new blocks, evicting (and counting as dropped) what
+    S3 could not take; the registry never claims G4 holds them."""
+    srv = outage_s3
+
+    async def go():
+        g4 = s3_tier(srv, "mem")
+        mgr = BlockManager([HostTier(2 * SLOT, SLOT), g4])
+        await mgr.start()
+        try:
+            srv.stop(force=True)
+            ks = [key(i) for i in range(4)]
+            for k in ks:
+                assert await mgr.put(k, block(k)) == "G2"
+                await mgr.drain()
+            assert [mgr.where(k) for k in ks] == [[], [], ["G2"], ["G2"]]
+            assert mgr.stats.dropped == 2 and mgr.stats.kept == 0
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+
+
+def test_outage_read_does_not_forget_what_s3_holds(outage_s3):
+    """An onboard from G4 while S3 is down misses, but the registry keeps the block: once S3 is back it
+    is served again without re-listing the bucket."""
+    srv = outage_s3
+
+    async def go():
+        g4 = s3_tier(srv, "read")
+        mgr = BlockManager([HostTier(4 * SLOT, SLOT), g4])
+        await mgr.start()
+        try:
+            k = key(1)
+            await mgr.put(k, block(k), tier="G2", cascade=False)
+            assert await mgr.offload([k], durable=True) == 1
+            await mgr.delete([k], tiers=["G2"])
+            assert mgr.where(k) == ["G4"]
+            srv.stop(force=True)
+            assert await mgr.onboard([k], to="G2") == 0
+            assert await mgr.read(k) is None
+            assert mgr.where(k) == ["G4"]
+            await asyncio.to_thread(restart, srv)
+            assert await until(lambda: mgr.onboard([k], to="G2")) == 1
+            assert await mgr.read(k) == block(k)
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+
+
+class FlakyDisk(DiskTier):
+    """A disk tier whose first ``bad`` writes raise ValueError (a bug no real server produces)."""
+
+    def __init__(self, *a, bad: int, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.bad = bad
+
+    async def put(self, key, data):
+        if self.bad > 0:
+            self.bad -= 1
+            raise ValueError("flaky disk says no")
+        await super().put(key, data)
+
+
+def test_background_cascade_survives_any_exception(s3_server, s3_prefix, tmp_path, caplog):
+    """A ValueError from G3 in background write-through is counted, logged once, the block stays in G2 and
+    still reaches G4 below it, and later cascades run normally."""
+
+    async def go():
+        g2 = HostTier(16 * SLOT, SLOT)
+        g3 = FlakyDisk(str(tmp_path / "disk"), 16 * (SLOT + 8192), make_file_io(TransferConfig()), fsync=False,
+                       bad=4)
+        g4 = s3_tier(s3_server, s3_prefix)
+        mgr = BlockManager([g2, g3, g4])
+        await mgr.start(index=False)
+        try:
+            bad = [key(i) for i in range(4)]
+            for k in bad:
+                await mgr.put(k, block(k), tier="G2")
+            await mgr.drain()
+            assert mgr.stats.cascade_failures == 4
+            for k in bad:
+                assert mgr.where(k) == ["G2", "G4"]  # kept in G2, written through past the failing G3
+                assert await mgr.read(k) == block(k)
+            good = key(50)
+            await mgr.put(good, block(good), tier="G2")
+            await mgr.drain()
+            assert mgr.where(good) == ["G2", "G3", "G4"]
+            s = mgr.describe()["manager"]
+            assert s["errors"] == {"G3:ValueError": 4}
+        finally:
+            await mgr.close()
+
+    with caplog.at_level(logging.WARNING, logger="kvbm.manager"):
+        asyncio.run(go())
+    flaky = [r for r in caplog.records if "ValueError" in r.getMessage() or "flaky" in r.getMessage()]
+    assert len(flaky) == 1, [r.getMessage() for r in flaky]
+
+
+def test_eviction_survives_any_exception_from_the_tier_below(tmp_path):
+    """A ValueError while demoting a G2 victim to G3 is counted and does not fail the store that needed
+    the room; the next demotion works."""
+
+    async def go():
+        g2 = HostTier(2 * SLOT, SLOT)
+        g3 = FlakyDisk(str(tmp_path / "disk"), 16 * (SLOT + 8192), make_file_io(TransferConfig()), fsync=False,
+                       bad=1)
+        mgr = BlockManager([g2, g3])
+        await mgr.start()
+        try:
+            ks = [key(i) for i in range(4)]
+            for k in ks:
+                assert await mgr.put(k, block(k), tier="G2", cascade=False) == "G2"
+            assert mgr.stats.demotion_failures == 1 and mgr.stats.errors == {"G3:ValueError": 1}
+            assert mgr.stats.dropped == 1 and mgr.stats.demotions == 1
+            assert [mgr.where(k) for k in ks] == [[], ["G3"], ["G2"], ["G2"]]
+            assert await mgr.read(ks[1]) == block(ks[1])
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+
+
+def test_disk_eviction_never_drops_a_block_s3_lacks(outage_s3, tmp_path):
+    """G3 (room for 2 blocks) + G4 with S3 down: evicting from G3 would lose the block (its G4 write was
+    shed), so G3 keeps it and refuses the new one; with S3 back, eviction demotes it for real."""
+    srv, prefix = outage_s3, "evict"
+
+    async def go():
+        g3 = DiskTier(str(tmp_path / "disk"), 2 * (SLOT + 8192), make_file_io(TransferConfig()), fsync=False)
+        g4 = s3_tier(srv, prefix)
+        mgr = BlockManager([g3, g4])
+        await mgr.start()
+        try:
+            srv.stop(force=True)
+            first = [key(i) for i in range(2)]
+            for k in first:
+                assert await mgr.put(k, block(k), tier="G3") == "G3"
+            await mgr.drain()
+            assert all(mgr.where(k) == ["G3"] for k in first)
+            third = key(2)
+            with pytest.raises((TierFullError, TierUnavailableError)):
+                await mgr.put(third, block(third), tier="G3")
+            await mgr.drain()
+            for k in first:
+                assert mgr.where(k) == ["G3"]
+                assert await mgr.read(k) == block(k)
+            assert mgr.where(third) == []
+            assert g4.stats.shed + g4.stats.errors >= 3
+
+            await asyncio.to_thread(restart, srv)
+
+            async def stored() -> bool:
+                try:
+                    return await mgr.put(third, block(third), tier="G3") == "G3"
+                except (TierFullError, TierUnavailableError):
+                    return False
+
+            assert await until(stored)
+            await mgr.drain()
+            # The LRU block went down to S3 before it left the disk.
+            assert mgr.where(first[0]) == ["G4"]
+            assert await mgr.read(first[0]) == block(first[0])
+            return first
+        finally:
+            await mgr.close()
+
+    first = asyncio.run(go())
+    assert in_bucket(srv, prefix, first[0]) == block(first[0])
+
+
+LAYOUT = KVLayout(model="durable", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)
+
+
+def daemon_cfg(tmp_path, endpoint: str, srv: EmbeddedS3, prefix: str, *, disk: bool) -> dict:
+    return {
+        "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
+        "disk": {"enabled": disk, "dir": str(tmp_path / "disk"), "capacity": "16MiB", "fsync": False},
+        "s3": {"endpoint": endpoint, "bucket": srv.bucket, "prefix": prefix, "access_key": srv.access_key,
+               "secret_key": srv.secret_key, **FAST},
+        "embedded_s3": {"enabled": False},
+        "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "events_endpoint": "", "metrics_port": 0},
+    }
+
+
+def payload(k: BlockKey) -> np.ndarray:
+    return np.frombuffer(block(k, LAYOUT.block_nbytes), dtype=np.uint8).copy()
+
+
+def g4_of(stats: dict) -> dict:
+    return next(t for t in stats["tiers"] if t["tier"] == "G4")
+
+
+def wait_for(pred, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("mode", ["background", "start", "lazy"])
+def test_serve_starts_during_s3_outage_and_brings_g4_in_later(weed_binary, tmp_path, mode):
+    """``kvbm serve`` with its S3 endpoint down at start serves G2/G3, reports the bucket unindexed and the
+    breaker open; when a server comes up on that port the daemon indexes it (all of it, or in ``lazy`` mode
+    the registered namespace) and durable stores reach S3."""
+    port = pick_ports(1)[0]
+    srv = EmbeddedS3(tmp_path / "sw", weed=weed_binary, port=port, bucket="kvbm-late", stop_timeout_s=1.0,
+                     reuse=False)
+    prefix = "late"
+    # A block another node left in the bucket; then the endpoint goes down before the daemon starts.
+    other = BlockKey(LAYOUT.namespace, os.urandom(16))
+
+    async def seed():
+        t = s3_tier(srv, prefix)
+        await t.start()
+        await t.put(other, block(other, LAYOUT.block_nbytes))
+        await t.close()
+
+    srv.start()
+    asyncio.run(seed())
+    srv.stop(force=True)
+    cfg = daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True)
+    cfg["daemon"]["index_bucket"] = mode
+    d = ServeProc(tmp_path, cfg).start()
+    try:
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(4)]
+            ack = c.store(ks[:2], [payload(k) for k in ks[:2]], durable=True)
+            assert ack.stored == 2 and ack.durable == 2  # on G3: durable without S3
+            outs = [np.zeros(LAYOUT.block_nbytes, np.uint8) for _ in range(2)]
+            assert c.load(ks[:2], outs) == 2
+            assert all(np.array_equal(o, payload(k)) for o, k in zip(outs, ks[:2], strict=True))
+            st = c.stats()
+            assert st["daemon"]["bucket_indexed"] is False and st["daemon"]["bucket_index_error"]
+            assert g4_of(st)["breaker"]["state"] == "open" and g4_of(st)["online"] is False
+            assert g4_of(st)["blocks"] == 0 and c.lookup([other]).matched == 0
+
+            restart(srv)
+            assert srv.port == port
+            if mode == "lazy":  # only registered namespaces are ever listed
+                assert wait_for(lambda: c.stats()["daemon"]["namespaces_indexed"] == 1)
+                assert c.stats()["daemon"]["bucket_indexed"] is False
+            else:
+                assert wait_for(lambda: c.stats()["daemon"]["bucket_indexed"])
+            st = c.stats()
+            assert g4_of(st)["online"] is True and g4_of(st)["breaker"]["state"] == "closed"
+            assert not st["daemon"]["bucket_index_error"]
+            assert c.lookup([other]).tiers == ["G4"]
+            ack = c.store(ks[2:], [payload(k) for k in ks[2:]], durable=True)
+            assert ack.stored == 2 and ack.durable == 2
+        # A durable store writes through every tier below G2 before it is acknowledged: S3 has them now.
+        assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks[2:])
+    finally:
+        d.stop()
+        srv.stop(force=True)
+
+
+def test_commit_durable_with_s3_down_and_no_disk_is_not_durable(outage_s3, tmp_path):
+    """CommitStore(durable=True) through the daemon, G2+G4, S3 killed: the Ack counts 0 durable blocks."""
+    srv, prefix = outage_s3, "commit"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=False)).start()
+    try:
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(3)]
+            ack = c.store(ks[:1], [payload(ks[0])], durable=True)
+            assert ack.stored == 1 and ack.durable == 1  # S3 up: really durable
+            srv.stop(force=True)
+            ack = c.store(ks[1:], [payload(k) for k in ks[1:]], durable=True)
+            assert ack.stored == 2 and ack.durable == 0
+            assert c.lookup(ks[1:]).tiers == ["G2", "G2"]
+            g4 = g4_of(c.stats())
+            assert g4["stats"]["errors"] + g4["stats"]["shed"] >= 2
+    finally:
+        d.stop()
+
+
+def test_serve_with_wrong_credentials_is_a_start_up_error(s3_server, s3_prefix, tmp_path):
+    """A reachable endpoint that rejects the credentials is misconfiguration, not an outage: serve exits."""
+    cfg = daemon_cfg(tmp_path, s3_server.endpoint, s3_server, s3_prefix, disk=False)
+    cfg["s3"]["secret_key"] = "wrong-secret"
+    d = ServeProc(tmp_path, cfg)
+    try:
+        with pytest.raises(RuntimeError, match="daemon exited") as ei:
+            d.start()
+        assert f"S3 credentials rejected by {s3_server.endpoint}" in str(ei.value)
+        assert "wrong-secret" not in str(ei.value)
+    finally:
+        d.stop()
