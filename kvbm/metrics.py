@@ -55,6 +55,9 @@ _MANAGER = (
     ("evictions", "Evictions."),
     ("shed_offloads", "Write-through cascades shed by the manager."),
     ("cascade_failures", "Write-through copies that failed."),
+    ("demotion_failures", "Demotions of eviction victims that failed."),
+    ("kept", "Evictions refused: a persistent tier's block that no lower tier could really take."),
+    ("dropped", "Memory-tier blocks evicted although no lower tier could take them (e.g. S3 down)."),
 )
 _DAEMON = (
     ("requests", "counter", "Requests received."),
@@ -101,6 +104,12 @@ class _SnapshotCollector:
         m = snap.get("manager", {}) or {}
         for key, help_ in _MANAGER:
             out.append(CounterMetricFamily(f"kvbm_manager_{key}", help_, value=m.get(key, 0)))
+        bg = CounterMetricFamily("kvbm_manager_background_errors", "Background cascade/demotion failures, by "
+                                 "destination tier and exception type.", labels=["tier", "type"])
+        for kind, n in sorted((m.get("errors") or {}).items()):
+            tier, _, typ = str(kind).partition(":")
+            bg.add_metric([tier, typ], n)
+        out.append(bg)
         out.append(CounterMetricFamily("kvbm_lookup_misses", "Blocks asked for by lookups and not found.",
                                        value=m.get("lookup_blocks", 0) - m.get("lookup_hit_blocks", 0)))
         out.append(GaugeMetricFamily("kvbm_pending_cascades", "Write-through copies in flight.",
@@ -127,6 +136,9 @@ class _SnapshotCollector:
         }
         breaker = GaugeMetricFamily("kvbm_s3_breaker_open", "1 while the S3 circuit breaker is open.",
                                     labels=["tier"])
+        opens = CounterMetricFamily("kvbm_s3_breaker_opens", "Times the S3 circuit breaker opened.", labels=["tier"])
+        online = GaugeMetricFamily("kvbm_s3_online", "1 once the S3 endpoint answered (0: started during an "
+                                   "outage and not reached yet).", labels=["tier"])
         counters: dict[str, CounterMetricFamily] = {}
         for t in tiers:
             name = str(t.get("tier"))
@@ -140,7 +152,10 @@ class _SnapshotCollector:
                     counters[key].add_metric([name], v)
             if t.get("kind") == "s3":
                 breaker.add_metric([name], 1.0 if breaker_state(t) == "open" else 0.0)
-        return [*fams.values(), *counters.values(), breaker]
+                b = t.get("breaker")
+                opens.add_metric([name], b.get("opens", 0) if isinstance(b, dict) else 0)
+                online.add_metric([name], 0.0 if t.get("online") is False else 1.0)
+        return [*fams.values(), *counters.values(), breaker, opens, online]
 
     @staticmethod
     def _engines(engines: dict[str, Any]) -> list[Metric]:

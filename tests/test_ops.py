@@ -93,7 +93,8 @@ def test_readyz_is_503_while_the_bucket_is_unreachable(tmp_path, weed_binary):
         with d.client() as c:
             c.register(LAYOUT, worker_id="ready")
             ks = keys(2, b"r")
-            c.store(ks, [data(k) for k in ks], durable=True)  # its PUTs fail: the bucket is gone
+            ack = c.store(ks, [data(k) for k in ks], durable=True)  # its PUTs fail: the bucket is gone
+            assert ack.durable == 0
         status, body = get(port, "/readyz")
         assert status == 503, body
         rep = json.loads(body)
@@ -103,6 +104,11 @@ def test_readyz_is_503_while_the_bucket_is_unreachable(tmp_path, weed_binary):
         fams = families(port)
         assert fams["kvbm_ready"].samples[0].value == 0
         assert fams["kvbm_s3_breaker_open"].samples[0].value == 1
+        assert fams["kvbm_s3_breaker_opens"].samples[0].value == 1
+        # The writes that did not happen are visible: failed or shed G4 copies, by exception type.
+        failed = {s.labels["type"]: s.value for s in fams["kvbm_manager_background_errors"].samples
+                  if s.labels["tier"] == "G4" and s.name.endswith("_total")}
+        assert sum(failed.values()) == 2, failed
     finally:
         d.stop()
 
