@@ -39,6 +39,7 @@ from kvbm.tiers.pool import SlotPoolTier
 
 log = logging.getLogger(__name__)
 
+CATCH_UP_EVERY_S = 2.0  # how often owed write-throughs check whether their tier takes writes again
 PERSISTENT = ("disk", "s3")  # tier kinds that survive a restart
 FAILURE_LOG_EVERY_S = 60.0  # after the first, a kind of failure is logged at most this often
 
@@ -61,6 +62,7 @@ class ManagerStats(msgspec.Struct):
     kept: int = 0  # evictions refused: a persistent tier's block no lower tier could take
     dropped: int = 0  # memory-tier blocks evicted although no lower tier could take them
     filtered: int = 0
+    catch_up_writes: int = 0  # owed write-throughs retried once their tier took writes again
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
 
 
@@ -115,6 +117,10 @@ class BlockManager:
         self.observe_copy = no_observe  # (src tier, dst tier, seconds) per block copy; see kvbm.metrics
         self.failures = FailureLog(self.stats.errors)
         self._pending: set[asyncio.Task[None]] = set()
+        # Write-throughs a tier could not take (S3 down or shedding): tier -> keys, retried once it is writable.
+        self._owed: dict[str, set[BlockKey]] = {}
+        self._catch_up_task: asyncio.Task[None] | None = None
+        self.catch_up_every_s = CATCH_UP_EVERY_S
         self._moves: dict[tuple[BlockKey, str], asyncio.Future[bool]] = {}
         self._pools_registered = False
         self._room_locks: dict[str, asyncio.Lock] = {}
@@ -159,6 +165,8 @@ class BlockManager:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     async def close(self) -> None:
+        if self._catch_up_task is not None:
+            self._catch_up_task.cancel()
         await self.drain()
         for tier in self.tiers:
             await tier.close()
@@ -337,12 +345,46 @@ class BlockManager:
             except Exception as e:  # any failure: count it, keep the block where it is, go on below
                 self.failures.record("cascade", key, tier.name, e)
                 ok = False
+                if isinstance(e, TierUnavailableError):  # an outage or shed write: owed, retried later
+                    self._owe(tier.name, key)
             if ok:
                 self.stats.cascade_writes += 1
                 durable = durable or tier.kind in PERSISTENT
             else:
                 self.stats.cascade_failures += 1
         return durable
+
+    # -- write-throughs owed after an outage ----------------------------------------------------------
+    def _owe(self, tier: str, key: BlockKey) -> None:
+        self._owed.setdefault(tier, set()).add(key)
+        if self._catch_up_task is None or self._catch_up_task.done():
+            self._catch_up_task = asyncio.get_running_loop().create_task(self._catch_up_loop())
+
+    def owed(self) -> dict[str, int]:
+        """Blocks per tier whose write-through is waiting for that tier to take writes again."""
+        return {t: len(keys) for t, keys in self._owed.items() if keys}
+
+    async def _catch_up_loop(self) -> None:
+        """While write-throughs are owed: every ``catch_up_every_s``, cascade those whose tier is writable
+        again (S3 back), so a block stored during an outage still ends up durable."""
+        while any(self._owed.values()):
+            await asyncio.sleep(self.catch_up_every_s)
+            for name in [n for n, keys in self._owed.items() if keys]:
+                if self.by_name[name].writable():
+                    self.catch_up(name)
+
+    def catch_up(self, tier: str) -> int:
+        """Schedule the owed write-throughs to ``tier`` for blocks still held above it; returns how many."""
+        keys, self._owed[tier] = self._owed.get(tier, set()), set()
+        started = 0
+        for key in keys:
+            if self.registry.where(key) and not self.registry.holds(tier, key):
+                if self._schedule_cascade(key, None):
+                    started += 1
+                    self.stats.catch_up_writes += 1
+                else:
+                    self._owed[tier].add(key)  # the cascade queue is full: next round
+        return started
 
     async def _reserve(self, tier: Tier, footprint: int) -> None:
         """Reserve ``footprint`` bytes in ``tier``, evicting LRU blocks as needed.
@@ -602,5 +644,6 @@ class BlockManager:
         s["errors"] = dict(self.stats.errors)
         s["hit_rate"] = (self.stats.lookup_hit_blocks / self.stats.lookup_blocks) if self.stats.lookup_blocks else 0.0
         s["pending_cascades"] = len(self._pending)
+        s["owed"] = self.owed()
         return {"tiers": tiers, "manager": s}
 

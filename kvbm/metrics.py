@@ -55,6 +55,7 @@ _MANAGER = (
     ("evictions", "Evictions."),
     ("shed_offloads", "Write-through cascades shed by the manager."),
     ("cascade_failures", "Write-through copies that failed."),
+    ("catch_up_writes", "Write-throughs retried after their tier took writes again (e.g. S3 back)."),
     ("demotion_failures", "Demotions of eviction victims that failed."),
     ("kept", "Evictions refused: a persistent tier's block that no lower tier could really take."),
     ("dropped", "Memory-tier blocks evicted although no lower tier could take them (e.g. S3 down)."),
@@ -110,6 +111,11 @@ class _SnapshotCollector:
             tier, _, typ = str(kind).partition(":")
             bg.add_metric([tier, typ], n)
         out.append(bg)
+        owed = GaugeMetricFamily("kvbm_manager_owed_writes", "Write-throughs waiting for their tier to take "
+                                 "writes again (S3 down or shedding).", labels=["tier"])
+        for tier, n in sorted((m.get("owed") or {}).items()):
+            owed.add_metric([tier], n)
+        out.append(owed)
         out.append(CounterMetricFamily("kvbm_lookup_misses", "Blocks asked for by lookups and not found.",
                                        value=m.get("lookup_blocks", 0) - m.get("lookup_hit_blocks", 0)))
         out.append(GaugeMetricFamily("kvbm_pending_cascades", "Write-through copies in flight.",

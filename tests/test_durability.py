@@ -487,3 +487,40 @@ def test_serve_with_wrong_credentials_is_a_start_up_error(s3_server, s3_prefix, 
         assert "wrong-secret" not in str(ei.value)
     finally:
         d.stop()
+
+
+def test_write_throughs_missed_in_an_outage_reach_s3_once_it_is_back(outage_s3):
+    """Blocks stored while S3 is down stay in G2 (durable 0) and are owed to G4; when the server answers
+    again the manager writes them through by itself: nothing stored during an outage stays off S3."""
+    srv, prefix = outage_s3, "owed"
+
+    async def go():
+        g2 = HostTier(16 * SLOT, SLOT)
+        g4 = s3_tier(srv, prefix)
+        mgr = BlockManager([g2, g4])
+        mgr.catch_up_every_s = 0.2
+        await mgr.start()
+        try:
+            ks = [key(i) for i in range(4)]
+            srv.stop(force=True)
+            for k in ks:
+                await mgr.put(k, block(k), tier="G2")  # write-through in the background: fails
+            await mgr.drain()
+            assert all(mgr.where(k) == ["G2"] for k in ks)
+            owed_in_outage = mgr.describe()["manager"].get("owed")
+            await asyncio.to_thread(restart, srv)
+
+            async def all_in_g4():
+                return all(mgr.where(k) == ["G2", "G4"] for k in ks)
+
+            assert await until(all_in_g4, timeout=40), [mgr.where(k) for k in ks]
+            await mgr.drain()
+            assert owed_in_outage == {"G4": len(ks)}  # reported while waiting (status, metrics)
+            assert mgr.owed() == {} and mgr.stats.catch_up_writes >= len(ks)
+        finally:
+            await mgr.close()
+        return ks
+
+    ks = asyncio.run(go())
+    for k in ks:
+        assert in_bucket(srv, prefix, k) == block(k)
