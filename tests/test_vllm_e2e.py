@@ -77,8 +77,10 @@ class Daemon(ServeProc):
 
     def resident(self, engine: str) -> set:
         """The engine's GPU-resident block hashes as the daemon knows them from its KV events."""
-        with self.client(timeout_s=5) as c:
-            return set(c.stats(resident=True)["engines"][engine]["resident"])
+        from kvbm.maintenance import DaemonLink
+
+        with DaemonLink(self.endpoint, 5, admin_token=self.admin_token()) as link:  # an admin session
+            return set(link.client.stats(resident=True)["engines"][engine]["resident"])
 
     def wait_cascaded(self, blocks: int) -> dict:
         """Stats once every stored block reached G3 and G4 (generous deadline: a loaded CI machine)."""
@@ -99,6 +101,7 @@ def run_vllm(tmp: Path, name: str, model: str, daemon: Daemon | None, steps: lis
     if daemon is not None:
         # Default settings: no vllm_blocks_per_kvbm_block, the connector derives it from the daemon.
         spec["connector"] = {"daemon": daemon.endpoint, "model_name": "tiny-llama-e2e", "timeout_s": 5}
+        spec["admin_token_file"] = str(daemon.admin_token_path)  # for the evict steps
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": HASH_SEED, "TOKENIZERS_PARALLELISM": "false",
