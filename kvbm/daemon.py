@@ -41,9 +41,11 @@ from kvbm.blocks import BlockKey
 from kvbm.config import Config
 from kvbm.errors import KvbmError, TierFullError
 from kvbm.health import readiness
+from kvbm.keys import is_namespace
 from kvbm.kvevents import KVEventSubscriber, describe_views
 from kvbm.manager import PERSISTENT, BlockManager
 from kvbm.metrics import Metrics, MetricsServer
+from kvbm.redact import redact
 from kvbm.security import admin_token_path, check_binds, ensure_admin_token, server_keys, token_matches
 from kvbm.sessions import Sessions, WorkerSession
 from kvbm.tiers.pool import SlotPoolTier
@@ -317,7 +319,11 @@ class Daemon:
                 return
             if worker is not None:
                 worker.last_seen = time.monotonic()
-        denied = self._authorize(msg, worker)
+        try:
+            denied = self._authorize(msg, worker)
+        except _Handled as e:
+            self._error(route, msg.rid, e.code, str(e))
+            return
         if denied:
             self._error(route, msg.rid, p.E_FORBIDDEN, denied)
             return
@@ -348,7 +354,7 @@ class Daemon:
                 return "wrong admin token"
             return ""
         if w is not None and w.admin:
-            return ""
+            return self._check_names(msg)
         need = "needs an admin session (Register with the token of daemon.admin_token_file)"
         if isinstance(msg, (p.Evict, p.Reindex)):
             return f"{type(msg).__name__} {need}"
@@ -360,6 +366,14 @@ class Daemon:
             return f"namespace {msg.namespace!r} is not this worker's; a token serves its own layout's namespace"
         if isinstance(msg, p.Barrier) and msg.engine_id != w.engine_id:
             return f"engine {msg.engine_id!r} is not this worker's"
+        return ""
+
+    @staticmethod
+    def _check_names(msg: Any) -> str:
+        """An admin may name any namespace, but only a well-formed one (it becomes file and object names)."""
+        ns = getattr(msg, "namespace", "")
+        if ns and not is_namespace(ns):
+            raise _Handled(p.E_BAD_REQUEST, f"{ns!r} is not a kvbm namespace")
         return ""
 
     def _done(self, offload: bool) -> None:
@@ -718,8 +732,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class RedactFields(logging.Filter):
+    """Secret-named structured fields (kvbm.redact's one rule) are masked before any handler formats them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kv = getattr(record, "kv", None)
+        if kv:
+            record.kv = redact(kv)
+        return True
+
+
 def configure_logging(fmt: str = "json", level: int = logging.INFO) -> None:
     handler = logging.StreamHandler()
+    handler.addFilter(RedactFields())
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s %(message)s %(kv)s", defaults={"kv": ""}))
     root = logging.getLogger()

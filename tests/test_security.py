@@ -123,6 +123,9 @@ def test_evict_reindex_and_resident_need_the_admin_token_file(daemon):
         assert adm.lookup(ks).tiers == ["G3", "G3"]
         assert adm.request(p.Reindex(namespace=LAYOUT_A.namespace), p.Reindexed).blocks >= 2
         assert "engines" in adm.stats(resident=True)
+        # Any namespace, but a well-formed one: it becomes file and object names.
+        for ns in ("../../../etc-0123456789abcdef", "a/b-0123456789abcdef", "NS"):
+            assert code_of(adm.request, p.Evict(namespace=ns, hashes=[b"x" * 32]), p.Evicted) == "bad_request"
 
 
 def test_kvbm_purge_and_status_against_a_running_daemon_use_the_token_file(tmp_path):
@@ -417,3 +420,22 @@ def test_embedded_s3_secret_is_random_per_dir_and_reused(s3_server):
     finally:
         again.stop()
     assert s3_server.running  # a reused server is left running
+
+
+def test_daemon_log_lines_mask_secret_named_fields(capfd):
+    import logging
+
+    from kvbm.daemon import configure_logging, logj
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        for fmt in ("json", "text"):
+            configure_logging(fmt)
+            logj("s3.connect", endpoint="http://x", secret_key="fake-log-secret-1",
+                 creds={"aws_secret_access_key": "fake-log-secret-2", "session_token": "fake-log-secret-3"})
+            err = capfd.readouterr().err
+            assert "s3.connect" in err and "http://x" in err, err
+            assert "fake-log-secret" not in err, err
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
