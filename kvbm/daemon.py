@@ -363,7 +363,8 @@ class Daemon:
         if w is None:
             return ""  # an unregistered monitor's Stats or Ping
         if isinstance(msg, p._Blocks) and msg.namespace != w.namespace:
-            return f"namespace {msg.namespace!r} is not this worker's; a token serves its own layout's namespace"
+            return (f"namespace {msg.namespace!r} is not this worker's: a token serves its own layout's namespace "
+                    f"(other namespaces need an admin session, the token of daemon.admin_token_file)")
         if isinstance(msg, p.Barrier) and msg.engine_id != w.engine_id:
             return f"engine {msg.engine_id!r} is not this worker's"
         return ""
