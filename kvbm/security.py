@@ -140,6 +140,9 @@ def client_curve(dc: DaemonConfig) -> tuple[str, tuple[bytes, bytes] | None]:
     server = dc.curve_public_key
     if not server and dc.curve_server_key_file:  # same host, same config: the daemon's own key file
         server = load_public_key(dc.curve_server_key_file).decode()
+    if dc.curve_client_key_file and not server:
+        raise ConfigError("daemon.curve_client_key_file is set but not the daemon's public key "
+                          "(daemon.curve_public_key): CURVE needs both")
     keypair = load_keypair(dc.curve_client_key_file) if dc.curve_client_key_file else None
     return server, keypair
 

@@ -439,3 +439,24 @@ def test_daemon_log_lines_mask_secret_named_fields(capfd):
             assert "fake-log-secret" not in err, err
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
+
+
+def test_credential_files_and_bind_rules(tmp_path):
+    from kvbm.config import DaemonConfig
+    from kvbm.errors import ConfigError
+    from kvbm.security import client_curve, ensure_admin_token, is_local_endpoint, read_admin_token
+
+    path = tmp_path / "state" / "admin.token"
+    token = ensure_admin_token(path)
+    assert len(token) >= 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ensure_admin_token(path) == token == read_admin_token(path)  # reused, never replaced
+    assert read_admin_token(tmp_path / "none") == ""
+    path.chmod(0o644)  # a token others can read is no credential: refused, not used
+    with pytest.raises(ConfigError, match="chmod 600"):
+        read_admin_token(path)
+    local = ["ipc:///run/kvbm.sock", "tcp://127.0.0.1:5557", "tcp://localhost:1", "tcp://[::1]:5557",
+             "tcp://127.0.0.2:9"]
+    remote = ["tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://10.0.0.5:5557", "tcp://eth0:5557", "tcp://[::]:1"]
+    assert [is_local_endpoint(e) for e in local + remote] == [True] * len(local) + [False] * len(remote)
+    with pytest.raises(ConfigError, match="curve_public_key"):
+        client_curve(DaemonConfig(curve_client_key_file=str(tmp_path / "x.key_secret")))
