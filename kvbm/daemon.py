@@ -108,6 +108,7 @@ class Daemon:
         self._pub: zmq.asyncio.Socket | None = None
         self._auth: Any = None
         self._admin_token = ""  # read (or created) at run(); never logged
+        self._curve_keys = ("", "")  # (public, secret) Z85, read at run()
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inflight = 0
@@ -157,8 +158,7 @@ class Daemon:
 
     def _bind(self) -> None:
         dc = self.dc
-        public, secret = server_keys(dc)
-        check_binds(dc, curve=bool(secret))
+        public, secret = self._curve_keys
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -194,6 +194,9 @@ class Daemon:
         _ = self.g2
         s3_tiers = [t.name for t in self.manager.tiers if t.kind == "s3"]
         eager = self.dc.index_bucket == "start" or not s3_tiers
+        # Refuse an unsafe socket set-up before touching any tier (a disk index can take a while).
+        self._curve_keys = server_keys(self.dc)
+        check_binds(self.dc, curve=bool(self._curve_keys[1]))
         token_path = admin_token_path(self.dc)
         self._admin_token = await asyncio.to_thread(ensure_admin_token, token_path)
         await self.manager.start(index=True if eager else ("device", "host", "disk"))
