@@ -10,6 +10,7 @@ import click
 from kvbm.cli.bench import bench
 from kvbm.cli.config_cmd import config
 from kvbm.cli.demo import demo
+from kvbm.cli.keys import keys
 from kvbm.cli.plan import plan_cmd
 from kvbm.cli.prewarm import prewarm
 from kvbm.cli.purge import purge
@@ -36,6 +37,7 @@ main.add_command(serve)
 main.add_command(s3)
 main.add_command(config)
 main.add_command(plan_cmd)
+main.add_command(keys)
 
 if __name__ == "__main__":
     main()

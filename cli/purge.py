@@ -26,6 +26,7 @@ from kvbm.maintenance import (
     parse_size,
     plan_purge,
 )
+from kvbm.security import admin_token_path
 from kvbm.tiers.disk import DirLock, DiskDirBusy
 
 
@@ -214,7 +215,12 @@ def _disk_guard(cfg: Any, use_disk: bool, endpoint: str | None, direct: bool, ti
             raise click.ClickException(
                 f"{e}: a kvbm daemon owns it, and deleting its files with --direct would leave its index "
                 "wrong; purge through the daemon (without --direct) or stop it first") from None
+        admin = link.admin
         link.close()
+        if not admin:  # the daemon would refuse the Evict that keeps its index true: delete nothing
+            raise click.ClickException(
+                f"{e}: a kvbm daemon owns it and purging its files needs its admin token, which this user cannot "
+                f"read (daemon.admin_token_file: {admin_token_path(cfg.daemon)})") from None
         return guard
 
 

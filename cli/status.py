@@ -44,7 +44,7 @@ def find_daemon(cfg: Config, endpoint: str | None, direct: bool, timeout_s: floa
     ok, why = daemon_reachable(ep)
     if ok:
         try:
-            return DaemonLink(ep, timeout_s, cfg.daemon.curve_public_key).open(), ""
+            return DaemonLink.for_config(cfg, ep, timeout_s).open(), ""
         except KvbmError as e:
             why = f"daemon at {ep} did not answer: {' '.join(str(e).split())[:200]}"
     elif not why.startswith("bad"):

@@ -7,6 +7,11 @@ restart, kill -9 or clean) reports a new one, the client maps the new pool, even
 ``shm_name``, and its slot requests carry the generation so the daemon refuses any that do not match.
 Requests carry ids; a reply that does not arrive within ``timeout_s`` raises
 :class:`DaemonUnavailable` (and the socket is recreated, so a late reply cannot be mistaken for the next).
+
+Credentials: ``curve_server_key`` (the daemon's public key) turns CURVE on, with ``curve_keypair`` the
+client's own keys (an allow-listed daemon needs them; without them a throwaway pair is made);
+``admin_token`` (the daemon's admin token file, see :mod:`kvbm.security`) makes the registration an admin
+one. :func:`client_options` reads all three from a config the way the CLI does.
 """
 
 from __future__ import annotations
@@ -32,6 +37,18 @@ from kvbm.tiers.host import HostTier
 
 R = TypeVar("R")
 Buffer = Any  # bytes-like, numpy array or torch tensor (CPU or CUDA)
+
+
+def client_options(dc: Any, *, admin: bool = False) -> dict[str, Any]:
+    """Client keyword arguments for a :class:`kvbm.config.DaemonConfig`: CURVE keys from its files and,
+    with ``admin``, the admin token when this user can read its file ("" otherwise: no admin session)."""
+    from kvbm.security import admin_token_path, client_curve, read_admin_token
+
+    server, keypair = client_curve(dc)
+    out: dict[str, Any] = {"curve_server_key": server, "curve_keypair": keypair}
+    if admin:
+        out["admin_token"] = read_admin_token(admin_token_path(dc))
+    return out
 
 
 class DaemonUnavailable(KvbmError):
@@ -88,8 +105,10 @@ class _Core:
         max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
         curve_server_key: str = "",
         curve_keypair: tuple[bytes, bytes] | None = None,
+        admin_token: str = "",
     ) -> None:
         self.endpoint = endpoint
+        self.admin_token = admin_token
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
         self.curve_server_key = curve_server_key
@@ -152,7 +171,7 @@ class _Core:
             engine_id=engine_id or "engine", layout=layout,
             tp_rank=layout.tp_rank if tp_rank is None else tp_rank,
             tp_size=layout.tp_size if tp_size is None else tp_size,
-            g1_capacity_blocks=g1_capacity_blocks,
+            g1_capacity_blocks=g1_capacity_blocks, admin_token=self.admin_token,
         )
 
     def _attach(self, reg: p.Registered) -> None:

@@ -39,6 +39,19 @@ def default_cache_dir() -> Path:
     return Path(base) / "kvbm"
 
 
+class _Redacted(msgspec.Struct):
+    """A config section whose repr masks secret-named fields (see kvbm.redact)."""
+
+    def __repr__(self) -> str:
+        from kvbm.redact import MASK, is_secret_name
+
+        parts = []
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            parts.append(f"{name}={MASK if is_secret_name(name) and value not in ('', None) else repr(value)}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
 class DeviceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """G1: device memory (CUDA when available, else CPU tensors stand in)."""
 
@@ -68,7 +81,7 @@ class DiskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_hits_to_offload: int = 0
 
 
-class S3Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class S3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     """G4: S3-compatible object storage."""
 
     enabled: bool = True
@@ -103,14 +116,14 @@ class S3Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nixl_timeout_s: float = 10.0
 
 
-class EmbeddedS3Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class EmbeddedS3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     """The local SeaweedFS that the default config starts."""
 
     enabled: bool = True
     dir: str = ""  # empty: <cache dir>/seaweedfs
     port: int = 0  # 0: pick a free port
     access_key: str = "kvbm"
-    secret_key: str = "kvbm-local-secret"
+    secret_key: str = ""  # empty: a random secret per data dir, kept 0600 in its identity.json
 
 
 class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -120,7 +133,7 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     io_threads: int = 4
 
 
-class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     endpoint: str = "tcp://127.0.0.1:5557"
     events_endpoint: str = "tcp://127.0.0.1:5558"
     metrics_port: int = 9464  # 0 disables
@@ -134,9 +147,16 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     worker_timeout_s: float = 60.0  # a silent worker's pins and unfinished stores are released after this
     barrier_timeout_s: float = 30.0
     max_inflight: int = 1024  # requests handled at once; beyond it the daemon stops reading (ZMQ backpressure)
-    curve_secret_key: str = ""  # Z85; set with curve_public_key to require CURVE encryption
-    curve_public_key: str = ""
-    curve_clients_dir: str = ""  # directory of allowed client public keys (empty: any client with the server key)
+    # CURVE (encryption + client authentication) on the request and events sockets; see kvbm.security.
+    curve_secret_key: str = ""  # Z85; set with curve_public_key (or use curve_server_key_file)
+    curve_public_key: str = ""  # Z85; clients (CLI, connector) need it to reach a CURVE daemon
+    curve_server_key_file: str = ""  # the daemon's keypair file (`kvbm keys generate`), instead of the Z85 fields
+    curve_clients_dir: str = ""  # allow-list: directory of allowed clients' public key files (<name>.key)
+    curve_allow_any_client: bool = False  # CURVE without curve_clients_dir: encrypt only, authenticate nobody
+    curve_client_key_file: str = ""  # clients: own keypair file (<name>.key_secret) for an allow-listed daemon
+    # Admin credential (Evict, Reindex, other namespaces, resident hashes): created 0600 at the first `kvbm serve`.
+    admin_token_file: str = ""  # empty: <cache dir>/admin.token
+    allow_insecure_tcp: bool = False  # allow a non-loopback TCP bind without CURVE
     log_format: Literal["json", "text"] = "json"
     # When the daemon learns what the bucket holds: "start" lists all of it before serving; "background" serves
     # at once and lists in the background (a registering worker's namespace is listed first, before its
@@ -146,7 +166,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_prefetch: int = 16  # prefetches in flight at once; more lookups are not prefetched
 
 
-class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     block_bytes: int | str = "8MiB"
     hash_scheme: Literal["kvbm", "vllm"] = "kvbm"
     device: DeviceConfig = msgspec.field(default_factory=DeviceConfig)

@@ -13,6 +13,12 @@ the quarantine of an expired worker's slots). Slot requests carrying another G2 
 this daemon's are refused (``E_STALE``).
 The daemon publishes its own block events on ``events_endpoint`` (topic ``kvbm``) and follows vLLM
 KV-event streams (``vllm_events``), exposing them in Stats.
+
+Authorization (:meth:`Daemon._authorize`, before any handler runs): a worker's token is bound to its
+layout's namespace; requests naming another namespace or another engine's barrier are refused
+``E_FORBIDDEN``. Evict, Reindex and Stats with resident hashes need an admin session: a Register that
+carried the admin token (:mod:`kvbm.security`, created at first start). Refusals are counted in
+``errors["forbidden"]``. Both sockets use the same CURVE keys and client allow-list when configured.
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ from kvbm.blocks import BlockKey
 from kvbm.config import Config
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
 from kvbm.health import readiness
+from kvbm.keys import is_namespace
 from kvbm.kvevents import KVEventSubscriber, describe_views
 from kvbm.manager import PERSISTENT, BlockManager
 from kvbm.metrics import Metrics, MetricsServer
+from kvbm.redact import redact
+from kvbm.security import admin_token_path, check_binds, ensure_admin_token, server_keys, token_matches
 from kvbm.sessions import Sessions, WorkerSession
 from kvbm.tiers.pool import SlotPoolTier
 
@@ -99,6 +108,8 @@ class Daemon:
         self._router: zmq.asyncio.Socket | None = None
         self._pub: zmq.asyncio.Socket | None = None
         self._auth: Any = None
+        self._admin_token = ""  # read (or created) at run(); never logged
+        self._curve_keys = ("", "")  # (public, secret) Z85, read at run()
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inflight = 0
@@ -150,24 +161,23 @@ class Daemon:
 
     def _bind(self) -> None:
         dc = self.dc
+        public, secret = self._curve_keys
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         # libzmq drops the connection of a peer that sends more than this; between max_message_bytes
         # and it, the daemon still answers with an Error.
         router.setsockopt(zmq.MAXMSGSIZE, 4 * dc.max_message_bytes + 1024)
-        if dc.curve_secret_key:
+        if secret:
             if not zmq.has("curve"):
-                raise KvbmError("daemon.curve_secret_key is set but libzmq has no CURVE support")
-            if dc.curve_clients_dir:
+                raise KvbmError("daemon CURVE keys are set but libzmq has no CURVE support")
+            if dc.curve_clients_dir:  # the ZAP handler covers every socket of this context: ROUTER and PUB
                 from zmq.auth.asyncio import AsyncioAuthenticator
 
                 self._auth = AsyncioAuthenticator(self._ctx)
                 self._auth.start()
                 self._auth.configure_curve(domain="*", location=dc.curve_clients_dir)
-            router.curve_server = True
-            router.curve_secretkey = dc.curve_secret_key.encode()
-            router.curve_publickey = dc.curve_public_key.encode()
+        _curve_server(router, public, secret)
         _prepare_ipc(dc.endpoint)
         router.bind(dc.endpoint)
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -176,6 +186,7 @@ class Daemon:
             pub = self._ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, 10_000)
+            _curve_server(pub, public, secret)  # block events name namespaces and hashes: same protection
             _prepare_ipc(dc.events_endpoint)
             pub.bind(dc.events_endpoint)
             self.events_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -185,6 +196,11 @@ class Daemon:
         """Start the manager (re-indexing persistent tiers), bind, and serve until :meth:`stop`."""
         _ = self.g2
         s3_tiers = [t.name for t in self.manager.tiers if t.kind == "s3"]
+        # Refuse an unsafe socket set-up before touching any tier (a disk index can take a while).
+        self._curve_keys = server_keys(self.dc)
+        check_binds(self.dc, curve=bool(self._curve_keys[1]))
+        token_path = admin_token_path(self.dc)
+        self._admin_token = await asyncio.to_thread(ensure_admin_token, token_path)
         # The bucket is listed apart from the other tiers: S3 being down must not stop G2/G3 serving.
         await self.manager.start(index=("device", "host", "disk"))
         if not s3_tiers:
@@ -209,6 +225,7 @@ class Daemon:
         if s3_tiers and not self._bucket_indexed.is_set() and self.dc.index_bucket != "lazy":
             self._spawn(self._index_bucket(s3_tiers))
         logj("daemon.started", endpoint=self.endpoint, events=self.events_endpoint, metrics_port=self.metrics_port,
+             curve=self._router.curve_server if self._router is not None else False, admin_token_file=str(token_path),
              tiers=[t.name for t in self.manager.tiers], blocks=len(self.manager.registry), pid=os.getpid())
         self.ready.set()
         recv = asyncio.ensure_future(self._recv_loop())
@@ -352,6 +369,14 @@ class Daemon:
                 return
             if worker is not None:
                 worker.last_seen = time.monotonic()
+        try:
+            denied = self._authorize(msg, worker)
+        except _Handled as e:
+            self._error(route, msg.rid, e.code, str(e))
+            return
+        if denied:
+            self._error(route, msg.rid, p.E_FORBIDDEN, denied)
+            return
         inline = self._inline.get(type(msg))
         if inline is not None:
             try:
@@ -371,6 +396,36 @@ class Daemon:
         self._offloads += offload
         task = self._spawn(self._handle(route, msg, worker))
         task.add_done_callback(lambda _t: self._done(offload))
+
+    def _authorize(self, msg: Any, w: WorkerSession | None) -> str:
+        """Why this session may not make this request ("" when it may). The one place access is decided."""
+        if isinstance(msg, p.Register):
+            if msg.admin_token and not token_matches(msg.admin_token, self._admin_token):
+                return "wrong admin token"
+            return ""
+        if w is not None and w.admin:
+            return self._check_names(msg)
+        need = "needs an admin session (Register with the token of daemon.admin_token_file)"
+        if isinstance(msg, (p.Evict, p.Reindex)):
+            return f"{type(msg).__name__} {need}"
+        if isinstance(msg, p.Stats) and msg.resident:
+            return f"Stats with resident block hashes {need}"
+        if w is None:
+            return ""  # an unregistered monitor's Stats or Ping
+        if isinstance(msg, p._Blocks) and msg.namespace != w.namespace:
+            return (f"namespace {msg.namespace!r} is not this worker's: a token serves its own layout's namespace "
+                    f"(other namespaces need an admin session, the token of daemon.admin_token_file)")
+        if isinstance(msg, p.Barrier) and msg.engine_id != w.engine_id:
+            return f"engine {msg.engine_id!r} is not this worker's"
+        return ""
+
+    @staticmethod
+    def _check_names(msg: Any) -> str:
+        """An admin may name any namespace, but only a well-formed one (it becomes file and object names)."""
+        ns = getattr(msg, "namespace", "")
+        if ns and not is_namespace(ns):
+            raise _Handled(p.E_BAD_REQUEST, f"{ns!r} is not a kvbm namespace")
+        return ""
 
     def _done(self, offload: bool) -> None:
         self._inflight -= 1
@@ -427,14 +482,18 @@ class Daemon:
             raise _Handled(p.E_BAD_REQUEST, f"layout blocks are {layout.block_nbytes} B; G2 slots {g2.slot_bytes} B")
         if not 0 <= msg.tp_rank < max(msg.tp_size, 1):
             raise _Handled(p.E_BAD_REQUEST, f"tp_rank {msg.tp_rank} outside [0, {msg.tp_size})")
+        for name in ("model", "backend", "revision", "dtype"):
+            if len(getattr(layout, name)) > p.MAX_STR:
+                raise _Handled(p.E_LIMIT, f"layout.{name} is longer than {p.MAX_STR} characters")
         await self._index_namespace(layout.namespace)
         for old in self.sessions.by_worker_id(msg.worker_id):
             self._drop_worker(old, "re-registered")
         token = secrets.token_hex(16)
-        self.sessions.add(token, msg)
+        admin = bool(msg.admin_token)  # checked by _authorize
+        self.sessions.add(token, msg, admin=admin)
         self.stats.registered += 1
         logj("worker.registered", worker=msg.worker_id, engine=msg.engine_id, rank=msg.tp_rank,
-             namespace=layout.namespace)
+             namespace=layout.namespace, admin=admin)
         return p.Registered(
             token=token, namespace=layout.namespace, shm_name=getattr(g2, "shm_name", ""), generation=self._generation,
             slot_bytes=g2.slot_bytes, num_slots=g2.num_slots, capacity_bytes=g2.capacity_bytes,
@@ -486,8 +545,9 @@ class Daemon:
         self._spawn(run())
 
     def _check_store(self, msg: p.PrepareStore | p.CommitStore, w: WorkerSession) -> None:
+        # Even an admin session stores only its own layout's blocks: the slot size is the layout's.
         if msg.namespace != w.namespace:
-            raise _Handled(p.E_BAD_REQUEST, f"namespace {msg.namespace!r} is not this worker's ({w.namespace!r})")
+            raise _Handled(p.E_FORBIDDEN, f"namespace {msg.namespace!r} is not this worker's ({w.namespace!r})")
 
     async def _prepare(self, msg: p.PrepareStore, w: WorkerSession) -> p.Slots:
         self._check_store(msg, w)
@@ -693,6 +753,13 @@ class Daemon:
         return snap
 
 
+def _curve_server(sock: zmq.asyncio.Socket, public: str, secret: str) -> None:
+    if secret:
+        sock.curve_server = True
+        sock.curve_secretkey = secret.encode()
+        sock.curve_publickey = public.encode()
+
+
 def _prepare_ipc(endpoint: str) -> None:
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://") :]
@@ -717,8 +784,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class RedactFields(logging.Filter):
+    """Secret-named structured fields (kvbm.redact's one rule) are masked before any handler formats them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kv = getattr(record, "kv", None)
+        if kv:
+            record.kv = redact(kv)
+        return True
+
+
 def configure_logging(fmt: str = "json", level: int = logging.INFO) -> None:
     handler = logging.StreamHandler()
+    handler.addFilter(RedactFields())
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s %(message)s %(kv)s", defaults={"kv": ""}))
     root = logging.getLogger()

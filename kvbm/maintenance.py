@@ -16,7 +16,8 @@ The CLI only parses options and prints; everything that decides *what* to touch 
   bucket holds (HEAD/LIST), and copy it into the disk tier with bounded concurrency, or have a running
   daemon onboard it into its host tier.
 * **Daemon link**: a short-lived, registration-only client (no shared-memory mapping) for Stats, Evict
-  and Onboard/Release.
+  and Onboard/Release; it registers with the admin token and CURVE client keys of the config
+  (:meth:`DaemonLink.for_config`), so the daemon lets it evict and onboard any namespace.
 """
 
 from __future__ import annotations
@@ -381,12 +382,26 @@ class DaemonLink:
     It registers a 1-byte dummy layout and never maps the daemon's shared memory; :meth:`close`
     unregisters, so the daemon's worker count drops back."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 2.0, curve_server_key: str = "") -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 2.0, curve_server_key: str = "", *,
+                 curve_keypair: tuple[bytes, bytes] | None = None, admin_token: str = "") -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.curve_server_key = curve_server_key
+        self.curve_keypair = curve_keypair
+        self.admin_token = admin_token
         self.client: Any = None
         self.registered: Any = None
+
+    @classmethod
+    def for_config(cls, cfg: Config, endpoint: str, timeout_s: float = 2.0) -> DaemonLink:
+        """A link with the config's CURVE client keys and, when readable, its admin token."""
+        from kvbm.client import client_options
+
+        return cls(endpoint, timeout_s, **client_options(cfg.daemon, admin=True))
+
+    @property
+    def admin(self) -> bool:
+        return bool(self.admin_token)
 
     def open(self) -> DaemonLink:
         from kvbm import protocol as p
@@ -395,10 +410,12 @@ class DaemonLink:
 
         layout = KVLayout(model="kvbm-cli", num_layers=1, num_kv_heads=1, head_size=1, dtype="uint8", kv_factor=1,
                           tokens_per_block=1, block_bytes=1)
-        self.client = WorkerClient(self.endpoint, timeout_s=self.timeout_s, curve_server_key=self.curve_server_key)
+        self.client = WorkerClient(self.endpoint, timeout_s=self.timeout_s, curve_server_key=self.curve_server_key,
+                                   curve_keypair=self.curve_keypair, admin_token=self.admin_token)
         try:
             reg = self.client.request(p.Register(worker_id=f"kvbm-cli-{os.getpid()}-{secrets.token_hex(3)}",
-                                                 engine_id="kvbm-cli", layout=layout), p.Registered)
+                                                 engine_id="kvbm-cli", layout=layout, admin_token=self.admin_token),
+                                      p.Registered)
         except BaseException:
             self.client._reset()
             self.client = None

@@ -9,15 +9,23 @@ must map the new pool before touching a slot. Blocks are named by one ``namespac
 plus a list of chained block hashes. A request is one frame; a DEALER sends ``[payload]`` and the
 daemon's ROUTER answers ``[payload]`` (a REQ's empty delimiter frame is accepted and echoed).
 
+Every field is bounded (:data:`MAX_BATCH` hashes of 1..:data:`MAX_HASH_BYTES` bytes, strings of
+:data:`MAX_STR` characters, ranks and sizes non-negative); a message outside the bounds is refused
+``E_LIMIT`` naming the field. Authorization (the daemon's, see kvbm.daemon): a worker's token is bound
+to its layout's namespace, other namespaces are ``E_FORBIDDEN``; Evict, Reindex and resident hashes need
+an admin session (:class:`Register` with ``admin_token``).
+
 The daemon also publishes its own block events on a PUB socket as ``[b"kvbm", seq(8 bytes, big
 endian), msgpack(EventBatch)]``: the same framing vLLM uses for its KV-event stream.
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+import re
+from typing import Annotated, Any, Union
 
 import msgspec
+from msgspec import Meta
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError
@@ -26,6 +34,19 @@ from kvbm.layout import KVLayout
 PROTOCOL_VERSION = 2  # 2: G2 pool generation in Registered and in slot requests
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 EVENTS_TOPIC = b"kvbm"
+
+# Bounds on every field of a request (a hostile but well-formed message is refused E_LIMIT).
+MAX_BATCH = 65536  # hashes per request
+MAX_HASH_BYTES = 32  # kvbm.blocks.MAX_HASH_LEN: a block header holds at most this much
+MAX_STR = 256  # namespaces, ids, tokens, tier names, barrier steps
+MAX_TIERS = 16
+MAX_RANKS = 4096
+
+Str = Annotated[str, Meta(max_length=MAX_STR)]
+Hash = Annotated[bytes, Meta(min_length=1, max_length=MAX_HASH_BYTES)]
+Hashes = Annotated[list[Hash], Meta(max_length=MAX_BATCH)]
+Tiers = Annotated[list[Str], Meta(max_length=MAX_TIERS)]
+Rank = Annotated[int, Meta(ge=0, le=MAX_RANKS)]
 
 
 class ProtocolError(KvbmError):
@@ -44,12 +65,12 @@ class _Msg(msgspec.Struct, tag_field="type", tag=True, kw_only=True, gc=False):
 
 
 class _Req(_Msg, kw_only=True):
-    token: str = ""
+    token: Str = ""
 
 
 class _Blocks(_Req, kw_only=True):
-    namespace: str
-    hashes: list[bytes]
+    namespace: Str
+    hashes: Hashes
 
     def keys(self) -> list[BlockKey]:
         return [BlockKey(self.namespace, h) for h in self.hashes]
@@ -58,19 +79,20 @@ class _Blocks(_Req, kw_only=True):
 class _SlotReq(_Blocks, kw_only=True):
     """A request about G2 slots: valid only for the pool generation the worker mapped."""
 
-    generation: str = ""
+    generation: Str = ""
 
 
 # -- requests ----------------------------------------------------------------------------------------
 class Register(_Req, kw_only=True):
     """Announce a worker (one TP rank of one engine) and its KV layout."""
 
-    worker_id: str
-    engine_id: str
+    worker_id: Str
+    engine_id: Str
     layout: KVLayout
-    tp_rank: int = 0
-    tp_size: int = 1
-    g1_capacity_blocks: int = 0
+    tp_rank: Rank = 0
+    tp_size: Rank = 1
+    g1_capacity_blocks: Annotated[int, Meta(ge=0)] = 0
+    admin_token: Str = ""  # the daemon's admin token: this session may evict, reindex, use any namespace
 
 
 class Unregister(_Req, kw_only=True):
@@ -88,7 +110,7 @@ class Lookup(_Blocks, kw_only=True):
 class PrepareStore(_SlotReq, kw_only=True):
     """Reserve a G2 slot per block (the worker then copies the bytes into shared memory)."""
 
-    nbytes: int
+    nbytes: Annotated[int, Meta(ge=0)]
 
 
 class CommitStore(_SlotReq, kw_only=True):
@@ -116,11 +138,11 @@ class Stats(_Req, kw_only=True):
 class Barrier(_Req, kw_only=True):
     """Wait until all ``world_size`` TP ranks of ``engine_id`` reached ``step`` (or time out)."""
 
-    engine_id: str
-    step: int | str
-    rank: int
-    world_size: int = 0  # 0: the registered tp_size
-    timeout_s: float = 0.0  # 0: the daemon's default
+    engine_id: Str
+    step: int | Str
+    rank: Rank
+    world_size: Rank = 0  # 0: the registered tp_size
+    timeout_s: Annotated[float, Meta(ge=0, le=3600)] = 0.0  # 0: the daemon's default
 
 
 class Evict(_Req, kw_only=True):
@@ -129,17 +151,17 @@ class Evict(_Req, kw_only=True):
     Blocks pinned by a worker are skipped.
     """
 
-    namespace: str
-    hashes: list[bytes] | None = None
-    tiers: list[str] | None = None
+    namespace: Str
+    hashes: Hashes | None = None
+    tiers: Tiers | None = None
 
 
 class Reindex(_Req, kw_only=True):
     """Re-read what ``tiers`` (all persistent ones if None) hold for ``namespace`` (all if empty), e.g.
     after ``kvbm prewarm`` wrote block files into the disk directory behind the daemon's back."""
 
-    namespace: str = ""
-    tiers: list[str] | None = None
+    namespace: Str = ""
+    tiers: Tiers | None = None
 
 
 # -- replies -----------------------------------------------------------------------------------------
@@ -231,6 +253,8 @@ E_INTERNAL = "internal"
 E_TIMEOUT = "timeout"
 E_FULL = "full"
 E_STALE = "stale_generation"
+E_LIMIT = "limit"  # a field outside its bounds (batch length, hash length, string length, rank)
+E_FORBIDDEN = "forbidden"  # another worker's namespace, or an admin request without the admin token
 
 
 # -- daemon block events -----------------------------------------------------------------------------
@@ -270,6 +294,7 @@ class _Header(msgspec.Struct, gc=False):
     rid: Any = 0
 
 
+_BOUND = re.compile(r"of length [<>]=|` [<>]= ")  # msgspec's words for a violated Meta bound
 _encoder = msgspec.msgpack.Encoder()
 _req_decoder = msgspec.msgpack.Decoder(Request)
 _rep_decoder = msgspec.msgpack.Decoder(Reply)
@@ -302,6 +327,8 @@ def _decode(buf: bytes | memoryview, decoder: msgspec.msgpack.Decoder, tags: set
             raise ProtocolError(E_VERSION, f"protocol version {hdr.v!r}, expected {PROTOCOL_VERSION}", rid) from None
         if hdr.type not in tags:
             raise ProtocolError(E_UNKNOWN_TYPE, f"unknown message type {hdr.type!r}", rid) from None
+        if isinstance(e, msgspec.ValidationError) and _BOUND.search(str(e)):
+            raise ProtocolError(E_LIMIT, f"{hdr.type}: {e}", rid) from None
         raise ProtocolError(E_MALFORMED, f"{hdr.type}: {e}", rid) from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(E_VERSION, f"protocol version {msg.v}, expected {PROTOCOL_VERSION}", msg.rid)

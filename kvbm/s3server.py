@@ -6,7 +6,9 @@ after ``stop_timeout_s``). It can also leave the server running as a background 
 (``detach()``, used by ``kvbm serve`` and ``scripts/seaweedfs.sh``) and reuse one that is already running
 from the same data dir. The data dir holds:
 
-* ``identity.json``  - the S3 identity (access/secret key), mode 0600
+* ``identity.json``  - the S3 identity (access/secret key), mode 0600. Without an explicit secret the
+                       dir's own is used: the one this file already holds, else a new random one (so no
+                       two data dirs share a secret and none is published); it is never printed
 * ``weed.log``       - the server's stdout/stderr
 * ``weed.pid``       - the pid of a running server
 * ``kvbm-s3.json``   - state: pid, all ports, access key (never the secret); ports are kept after a stop
@@ -30,6 +32,7 @@ import fcntl
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -242,7 +245,7 @@ class EmbeddedS3:
         *,
         port: int = 0,
         access_key: str = "kvbm",
-        secret_key: str = "kvbm-local-secret",
+        secret_key: str = "",
         bucket: str = "kvbm",
         weed: str | None = None,
         startup_timeout_s: float = 60.0,
@@ -298,6 +301,8 @@ class EmbeddedS3:
         if self.running:
             return self
         with dir_lock(self.dir, self.startup_timeout_s + 30.0):
+            if not self.secret_key:
+                self.secret_key = self._stored_secret() or secrets.token_urlsafe(32)
             state = self._read_state()
             if self.reuse and state and self._try_reuse(state):
                 return self
@@ -445,6 +450,18 @@ class EmbeddedS3:
             raise TierUnavailableError(f"port {self.port} (or its gRPC port {self.port + 10000}) is in use")
         return dict(zip(_PORT_NAMES, pick_ports(len(_PORT_NAMES), first=self.port), strict=True))
 
+    def _stored_secret(self) -> str:
+        """The secret this dir's identity file holds for our access key ("" when none)."""
+        try:
+            ident = json.loads((self.dir / IDENTITY_FILE).read_text())
+            for who in ident.get("identities", []):
+                for cred in who.get("credentials", []):
+                    if cred.get("accessKey") == self.access_key and cred.get("secretKey"):
+                        return str(cred["secretKey"])
+        except (OSError, ValueError, AttributeError, TypeError):
+            pass
+        return ""
+
     def _write_identity(self) -> Path:
         path = self.dir / IDENTITY_FILE
         ident = {
@@ -563,7 +580,7 @@ def _terminate(pid: int, wait_s: float, proc: subprocess.Popen[bytes] | None) ->
 
 def ensure_running(
     dir: str | os.PathLike[str], *, port: int = 0, access_key: str = "kvbm",
-    secret_key: str = "kvbm-local-secret", bucket: str = "kvbm", startup_timeout_s: float = 60.0,
+    secret_key: str = "", bucket: str = "kvbm", startup_timeout_s: float = 60.0,
 ) -> EmbeddedS3:
     """Reuse the SeaweedFS running from ``dir`` or start one as a background service (``kvbm serve``)."""
     s3 = EmbeddedS3(dir, port=port, access_key=access_key, secret_key=secret_key, bucket=bucket,
@@ -605,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0, help="S3 port (0: pick a free one)")
     ap.add_argument("--bucket", default="kvbm")
     ap.add_argument("--access-key", default=os.environ.get("KVBM_EMBEDDED_S3_ACCESS_KEY", "kvbm"))
-    ap.add_argument("--secret-key", default=os.environ.get("KVBM_EMBEDDED_S3_SECRET_KEY", "kvbm-local-secret"))
+    ap.add_argument("--secret-key", default=os.environ.get("KVBM_EMBEDDED_S3_SECRET_KEY", ""),
+                    help="default: the data dir's own random secret (kept 0600 in its identity.json)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (start) or before SIGKILL (stop)")
     args = ap.parse_args(argv)
     try:

@@ -28,8 +28,9 @@ from kvbm.tiers.pool import SlotPoolTier
 class WorkerSession:
     """One registered worker (one TP rank of one engine)."""
 
-    def __init__(self, token: str, msg: p.Register) -> None:
+    def __init__(self, token: str, msg: p.Register, *, admin: bool = False) -> None:
         self.token = token
+        self.admin = admin  # registered with the admin token: any namespace, Evict, Reindex
         self.worker_id = msg.worker_id
         self.engine_id = msg.engine_id
         self.tp_rank = msg.tp_rank
@@ -74,8 +75,8 @@ class Sessions:
         return tier
 
     # -- membership -------------------------------------------------------------------------------------
-    def add(self, token: str, msg: p.Register) -> WorkerSession:
-        w = WorkerSession(token, msg)
+    def add(self, token: str, msg: p.Register, *, admin: bool = False) -> WorkerSession:
+        w = WorkerSession(token, msg, admin=admin)
         self.workers[token] = w
         return w
 

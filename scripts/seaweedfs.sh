@@ -2,7 +2,7 @@
 # Start/stop/query the embedded SeaweedFS S3 endpoint kvbm uses by default.
 #   scripts/seaweedfs.sh start|stop|status [--dir D] [--port P] [--bucket B]
 # D defaults to $KVBM_EMBEDDED_S3_DIR or ~/.cache/kvbm/seaweedfs. Credentials come from
-# $KVBM_EMBEDDED_S3_ACCESS_KEY / $KVBM_EMBEDDED_S3_SECRET_KEY (defaults: kvbm / kvbm-local-secret).
+# $KVBM_EMBEDDED_S3_ACCESS_KEY / $KVBM_EMBEDDED_S3_SECRET_KEY (defaults: kvbm / the data dir's own random secret).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${KVBM_PYTHON:-}"

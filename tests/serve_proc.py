@@ -16,11 +16,16 @@ from kvbm.client import WorkerClient
 
 
 class ServeProc:
-    """A daemon with config ``cfg`` (written as ``tmp/kvbm.yaml``); restartable on the same directories."""
+    """A daemon with config ``cfg`` (written as ``tmp/kvbm.yaml``); restartable on the same directories.
+
+    Its admin token file is ``tmp/admin.token`` unless ``cfg`` names one: :meth:`admin_token` reads it the
+    way the CLI does, :meth:`client` with ``admin=True`` registers with it."""
 
     def __init__(self, tmp: Path, cfg: dict[str, Any]) -> None:
         self.tmp = tmp
         self.endpoint = cfg["daemon"]["endpoint"]
+        cfg["daemon"].setdefault("admin_token_file", str(tmp / "admin.token"))
+        self.admin_token_path = Path(cfg["daemon"]["admin_token_file"])
         self.cfg_path = tmp / "kvbm.yaml"
         self.cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
         self.log_path = tmp / "daemon.log"
@@ -74,5 +79,11 @@ class ServeProc:
             for f in glob.glob(f"/dev/shm/kvbm-g2-{pid}-*"):
                 os.unlink(f)
 
-    def client(self, **kw: Any) -> WorkerClient:
+    def admin_token(self) -> str:
+        """The token the daemon wrote at its first start (as any user with read access gets it)."""
+        return self.admin_token_path.read_text().strip()
+
+    def client(self, *, admin: bool = False, **kw: Any) -> WorkerClient:
+        if admin:
+            kw["admin_token"] = self.admin_token()
         return WorkerClient(self.endpoint, timeout_s=kw.pop("timeout_s", 10.0), **kw)

@@ -11,6 +11,7 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
 from kvbm.layout import KVLayout
+from kvbm.security import read_admin_token
 
 SLOT = 64 * 1024
 LAYOUT = KVLayout(model="stress", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=SLOT)
@@ -36,9 +38,11 @@ def payload(key: BlockKey) -> np.ndarray:
 
 def main() -> None:
     role, endpoint, seconds, seed = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+    # Evicting needs the daemon's admin token: the evictor reads its file (argv[5]) as a user would.
+    admin_token = read_admin_token(Path(sys.argv[5])) if role == "evictor" else ""
     rng = random.Random(seed)
     counts = {"role": role, "ops": 0, "loaded": 0, "wrong": 0, "stored": 0, "evicted": 0, "full": 0, "errors": []}
-    c = WorkerClient(endpoint, timeout_s=30)
+    c = WorkerClient(endpoint, timeout_s=30, admin_token=admin_token)
     c.register(LAYOUT, worker_id=f"{role}-{seed}")
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

@@ -447,7 +447,9 @@ def test_console_script_and_daemon(s3_server, s3_prefix, tmp_path):
     })
     try:
         daemon.start(marks=("daemon.started", "bucket.indexed"))
-        denv = cli_env(s3_server, s3_prefix, tmp_path, KVBM_DAEMON=f"ipc://{sock}")
+        # The CLI's config names the daemon's admin token file (prewarm --to host and purge need it).
+        denv = cli_env(s3_server, s3_prefix, tmp_path, KVBM_DAEMON=f"ipc://{sock}",
+                       KVBM_DAEMON_ADMIN_TOKEN_FILE=str(daemon.admin_token_path))
         rep = json.loads(run(denv, "status", "--json").output)
         assert rep["mode"] == "daemon" and rep["workers"] == 0
         tiers = {t["tier"]: t for t in rep["tiers"]}

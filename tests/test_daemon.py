@@ -62,7 +62,7 @@ def daemon(tmp_path_factory):
 
 
 def test_register_lookup_store_load_round_trip_is_byte_exact(daemon):
-    with daemon.client() as c:
+    with daemon.client(admin=True) as c:  # it evicts too: the admin token from the daemon's token file
         reg = c.register(LAYOUT, worker_id="rt")
         assert reg.namespace == LAYOUT.namespace and reg.slot_bytes == SLOT and reg.shm_name
         ks = keys(6, b"rt")
@@ -110,7 +110,12 @@ def test_errors_are_typed(daemon):
         c.register(LAYOUT, worker_id="errs")
         with pytest.raises(DaemonError) as ei:
             c.store(keys(1, b"x", ns="other-0123456789abcdef"), [payload(keys(1)[0])])
-        assert ei.value.code == p.E_BAD_REQUEST
+        assert ei.value.code == p.E_FORBIDDEN  # a token serves its own namespace only
+        with pytest.raises(DaemonError) as ei:
+            c.evict(keys(1), tiers=["G2"])
+        assert ei.value.code == p.E_FORBIDDEN  # evicting needs the admin token
+    with daemon.client(admin=True) as c:
+        c.register(LAYOUT, worker_id="errs-admin")
         with pytest.raises(DaemonError) as ei:
             c.evict(keys(1), tiers=["G9"])
         assert ei.value.code == p.E_BAD_REQUEST
@@ -118,7 +123,7 @@ def test_errors_are_typed(daemon):
         with pytest.raises(DaemonError):
             WorkerClient(daemon.endpoint, timeout_s=5).register(big)  # blocks larger than a G2 slot
         # A barrier that not every rank reaches times out with complete=False.
-        rep = c.barrier("lonely", step=1, rank=0, world_size=2, timeout_s=0.3)
+        rep = c.barrier("engine", step="lonely", rank=0, world_size=2, timeout_s=0.3)
         assert not rep.complete and rep.arrived == 1
     with pytest.raises(DaemonUnavailable):
         WorkerClient(f"ipc://{daemon.tmp}/nobody.sock", timeout_s=0.3).register(LAYOUT)
@@ -127,7 +132,8 @@ def test_errors_are_typed(daemon):
 @needs("curve", zmq.has("curve"), "libzmq without CURVE")
 def test_curve_encryption_requires_the_server_key(tmp_path):
     pub, sec = zmq.curve_keypair()
-    d = DaemonProc(tmp_path, curve_public_key=pub.decode(), curve_secret_key=sec.decode()).start()
+    d = DaemonProc(tmp_path, curve_public_key=pub.decode(), curve_secret_key=sec.decode(),
+                   curve_allow_any_client=True).start()  # encryption only (tests/test_security.py: allow-list)
     try:
         with WorkerClient(d.endpoint, timeout_s=5, curve_server_key=pub.decode()) as c:
             c.register(LAYOUT, worker_id="curve")
@@ -380,6 +386,8 @@ def test_daemon_follows_a_vllm_event_stream(tmp_path):
                 time.sleep(0.1)
             view = next(iter(eng.values()))
             assert view["blocks"] == {"GPU": 10} and view["last_seq"] == 4
+        with d.client(admin=True) as c:  # resident hashes are for an admin session only
+            c.register(LAYOUT, worker_id="v-admin")
             detail = next(iter(c.stats(resident=True)["engines"].values()))
             assert sorted(detail["resident"]) == list(range(10))
     finally:

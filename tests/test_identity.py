@@ -168,7 +168,8 @@ def test_one_process_owns_a_disk_directory(tmp_path):
     env = {"KVBM_DISK_DIR": str(disk), "KVBM_S3_ENABLED": "false", "KVBM_EMBEDDED_S3_ENABLED": "false",
            "KVBM_DISK_FSYNC": "false", "KVBM_DISK_O_DIRECT": "false", "KVBM_TRANSFER_BACKEND": "plain",
            "KVBM_HOST_CAPACITY": "1MiB", "KVBM_HOST_PIN": "false", "KVBM_BLOCK_BYTES": "64KiB",
-           "KVBM_DAEMON_ENDPOINT": f"ipc://{tmp_path}/a.sock", "KVBM_DAEMON": None, "KVBM_CONFIG": None}
+           "KVBM_DAEMON_ENDPOINT": f"ipc://{tmp_path}/a.sock", "KVBM_DAEMON": None, "KVBM_CONFIG": None,
+           "KVBM_DAEMON_ADMIN_TOKEN_FILE": str(first.admin_token_path)}  # purging the daemon's files needs it
     try:
         first.start()
         with pytest.raises(RuntimeError, match="daemon exited") as e:

@@ -109,3 +109,33 @@ def test_event_batches_round_trip():
     assert p.decode_events(p.encode(batch)) == batch
     with pytest.raises(p.ProtocolError):
         p.decode_events(b"\x01")
+
+
+def test_every_field_is_bounded_with_a_typed_error():
+    V = p.PROTOCOL_VERSION
+    assert (p.E_LIMIT, p.E_FORBIDDEN) == ("limit", "forbidden")  # the codes tests/test_security.py asserts
+
+    def lookup(**kw):
+        return msgspec.msgpack.encode({"type": "Lookup", "v": V, "rid": 7, "namespace": "ns", "hashes": [], **kw})
+
+    assert p.decode_request(lookup(hashes=[b"h" * 32] * p.MAX_BATCH)).rid == 7  # at the bounds: fine
+    assert _code(lookup(hashes=[b"h"] * (p.MAX_BATCH + 1)), max_bytes=1 << 30) == (p.E_LIMIT, 7)
+    assert _code(lookup(hashes=[b"h" * (p.MAX_HASH_BYTES + 1)])) == (p.E_LIMIT, 7)
+    assert _code(lookup(hashes=[b""])) == (p.E_LIMIT, 7)
+    assert _code(lookup(namespace="n" * (p.MAX_STR + 1))) == (p.E_LIMIT, 7)
+    assert _code(lookup(token="t" * (p.MAX_STR + 1))) == (p.E_LIMIT, 7)
+    reg = {"type": "Register", "v": V, "rid": 8, "worker_id": "w", "engine_id": "e",
+           "layout": msgspec.to_builtins(p.KVLayout(model="m", num_layers=1, num_kv_heads=1, head_size=1))}
+    for field, bad in (("worker_id", "w" * 300), ("engine_id", "e" * 300), ("admin_token", "a" * 300),
+                       ("tp_rank", -1), ("tp_size", p.MAX_RANKS + 1), ("g1_capacity_blocks", -5)):
+        assert _code(msgspec.msgpack.encode({**reg, field: bad})) == (p.E_LIMIT, 8), field
+    barrier = {"type": "Barrier", "v": V, "rid": 9, "engine_id": "e", "step": 1, "rank": 0}
+    for field, bad in (("rank", -1), ("world_size", p.MAX_RANKS + 1), ("timeout_s", -1.0), ("step", "s" * 300)):
+        assert _code(msgspec.msgpack.encode({**barrier, field: bad}))[0] in (p.E_LIMIT, p.E_MALFORMED), field
+    assert _code(msgspec.msgpack.encode({**barrier, "rank": -1})) == (p.E_LIMIT, 9)
+    evict = {"type": "Evict", "v": V, "rid": 10, "namespace": "ns"}
+    assert _code(msgspec.msgpack.encode({**evict, "tiers": ["G2"] * (p.MAX_TIERS + 1)})) == (p.E_LIMIT, 10)
+    prep = {"type": "PrepareStore", "v": V, "rid": 11, "namespace": "ns", "hashes": [b"x"], "nbytes": -1}
+    assert _code(msgspec.msgpack.encode(prep)) == (p.E_LIMIT, 11)
+    # A wrong type is still malformed, not a limit.
+    assert _code(lookup(hashes="nope"))[0] == p.E_MALFORMED

@@ -292,7 +292,7 @@ def test_stress_store_onboard_evict_prefetch_on_the_same_keys_is_byte_exact(tmp_
     try:
         roles = ["writer", "writer", "reader", "reader", "reader", "evictor", "evictor"]
         procs = [subprocess.Popen([sys.executable, str(HERE / "slots_stress_worker.py"), role, d.endpoint,
-                                   str(seconds), str(i)], stdout=subprocess.PIPE, text=True)
+                                   str(seconds), str(i), str(d.admin_token_path)], stdout=subprocess.PIPE, text=True)
                  for i, role in enumerate(roles)]
         results = []
         for pr in procs:

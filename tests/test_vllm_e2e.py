@@ -57,7 +57,7 @@ def tiny_model(tmp_path_factory) -> str:
 class Daemon(ServeProc):
     """The kvbm daemon on loopback TCP, following the engine's KV events."""
 
-    def __init__(self, tmp: Path, s3, bucket: str, block_bytes: str = "128KiB") -> None:
+    def __init__(self, tmp: Path, s3, bucket: str, block_bytes: str = "128KiB", **daemon) -> None:
         self.vllm_events = f"tcp://127.0.0.1:{free_port()}"
         super().__init__(tmp, {
             "block_bytes": block_bytes,
@@ -68,7 +68,7 @@ class Daemon(ServeProc):
                    "bucket": bucket, "prefix": "e2e"},
             "embedded_s3": {"enabled": False},
             "daemon": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "events_endpoint": f"tcp://127.0.0.1:{free_port()}",
-                       "metrics_port": 0, "vllm_events": [self.vllm_events]},
+                       "metrics_port": 0, "vllm_events": [self.vllm_events], **daemon},
         })
 
     def stats(self) -> dict:
@@ -77,8 +77,10 @@ class Daemon(ServeProc):
 
     def resident(self, engine: str) -> set:
         """The engine's GPU-resident block hashes as the daemon knows them from its KV events."""
-        with self.client(timeout_s=5) as c:
-            return set(c.stats(resident=True)["engines"][engine]["resident"])
+        from kvbm.maintenance import DaemonLink
+
+        with DaemonLink(self.endpoint, 5, admin_token=self.admin_token()) as link:  # an admin session
+            return set(link.client.stats(resident=True)["engines"][engine]["resident"])
 
     def wait_cascaded(self, blocks: int) -> dict:
         """Stats once every stored block reached G3 and G4 (generous deadline: a loaded CI machine)."""
@@ -92,13 +94,16 @@ class Daemon(ServeProc):
 
 
 def run_vllm(tmp: Path, name: str, model: str, daemon: Daemon | None, steps: list[dict], *, tp: int = 1,
-             prompt: list[int] = PROMPT, digest_blocks: int = 0, events: str | None = None) -> list[dict]:
+             prompt: list[int] = PROMPT, digest_blocks: int = 0, events: str | None = None,
+             extra: dict | None = None) -> list[dict]:
     """One engine in a fresh process; ``daemon`` None runs it without the connector."""
     spec = {"model": model, "prompt": prompt, "steps": steps, "events": events, "tp": tp,
             "digest_blocks": digest_blocks}
     if daemon is not None:
         # Default settings: no vllm_blocks_per_kvbm_block, the connector derives it from the daemon.
-        spec["connector"] = {"daemon": daemon.endpoint, "model_name": "tiny-llama-e2e", "timeout_s": 5}
+        spec["connector"] = {"daemon": daemon.endpoint, "model_name": "tiny-llama-e2e", "timeout_s": 5,
+                             **(extra or {})}
+        spec["admin_token_file"] = str(daemon.admin_token_path)  # for the evict steps
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": HASH_SEED, "TOKENIZERS_PARALLELISM": "false",
@@ -223,5 +228,41 @@ def test_daemon_blocks_smaller_than_a_vllm_block_is_a_clear_error(tmp_path, tiny
         warnings = [ln for ln in log.splitlines() if "kvbm:" in ln and "block_bytes" in ln]
         assert len(warnings) == 1, warnings
         assert daemon.stats()["daemon"]["registered"] == 0
+    finally:
+        daemon.stop()
+
+
+def test_connector_under_curve_with_a_client_allow_list(tmp_path, tiny_model, s3_server):
+    """The connector's CURVE settings (kv_connector_extra_config) reach a daemon that admits only
+    allow-listed clients: a fresh engine loads what the first stored, both through CURVE."""
+    from kvbm.client import WorkerClient
+    from kvbm.security import load_keypair, write_keypair
+
+    keys = tmp_path / "keys"
+    _spub, ssec = write_keypair(keys, "server")
+    cpub, csec = write_keypair(keys, "engine")
+    (tmp_path / "clients").mkdir()
+    (tmp_path / "clients" / "engine.key").write_text(cpub.read_text())
+    daemon = Daemon(tmp_path, s3_server, f"kvbm-curve-{uuid.uuid4().hex[:8]}", curve_server_key_file=str(ssec),
+                    curve_clients_dir=str(tmp_path / "clients"))
+    extra = {"curve_server_key_file": str(keys / "server.key"), "curve_client_key_file": str(csec)}
+    k = 128 * 1024 // VBLOCK_BYTES
+    full = (len(PROMPT) - 1) // (VLLM_BS * k)
+    try:
+        daemon.start()
+        store = run_vllm(tmp_path, "curve-store", tiny_model, daemon, [{}], extra=extra)[0]
+        assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
+        with WorkerClient(daemon.endpoint, timeout_s=10, curve_server_key=load_keypair(ssec)[0].decode(),
+                          curve_keypair=load_keypair(csec)) as c:
+            g2 = {t["tier"]: t["blocks"] for t in c.stats()["tiers"]}["G2"]
+        assert g2 == full
+        load = run_vllm(tmp_path, "curve-load", tiny_model, daemon, [{}], extra=extra)[0]
+        assert load["num_cached_tokens"] == full * VLLM_BS * k
+        assert load["tokens"] == store["tokens"]
+        # The same engine without its key pair: not admitted, so it recomputes and says it is degraded.
+        anon = run_vllm(tmp_path, "curve-anon", tiny_model, daemon, [{}],
+                        extra={"curve_server_key_file": str(keys / "server.key")})[0]
+        assert anon["num_cached_tokens"] == 0 and anon["tokens"] == store["tokens"]
+        assert anon["kv_transfer_params"]["kvbm"]["degraded"] is True
     finally:
         daemon.stop()

@@ -76,12 +76,16 @@ def main(spec_path: str, out_path: str) -> None:
     results = []
     for step in spec["steps"]:
         if step.get("evict"):
+            from pathlib import Path
+
             from kvbm.client import WorkerClient
+            from kvbm.security import read_admin_token
 
             conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
             removed = 0
+            token = read_admin_token(Path(spec["admin_token_file"]))  # evicting needs the daemon's admin token
             for layout in conn.layouts():
-                with WorkerClient(spec["connector"]["daemon"], timeout_s=10) as c:
+                with WorkerClient(spec["connector"]["daemon"], timeout_s=10, admin_token=token) as c:
                     c.register(layout, worker_id=f"e2e-evictor-r{layout.tp_rank}")
                     removed += c.evict(namespace=layout.namespace, tiers=step["evict"]).removed
             results.append({"evicted": removed})

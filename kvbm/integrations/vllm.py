@@ -8,7 +8,9 @@ next to vLLM it loads by name::
 Optional ``kv_connector_extra_config`` keys: ``daemon`` (endpoint; else $KVBM_DAEMON, else
 tcp://127.0.0.1:5557), ``model_name``, ``vllm_blocks_per_kvbm_block`` (by default derived from the
 daemon: as many vLLM blocks as fill one of its ``block_bytes`` blocks), ``timeout_s``, ``save``, ``load``,
-``async_load``, ``async_save``, ``load_failure_policy``.
+``async_load``, ``async_save``, ``load_failure_policy``; for a CURVE daemon ``curve_server_key`` (its
+public key, Z85) or ``curve_server_key_file`` (its ``.key`` file) and ``curve_client_key_file`` (this
+engine's ``.key_secret`` file from ``kvbm keys generate``, whose ``.key`` is in the daemon's allow-list).
 
 * Scheduler side (EngineCore process): asks the daemon for the longest stored prefix of each new
   request, hands the worker side the vLLM block ids to fill (loads) and the full blocks to save, and
@@ -210,14 +212,28 @@ def layout_for(vllm_config: VllmConfig, tp_rank: int, block_tokens: int, model_n
     )
 
 
+def curve_options(extra: dict[str, Any]) -> dict[str, Any]:
+    """WorkerClient keyword arguments for the CURVE keys named in ``kv_connector_extra_config``."""
+    from kvbm.security import load_keypair, load_public_key
+
+    server = str(extra.get("curve_server_key") or "")
+    if not server and extra.get("curve_server_key_file"):
+        server = load_public_key(str(extra["curve_server_key_file"])).decode()
+    key_file = extra.get("curve_client_key_file")
+    if key_file and not server:
+        raise ConfigError("kv_connector_extra_config.curve_client_key_file needs curve_server_key(_file) too")
+    return {"curve_server_key": server, "curve_keypair": load_keypair(str(key_file)) if key_file else None}
+
+
 class _Link:
     """A daemon client that degrades instead of failing: errors mark it down for a few seconds.
 
     On connecting it resolves the block geometry against the daemon, then registers ``layout_of(k)``."""
 
     def __init__(self, endpoint: str, geometry: _Geometry, layout_of: Callable[[int], KVLayout], engine_id: str,
-                 worker_id: str, timeout_s: float):
+                 worker_id: str, timeout_s: float, client_kw: dict[str, Any] | None = None):
         self.endpoint, self.engine_id, self.worker_id = endpoint, engine_id, worker_id
+        self.client_kw = client_kw or {}
         self.geometry, self.layout_of = geometry, layout_of
         self.layout: KVLayout | None = None
         self.timeout_s = timeout_s
@@ -237,7 +253,7 @@ class _Link:
             return self.client
         if time.monotonic() < self.down_until:
             return None
-        client = WorkerClient(self.endpoint, timeout_s=self.timeout_s)
+        client = WorkerClient(self.endpoint, timeout_s=self.timeout_s, **self.client_kw)
         try:
             layout = self.layout_of(self.geometry.resolve(_daemon_block_bytes(client)))
             try:
@@ -312,6 +328,7 @@ class KvbmConnector(KVConnectorBase_V1):
         vblock = layout_for(vllm_config, 0, self.vllm_block_size, self.model_name).block_nbytes
         self.geometry = _Geometry(self.vllm_block_size, vblock, None if k is None else int(k))
         self.timeout_s = float(extra.get("timeout_s", 5.0))
+        self.client_kw = curve_options(extra)
         self.save = bool(extra.get("save", True))
         self.load = bool(extra.get("load", True))
         self.async_load = bool(extra.get("async_load", True))
@@ -325,7 +342,7 @@ class KvbmConnector(KVConnectorBase_V1):
             # One scheduler serves all TP ranks: a prefix counts only if every rank stored it.
             self._links = [
                 _Link(self.endpoint, self.geometry, self._layout_of(vllm_config, r), self.engine_id,
-                      f"{self.engine_id}-scheduler-r{r}", self.timeout_s)
+                      f"{self.engine_id}-scheduler-r{r}", self.timeout_s, self.client_kw)
                 for r in range(self.tp_size)
             ]
             self._reqs: dict[str, _ReqState] = {}
@@ -342,18 +359,20 @@ class KvbmConnector(KVConnectorBase_V1):
             self.tp_rank = get_tensor_model_parallel_rank()
             layout_of = self._layout_of(vllm_config, self.tp_rank)
             self._link = _Link(self.endpoint, self.geometry, layout_of, self.engine_id,
-                               f"{self.engine_id}-worker-r{self.tp_rank}-{os.getpid()}", self.timeout_s)
+                               f"{self.engine_id}-worker-r{self.tp_rank}-{os.getpid()}", self.timeout_s, self.client_kw)
             self._kv: list[tuple[str, torch.Tensor, int]] = []  # (layer, cache, block dim)
             self._vblock_bytes = 0  # one vLLM block as the engine stores it, every layer
             self._load_errors: set[int] = set()
             # Async loads run on their own thread with their own daemon session (a client is single-threaded).
             self._load_link = _Link(self.endpoint, self.geometry, layout_of, self.engine_id,
-                                    f"{self.engine_id}-loader-r{self.tp_rank}-{os.getpid()}", self.timeout_s)
+                                    f"{self.engine_id}-loader-r{self.tp_rank}-{os.getpid()}", self.timeout_s,
+                                    self.client_kw)
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")
             self._loading: dict[str, Future[set[int]]] = {}
             # Async saves: copies into G2 run on their own thread (and CUDA stream) after each forward.
             self._save_link = _Link(self.endpoint, self.geometry, layout_of, self.engine_id,
-                                    f"{self.engine_id}-saver-r{self.tp_rank}-{os.getpid()}", self.timeout_s)
+                                    f"{self.engine_id}-saver-r{self.tp_rank}-{os.getpid()}", self.timeout_s,
+                                    self.client_kw)
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvbm-save")
             self._saving: dict[str, list[Future[None]]] = {}
             self._finishing: set[str] = set()

@@ -1,0 +1,180 @@
+"""Credentials of the daemon link: the admin token file, CURVE key files, and which binds need CURVE.
+
+* **Admin token**: a random token in a file only its owner can read (mode 0600), by default
+  ``<cache dir>/admin.token`` (``daemon.admin_token_file``). ``kvbm serve`` creates it at first start and
+  reuses it afterwards; the CLI and any client that can read the file present it in :class:`Register`,
+  which makes that session an admin one (Evict, Reindex, any namespace, resident hashes).
+* **CURVE key files**: ZeroMQ certificate files (the format of ``zmq.auth``): ``<name>.key`` holds the
+  public key (copy it into the daemon's ``curve_clients_dir`` allow-list), ``<name>.key_secret`` both keys
+  (mode 0600). ``kvbm keys generate`` writes a pair.
+* **Binds**: ipc:// and loopback TCP need no CURVE; a TCP bind on any other address without CURVE is
+  refused unless ``daemon.allow_insecure_tcp`` says so.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hmac
+import ipaddress
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from kvbm.config import DaemonConfig, default_cache_dir
+from kvbm.errors import ConfigError
+
+ADMIN_TOKEN_NAME = "admin.token"
+
+
+# -- admin token -------------------------------------------------------------------------------------------
+def admin_token_path(dc: DaemonConfig) -> Path:
+    return Path(dc.admin_token_file).expanduser() if dc.admin_token_file else default_cache_dir() / ADMIN_TOKEN_NAME
+
+
+def _check_private(path: Path) -> None:
+    st = path.stat()
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{path}: a credential file must not be readable by group or others "
+                          f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
+
+
+def ensure_admin_token(path: Path) -> str:
+    """The token in ``path``, created (random, mode 0600) when missing; concurrent creators agree."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token = secrets.token_urlsafe(32)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        try:
+            os.link(tmp, path)  # atomic and never replaces: a token someone else created first wins
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    got = read_admin_token(path)
+    if not got:
+        raise ConfigError(f"{path}: the admin token file is empty")
+    return got
+
+
+def read_admin_token(path: Path) -> str:
+    """The token in ``path``; empty when the file is missing or unreadable (the caller is no admin)."""
+    try:
+        _check_private(path)
+        return path.read_text().strip()
+    except (FileNotFoundError, PermissionError, NotADirectoryError):
+        return ""
+
+
+def token_matches(given: str, expected: str) -> bool:
+    return bool(given) and bool(expected) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+# -- CURVE key files -------------------------------------------------------------------------------------
+_BANNER = "#   kvbm CURVE {kind} certificate, {when}\n#   {note}\n\n"
+
+
+def write_keypair(directory: Path, name: str) -> tuple[Path, Path]:
+    """Write ``<name>.key`` (public) and ``<name>.key_secret`` (both keys, 0600); refuses to overwrite."""
+    import zmq
+
+    directory.mkdir(parents=True, exist_ok=True)
+    pub, sec = zmq.curve_keypair()
+    public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
+    for path in (public, secret):
+        if path.exists():
+            raise ConfigError(f"{path} exists; not overwriting a key")
+    when = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    body = f'metadata\ncurve\n    public-key = "{pub.decode()}"\n'
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(_BANNER.format(kind="secret", when=when, note="keep private: it authenticates its holder"))
+        f.write(body + f'    secret-key = "{sec.decode()}"\n')
+    fd = os.open(public, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(_BANNER.format(kind="public", when=when, note="copy into the daemon's curve_clients_dir"))
+        f.write(body)
+    return public, secret
+
+
+def load_keypair(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a ``.key_secret`` file (which must be private)."""
+    import zmq.auth
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such CURVE key file (kvbm keys generate writes one)")
+    _check_private(p)
+    pub, sec = zmq.auth.load_certificate(str(p))
+    if not sec:
+        raise ConfigError(f"{p} holds no secret key (give the .key_secret file)")
+    return pub, sec
+
+
+def load_public_key(path: str | os.PathLike[str]) -> bytes:
+    import zmq.auth
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such CURVE key file")
+    return zmq.auth.load_certificate(str(p))[0]
+
+
+def server_keys(dc: DaemonConfig) -> tuple[str, str]:
+    """The daemon's CURVE (public, secret) keys as Z85 text, from the config or its key file; ("", "")
+    when the daemon runs without CURVE."""
+    if dc.curve_server_key_file:
+        pub, sec = load_keypair(dc.curve_server_key_file)
+        return pub.decode(), sec.decode()
+    if bool(dc.curve_secret_key) != bool(dc.curve_public_key):
+        raise ConfigError("daemon.curve_secret_key and daemon.curve_public_key are set together (or neither)")
+    return dc.curve_public_key, dc.curve_secret_key
+
+
+def client_curve(dc: DaemonConfig) -> tuple[str, tuple[bytes, bytes] | None]:
+    """What a client on this config uses to reach the daemon: the server's public key ("" without
+    CURVE) and its own keypair (None: a throwaway one, which only a daemon that allows any client takes)."""
+    server = dc.curve_public_key
+    if not server and dc.curve_server_key_file:  # same host, same config: the daemon's own key file
+        server = load_public_key(dc.curve_server_key_file).decode()
+    if dc.curve_client_key_file and not server:
+        raise ConfigError("daemon.curve_client_key_file is set but not the daemon's public key "
+                          "(daemon.curve_public_key): CURVE needs both")
+    keypair = load_keypair(dc.curve_client_key_file) if dc.curve_client_key_file else None
+    return server, keypair
+
+
+# -- binds -----------------------------------------------------------------------------------------------
+def is_local_endpoint(endpoint: str) -> bool:
+    """ipc://, inproc:// and TCP on a loopback address (only this host can connect)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name or a DNS name: may be reachable from elsewhere
+
+
+def check_binds(dc: DaemonConfig, curve: bool) -> None:
+    """Refuse a non-local bind without CURVE (unless explicitly allowed) and CURVE that authenticates nobody."""
+    if curve and not dc.curve_clients_dir and not dc.curve_allow_any_client:
+        raise ConfigError("daemon CURVE keys are set but daemon.curve_clients_dir is empty: any client would be "
+                          "let in. Set curve_clients_dir (public keys of allowed clients) or, to only encrypt, "
+                          "daemon.curve_allow_any_client: true")
+    if curve and dc.curve_clients_dir and not Path(dc.curve_clients_dir).is_dir():
+        raise ConfigError(f"daemon.curve_clients_dir {dc.curve_clients_dir}: no such directory")
+    if curve or dc.allow_insecure_tcp:
+        return
+    for field, ep in (("endpoint", dc.endpoint), ("events_endpoint", dc.events_endpoint)):
+        if ep and not is_local_endpoint(ep):
+            raise ConfigError(f"daemon.{field} {ep} is reachable from other hosts but CURVE is off: anyone who can "
+                              f"connect could read and evict the cache. Configure CURVE (daemon.curve_server_key_file, "
+                              f"curve_clients_dir) or set daemon.allow_insecure_tcp: true")
