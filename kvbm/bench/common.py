@@ -39,6 +39,8 @@ def machine() -> dict[str, Any]:
         "memory_bytes": mem,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        # `uptime`'s load averages when the run started: other work on the machine skews every figure.
+        "load_avg_1_5_15": load_avg(),
     }
     try:
         import torch
@@ -59,6 +61,14 @@ def machine() -> dict[str, Any]:
 
             d[mod] = version(mod.replace("_", "-"))
     return d
+
+
+def load_avg() -> list[float]:
+    """The 1, 5 and 15 minute load averages (as `uptime` prints them)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
 
 
 def _clk_tck() -> int:
