@@ -174,9 +174,10 @@ def temp_dir(prefix: str, base: str | None = None) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def s3_server(base: Path, *, endpoint: str | None = None, access_key: str = "", secret_key: str = "",
-              bucket: str = "kvbm-bench") -> Iterator[dict[str, Any]]:
+              bucket: str = "kvbm-bench", domain: str | None = None) -> Iterator[dict[str, Any]]:
     """A loopback S3 endpoint: ``endpoint`` if given (never started or stopped here), else a fresh embedded
-    SeaweedFS in ``base`` (stopped afterwards). Yields {endpoint, access_key, secret_key, bucket, pid, prefix}."""
+    SeaweedFS in ``base`` (stopped afterwards; with ``domain`` it also answers virtual-hosted requests for
+    ``<bucket>.<domain>``). Yields {endpoint, access_key, secret_key, bucket, pid, prefix}."""
     prefix = f"kvbm-bench-{uuid.uuid4().hex[:10]}"
     if endpoint:
         yield {"endpoint": endpoint, "access_key": access_key, "secret_key": secret_key, "bucket": bucket,
@@ -185,7 +186,8 @@ def s3_server(base: Path, *, endpoint: str | None = None, access_key: str = "", 
     from kvbm.s3server import EmbeddedS3
 
     srv = EmbeddedS3(base / "seaweedfs", bucket=bucket, access_key="kvbm-bench",
-                     secret_key=uuid.uuid4().hex, reuse=False, stop_timeout_s=5.0)
+                     secret_key=uuid.uuid4().hex, reuse=False, stop_timeout_s=5.0,
+                     extra_args=(f"-s3.domainName={domain}",) if domain else ())
     srv.start()
     try:
         yield {"endpoint": srv.endpoint, "access_key": srv.access_key, "secret_key": srv.secret_key,

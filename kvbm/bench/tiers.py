@@ -41,6 +41,7 @@ from kvbm.bench.common import (
     CpuMeter,
     boto3_client,
     delete_prefix,
+    load_avg,
     machine,
     median,
     rnd_bytes,
@@ -70,6 +71,9 @@ class TiersOptions:
     s3_access_key: str = ""
     s3_secret_key: str = ""
     s3_bucket: str = "kvbm-bench"
+    peer_python: str | None = None  # python of a venv with LMCache: its S3 connector runs as a peer
+    peer_domain: str = "s3.kvbm.test"  # SeaweedFS -s3.domainName (the peer addresses <bucket>.<domain>)
+    peer_io_threads: int = 64  # LMCache's s3_num_io_threads (its default)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -452,6 +456,47 @@ async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[n
         cli.close()
 
 
+def _peer_rows(opts: TiersOptions, r: _Runner, peer: dict[str, Any]) -> list[dict[str, Any]]:
+    """LMCache's medians next to each kvbm S3Tier row of the same path; ratio = kvbm / LMCache."""
+    gb = r.nbytes / 1e9
+    name = f"LMCache {peer['version']} {peer['client']} x{peer['io_threads']}"
+    out: list[dict[str, Any]] = []
+    for path, runs in (("G2->G4 PUT", peer["put"]), ("G4->G2 GET", peer["get"])):
+        mbps = median([r.nbytes / x["wall"] / MB for x in runs])
+        cpu = median([x["cpu"] / gb for x in runs])
+        srv = [x["server_cpu"] / gb for x in runs if x.get("server_cpu") is not None]
+        mine = [row for row in r.rows if row["path"] == path and "S3Tier" in row["kvbm"] and not row.get("peer")]
+        for row in mine or [None]:
+            out.append({
+                "path": path, "kvbm": row["kvbm"] if row else "-", "MBps": row["MBps"] if row else None,
+                "MBps_runs": row["MBps_runs"] if row else [], "cpu_s_per_GB": row["cpu_s_per_GB"] if row else None,
+                "baseline": name, "baseline_MBps": round(mbps, 1),
+                "baseline_MBps_runs": [round(r.nbytes / x["wall"] / MB, 1) for x in runs],
+                "baseline_cpu_s_per_GB": round(cpu, 3),
+                "ratio": round(row["MBps"] / mbps, 3) if row and row["MBps"] and mbps else None,
+                "bytes": r.nbytes, "peer": "lmcache",
+                "server_cpu_s_per_GB": row.get("server_cpu_s_per_GB") if row else None,
+                "baseline_server_cpu_s_per_GB": round(median(srv), 3) if srv else None,
+            })
+    return out
+
+
+async def _peer(opts: TiersOptions, r: _Runner, srv: dict[str, Any], paths: dict[str, Any]) -> None:
+    from kvbm.bench.peer import run_peer
+
+    assert opts.peer_python
+    r.echo(f"  peer: LMCache S3 connector under {opts.peer_python} ...")
+    peer = await asyncio.to_thread(run_peer, opts.peer_python, srv=srv, domain=opts.peer_domain,
+                                   blocks=opts.blocks, block_bytes=opts.block_bytes, repeats=opts.repeats,
+                                   io_threads=opts.peer_io_threads)
+    paths["peer"] = peer
+    for row in _peer_rows(opts, r, peer):
+        r.rows.append(row)
+        ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
+        r.echo(f"  {row['path']:<18} {row['kvbm']:<22} vs {row['baseline']}: {row['baseline_MBps']:.0f} MB/s, "
+               f"{row['baseline_cpu_s_per_GB']:.2f} CPU-s/GB; kvbm/LMCache {ratio}")
+
+
 async def run_tiers(opts: TiersOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the tier benchmark; returns the report (machine, options, rows)."""
     t_start = time.perf_counter()
@@ -470,7 +515,8 @@ async def run_tiers(opts: TiersOptions, echo: Callable[[str], None] = print) -> 
             if "s3" in opts.groups:
                 echo("  starting S3 endpoint ..." if not opts.s3_endpoint else f"  S3 endpoint {opts.s3_endpoint}")
                 srv = es.enter_context(s3_server(work, endpoint=opts.s3_endpoint, access_key=opts.s3_access_key,
-                                                 secret_key=opts.s3_secret_key, bucket=opts.s3_bucket))
+                                                 secret_key=opts.s3_secret_key, bucket=opts.s3_bucket,
+                                                 domain=opts.peer_domain if opts.peer_python else None))
                 server_pid = srv["pid"]
                 paths["s3_endpoint"] = {"endpoint": srv["endpoint"], "embedded": srv["embedded"],
                                         "bucket": srv["bucket"], "prefix": srv["prefix"],
@@ -483,10 +529,19 @@ async def run_tiers(opts: TiersOptions, echo: Callable[[str], None] = print) -> 
                     await _disk(opts, r, keys, data, work, paths)
                 if srv is not None:
                     await _s3(opts, r, keys, data, work, srv, paths)
+                    if opts.peer_python:
+                        from kvbm.bench.peer import PeerError
+
+                        try:
+                            await _peer(opts, r, srv, paths)
+                        except PeerError as e:  # the kvbm rows stand; the CLI reports this and exits non-zero
+                            report["peer_error"] = str(e)
+                            echo(f"  peer failed: {e}")
             finally:
                 if srv is not None:
                     with contextlib.suppress(Exception):
                         delete_prefix(srv, srv["prefix"])
         report["rows"] = r.rows
     report["seconds"] = round(time.perf_counter() - t_start, 1)
+    report["load_avg_end"] = load_avg()
     return report
