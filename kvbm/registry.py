@@ -86,18 +86,24 @@ class Registry:
     def _codes(self, keys: Sequence[BlockKey], intern: bool = True) -> list[int]:
         """The codes of ``keys`` in order, built in C (one pass of maps). Without ``intern`` the list
         stops before the first key of an unknown namespace (nothing of it is held)."""
-        try:
-            sfxs = list(map(self._suffix.__getitem__, map(_ns_of, keys)))
-        except KeyError:
-            if intern:
-                return [self._code(k) for k in keys]
-            sfxs = []
-            for k in keys:
-                sfx = self._suffix.get(k.namespace)
-                if sfx is None:
-                    break
-                sfxs.append(sfx)
-        return list(map(int.from_bytes, map(bytes.__add__, map(_hash_of, keys), sfxs), repeat("little")))
+        names = set(map(_ns_of, keys))
+        if len(names) == 1:  # the usual batch: one namespace, so one suffix for every key
+            (name,) = names
+            sfx = self._suffix.get(name)
+            if sfx is None:
+                if not intern:
+                    return []
+                sfx = self._intern(name)
+            return list(map(int.from_bytes, map(bytes.__add__, map(_hash_of, keys), repeat(sfx)), repeat("little")))
+        if intern:
+            return [self._code(k) for k in keys]
+        out: list[int] = []
+        for k in keys:
+            sfx = self._suffix.get(k.namespace)
+            if sfx is None:
+                break
+            out.append(int.from_bytes(k.hash + sfx, "little"))
+        return out
 
     def _canonical(self, code: int) -> int:
         """The int object already stored for ``code`` in any tier (so tiers share it), else ``code``."""
