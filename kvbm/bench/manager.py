@@ -2,10 +2,12 @@
 
 * **ingest**: block events (a block stored in a tier) per second: through the daemon's socket
   (PrepareStore + copy into G2 shared memory + CommitStore, batched) when :mod:`kvbm.daemon` exists,
-  and straight into ``manager.registry`` in-process.
+  and straight into ``manager.registry`` in-process (``registry.add`` and ``registry.remove``).
 * **lookup**: ``manager.lookup`` (``registry.match_prefix``) latency for a fully held 1,000-block prefix
-  with 1M blocks registered (in-process), and the same request through the daemon's socket.
-* **index memory** per registered block (tracemalloc, and the RSS delta of the 1M registration).
+  with 1M blocks registered (in-process), and the same request through the daemon's socket after the
+  daemon was filled to the same count (medians of per-round percentiles).
+* **index memory** per registered block: the heap the registry keeps once the caller's keys are dropped
+  (tracemalloc, every block in one tier and in two), and the RSS delta of the registration.
 * **onboard overhead**: a full onboard of N blocks from G3 and from G4 minus (a) the tier's own reads of
   the same blocks at the same concurrency and (b) a raw transfer of the same bytes (pread / boto3 GET).
 """
