@@ -8,12 +8,13 @@ LMCache's S3 connector (awscrt) addresses buckets virtual-hosted only (``<bucket
 bench starts SeaweedFS with ``-s3.domainName=<domain>`` and runs the peer in a private mount namespace
 whose ``/etc/hosts`` maps ``<bucket>.<domain>`` to 127.0.0.1 (``unshare -m``; needs root).
 
-The peer script does what kvbm's S3 rows do, with LMCache's public connector API: PUT ``blocks`` objects
-of ``block_bytes`` with all requests in flight (``asyncio.gather`` of ``connector.put``, which LMCache
-queues to its awscrt client), then GET them all the same way; wall time and its own process CPU
-(getrusage, every thread) per pass; every GET is checked byte for byte against what was PUT (outside the
-timed part). LMCache's ``put`` logs and swallows failures, so a pass whose objects do not all read back
-is an error, never a figure.
+The peer script does what kvbm's S3 rows do, with LMCache's public connector API, one pass per "pass"
+line on its stdin (so the bench interleaves the peer's passes with kvbm's): PUT ``blocks`` objects of
+``block_bytes`` with all requests in flight (``asyncio.gather`` of ``connector.put``, which LMCache
+queues to its awscrt client), then GET them all the same way; wall time, its own process CPU (getrusage,
+every thread) and the server's CPU per pass; every GET is checked byte for byte against what was PUT
+(outside the timed part). LMCache's ``put`` logs and swallows failures, so a pass whose objects do not
+all read back is an error, never a figure.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,7 @@ def srv_cpu(pid):
 
 
 def main():
-    cfg = json.load(sys.stdin)
+    cfg = json.loads(sys.stdin.readline())
     import logging
     logging.disable(logging.WARNING)
     import torch
@@ -62,7 +64,7 @@ def main():
     from lmcache.v1.storage_backend.connector import CreateConnector
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-    n, size, reps = cfg["blocks"], cfg["block_bytes"], cfg["repeats"]
+    n, size = cfg["blocks"], cfg["block_bytes"]
     # One LMCache chunk = one kvbm block: (layers=1, K/V=2, chunk=256 tokens, heads=1, head_size) fp16.
     head = size // (2 * 256 * 2)
     if head * 2 * 256 * 2 != size:
@@ -96,8 +98,8 @@ def main():
         t.copy_(torch.randint(0, 256, (t.numel(),), dtype=torch.uint8, generator=g))
         objs.append(m)
         want.append(bytes(t.numpy()))
-    out = {"component": "lmcache", "version": version("lmcache"), "client": "S3Connector (awscrt)",
-           "url": url, "io_threads": cfg["io_threads"], "put": [], "get": []}
+    meta = {"component": "lmcache", "version": version("lmcache"), "client": "S3Connector (awscrt)",
+            "url": url, "io_threads": cfg["io_threads"]}
     # One object through each path first, untimed (connections, the bucket's volumes, the first-GET cost).
     warm = CacheEngineKey(cfg["model"], 1, 0, 0, torch.float16)
     run(conn.put(warm, objs[0]))
@@ -105,7 +107,11 @@ def main():
     if m is None:
         raise SystemExit(f"warm-up object did not read back from {url}")
     m.ref_count_down()
-    for r in range(reps):
+    print("PEER-READY " + json.dumps(meta), flush=True)
+    r = 0
+    for line in sys.stdin:  # one command a line: "pass" (PUT all, then GET all) or "quit"
+        if line.strip() != "pass":
+            break
         keys = [CacheEngineKey(cfg["model"], 1, 0, r * n + i + 1, torch.float16) for i in range(n)]
 
         async def put_all():
@@ -114,21 +120,23 @@ def main():
         async def get_all():
             return await asyncio.gather(*(conn.get(k) for k in keys))
 
+        out = {}
         s0, c0, t0 = srv_cpu(cfg["server_pid"]), cpu(), time.perf_counter()
         run(put_all())
         wall, c, s1 = time.perf_counter() - t0, cpu() - c0, srv_cpu(cfg["server_pid"])
-        out["put"].append({"wall": wall, "cpu": c, "server_cpu": None if s0 is None else s1 - s0})
+        out["put"] = {"wall": wall, "cpu": c, "server_cpu": None if s0 is None else s1 - s0}
         s0, c0, t0 = srv_cpu(cfg["server_pid"]), cpu(), time.perf_counter()
         got = run(get_all())
         wall, c, s1 = time.perf_counter() - t0, cpu() - c0, srv_cpu(cfg["server_pid"])
-        out["get"].append({"wall": wall, "cpu": c, "server_cpu": None if s0 is None else s1 - s0})
+        out["get"] = {"wall": wall, "cpu": c, "server_cpu": None if s0 is None else s1 - s0}
         bad = [i for i, m in enumerate(got)
                if m is None or bytes(m.tensor.view(torch.uint8).view(-1).numpy()) != want[i]]
         if bad:
             raise SystemExit(f"pass {r}: {len(bad)} of {n} objects did not read back as written (first: {bad[0]})")
         for m in got:
             m.ref_count_down()
-    print("PEER-JSON " + json.dumps(out), flush=True)
+        print("PEER-PASS " + json.dumps(out), flush=True)
+        r += 1
     # The connector's close() waits on its priority-queue executor from inside the loop it runs on and
     # never returns (lmcache 0.5.6): the figures are out, so leave without it.
     sys.stderr.flush()
@@ -161,36 +169,108 @@ def hosts_mapping_command(argv: list[str], hostname: str, tmp: Path) -> list[str
     return [unshare, "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv]
 
 
-def run_peer(python: str, *, srv: dict[str, Any], domain: str, blocks: int, block_bytes: int, repeats: int,
-             io_threads: int = 64, seed: int = 0, timeout_s: float = 900.0) -> dict[str, Any]:
-    """Run LMCache's S3 connector (under ``python``) against ``srv``; returns its JSON report."""
-    if not Path(python).exists():
-        raise PeerError(f"lmcache: peer python {python} does not exist (scripts/lmcache_venv.sh builds one)")
-    host, _, port = srv["endpoint"].removeprefix("http://").partition(":")
-    if host != "127.0.0.1":
-        raise PeerError(f"lmcache: the peer runs against a loopback endpoint only, not {srv['endpoint']}")
-    cfg = {"bucket": srv["bucket"], "domain": domain, "port": int(port), "access_key": srv["access_key"],
-           "secret_key": srv["secret_key"], "model": f"{srv['prefix']}-lmcache", "blocks": blocks,
-           "block_bytes": block_bytes, "repeats": repeats, "io_threads": io_threads, "seed": seed,
-           "server_pid": srv.get("pid")}
-    with tempfile.TemporaryDirectory(prefix="kvbm-bench-peer-") as d:
-        tmp = Path(d)
+class PeerProcess:
+    """The LMCache peer as a long-lived subprocess: start it (imports, connector, warm-up: untimed), then ask
+    for one timed pass (PUT all blocks, GET them all back) at a time, so the bench can interleave the peer's
+    passes with kvbm's on a shared machine."""
+
+    def __init__(self, python: str, *, srv: dict[str, Any], domain: str, blocks: int, block_bytes: int,
+                 io_threads: int = 64, seed: int = 0, timeout_s: float = 600.0) -> None:
+        if not Path(python).exists():
+            raise PeerError(f"lmcache: peer python {python} does not exist (scripts/lmcache_venv.sh builds one)")
+        host, _, port = srv["endpoint"].removeprefix("http://").partition(":")
+        if host != "127.0.0.1":
+            raise PeerError(f"lmcache: the peer runs against a loopback endpoint only, not {srv['endpoint']}")
+        self.python = python
+        self.timeout_s = timeout_s
+        self.cfg = {"bucket": srv["bucket"], "domain": domain, "port": int(port), "access_key": srv["access_key"],
+                    "secret_key": srv["secret_key"], "model": f"{srv['prefix']}-lmcache", "blocks": blocks,
+                    "block_bytes": block_bytes, "io_threads": io_threads, "seed": seed,
+                    "server_pid": srv.get("pid")}
+        self.hostname = f"{srv['bucket']}.{domain}"
+        self.meta: dict[str, Any] = {}
+        self.passes: list[dict[str, Any]] = []
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> PeerProcess:
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvbm-bench-peer-")
+        tmp = Path(self._tmp.name)
         script = tmp / "lmcache_peer.py"
         script.write_text(PEER_SCRIPT)
-        argv = hosts_mapping_command([python, str(script)], f"{srv['bucket']}.{domain}", tmp)
+        argv = hosts_mapping_command([self.python, str(script)], self.hostname, tmp)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KVBM_"))}
         env["PYTHONUNBUFFERED"] = "1"
-        try:
-            p = subprocess.run(argv, input=json.dumps(cfg), capture_output=True, text=True, timeout=timeout_s,
-                               env=env, cwd=d)
-        except subprocess.TimeoutExpired as e:
-            raise PeerError(f"lmcache: the peer did not finish in {timeout_s:.0f} s") from e
-    tail = (p.stderr or "")[-3000:]
-    if "No module named 'lmcache'" in tail or "No module named 'torch'" in tail:
-        raise PeerError(f"lmcache: not installed for {python} (scripts/lmcache_venv.sh builds a venv with it)")
-    for line in reversed((p.stdout or "").splitlines()):
-        if line.startswith("PEER-JSON "):
-            if p.returncode != 0:
-                break
-            return json.loads(line[len("PEER-JSON ") :])  # type: ignore[no-any-return]
-    raise PeerError(f"lmcache: peer exited {p.returncode}: {tail.strip()[-1500:] or (p.stdout or '')[-1500:]}")
+        self._err = open(tmp / "stderr.log", "w+")  # noqa: SIM115 - closed in close()
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+                                      text=True, env=env, cwd=tmp)
+        # The secret travels on stdin, never on a command line.
+        self._send(json.dumps(self.cfg))
+        self.meta = json.loads(self._reply("PEER-READY "))
+        return self
+
+    def run_pass(self) -> dict[str, Any]:
+        """One timed pass: {"put": {wall, cpu, server_cpu}, "get": {...}} (seconds)."""
+        self._send("pass")
+        got: dict[str, Any] = json.loads(self._reply("PEER-PASS "))
+        self.passes.append(got)
+        return got
+
+    def close(self) -> None:
+        if self._proc is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._send("quit")
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+            self._proc = None
+        if self._tmp is not None:
+            self._err.close()
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> PeerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, line: str) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.write(line + "\n")
+        self._proc.stdin.flush()
+
+    def _reply(self, prefix: str) -> str:
+        import select
+
+        assert self._proc is not None and self._proc.stdout is not None
+        deadline = time.monotonic() + self.timeout_s
+        out = self._proc.stdout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._proc.kill()
+                raise PeerError(f"lmcache: no answer from the peer in {self.timeout_s:.0f} s")
+            ready, _, _ = select.select([out], [], [], min(left, 1.0))
+            if not ready:
+                if self._proc.poll() is not None:
+                    raise self._died()
+                continue
+            line = out.readline()
+            if not line:
+                self._proc.wait(10)
+                raise self._died()
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+
+    def _died(self) -> PeerError:
+        self._err.flush()
+        self._err.seek(0)
+        tail = self._err.read()[-3000:]
+        rc = self._proc.returncode if self._proc else None
+        if "No module named 'lmcache'" in tail or "No module named 'torch'" in tail:
+            return PeerError(f"lmcache: not installed for {self.python} (scripts/lmcache_venv.sh builds a venv "
+                             "with it)")
+        return PeerError(f"lmcache: peer exited {rc}: {tail.strip()[-1500:]}")

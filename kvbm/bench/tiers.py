@@ -346,7 +346,9 @@ async def _disk(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list
 
 
 async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[np.ndarray], work: Path,
-              srv: dict[str, Any], paths: dict[str, Any]) -> None:
+              srv: dict[str, Any], paths: dict[str, Any],
+              between: Callable[[int], Awaitable[None]] | None = None) -> None:
+    """kvbm's S3 rows; ``between(i)`` runs before the i-th S3Tier client and after the last (the peer's passes)."""
     from kvbm.stack import build_stack
 
     n = len(keys)
@@ -408,7 +410,9 @@ async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[n
         put_all()  # warm the connections and the bucket's volumes once (not timed)
         if opts.s3_reference:
             await aio_reference()
-        for client in opts.s3_clients:
+        for ci, client in enumerate(opts.s3_clients):
+            if between is not None:
+                await between(ci)
             prefix = f"{srv['prefix']}/{client}"
             try:
                 stack = await build_stack(_config(opts, work, s3=srv, client=client, prefix=prefix),
@@ -449,6 +453,8 @@ async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[n
                 await mgr.delete(keys)
             finally:
                 await stack.close()
+        if between is not None:
+            await between(len(opts.s3_clients))
     finally:
         with contextlib.suppress(Exception):
             del_all()
@@ -456,12 +462,13 @@ async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[n
         cli.close()
 
 
-def _peer_rows(opts: TiersOptions, r: _Runner, peer: dict[str, Any]) -> list[dict[str, Any]]:
+def _peer_rows(r: _Runner, peer: dict[str, Any]) -> list[dict[str, Any]]:
     """LMCache's medians next to each kvbm S3Tier row of the same path; ratio = kvbm / LMCache."""
     gb = r.nbytes / 1e9
     name = f"LMCache {peer['version']} {peer['client']} x{peer['io_threads']}"
     out: list[dict[str, Any]] = []
-    for path, runs in (("G2->G4 PUT", peer["put"]), ("G4->G2 GET", peer["get"])):
+    for path, op in (("G2->G4 PUT", "put"), ("G4->G2 GET", "get")):
+        runs = [p[op] for p in peer["passes"]]
         mbps = median([r.nbytes / x["wall"] / MB for x in runs])
         cpu = median([x["cpu"] / gb for x in runs])
         srv = [x["server_cpu"] / gb for x in runs if x.get("server_cpu") is not None]
@@ -481,20 +488,66 @@ def _peer_rows(opts: TiersOptions, r: _Runner, peer: dict[str, Any]) -> list[dic
     return out
 
 
-async def _peer(opts: TiersOptions, r: _Runner, srv: dict[str, Any], paths: dict[str, Any]) -> None:
-    from kvbm.bench.peer import run_peer
+class _Peer:
+    """The LMCache peer's passes spread over kvbm's S3 rows: ``repeats`` passes over the points before each
+    S3Tier client and after the last, so load drift on a shared machine hits both."""
 
-    assert opts.peer_python
-    r.echo(f"  peer: LMCache S3 connector under {opts.peer_python} ...")
-    peer = await asyncio.to_thread(run_peer, opts.peer_python, srv=srv, domain=opts.peer_domain,
-                                   blocks=opts.blocks, block_bytes=opts.block_bytes, repeats=opts.repeats,
-                                   io_threads=opts.peer_io_threads)
-    paths["peer"] = peer
-    for row in _peer_rows(opts, r, peer):
-        r.rows.append(row)
-        ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
-        r.echo(f"  {row['path']:<18} {row['kvbm']:<22} vs {row['baseline']}: {row['baseline_MBps']:.0f} MB/s, "
-               f"{row['baseline_cpu_s_per_GB']:.2f} CPU-s/GB; kvbm/LMCache {ratio}")
+    def __init__(self, opts: TiersOptions, srv: dict[str, Any], report: dict[str, Any],
+                 echo: Callable[[str], None]) -> None:
+        self.opts, self.srv, self.report, self.echo = opts, srv, report, echo
+        points = len(opts.s3_clients) + 1
+        self.plan = [j * points // opts.repeats for j in range(opts.repeats)]
+        self.proc: Any = None
+
+    def _fail(self, e: Exception) -> None:
+        self.report["peer_error"] = str(e)  # the kvbm rows stand; the CLI reports this and exits non-zero
+        self.echo(f"  peer failed: {e}")
+        self.close()
+
+    async def start(self) -> None:
+        from kvbm.bench.peer import PeerError, PeerProcess
+
+        assert self.opts.peer_python
+        self.echo(f"  peer: starting LMCache's S3 connector under {self.opts.peer_python} ...")
+        proc = PeerProcess(self.opts.peer_python, srv=self.srv, domain=self.opts.peer_domain,
+                           blocks=self.opts.blocks, block_bytes=self.opts.block_bytes,
+                           io_threads=self.opts.peer_io_threads)
+        try:
+            self.proc = await asyncio.to_thread(proc.start)
+        except PeerError as e:
+            proc.close()
+            self._fail(e)
+
+    async def between(self, point: int) -> None:
+        from kvbm.bench.peer import PeerError
+
+        for _ in range(self.plan.count(point)):
+            if self.proc is None:
+                return
+            try:
+                got = await asyncio.to_thread(self.proc.run_pass)
+            except PeerError as e:
+                self._fail(e)
+                return
+            nb = self.opts.blocks * self.opts.block_bytes
+            self.echo(f"  peer pass: LMCache PUT {nb / got['put']['wall'] / MB:.0f} MB/s, "
+                      f"GET {nb / got['get']['wall'] / MB:.0f} MB/s")
+
+    def rows(self, r: _Runner, paths: dict[str, Any]) -> None:
+        if self.proc is None or len(self.proc.passes) < len(self.plan):
+            return
+        peer = {**self.proc.meta, "passes": self.proc.passes}
+        paths["peer"] = peer
+        for row in _peer_rows(r, peer):
+            r.rows.append(row)
+            ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
+            self.echo(f"  {row['path']:<18} {row['kvbm']:<22} vs {row['baseline']}: {row['baseline_MBps']:.0f} MB/s,"
+                      f" {row['baseline_cpu_s_per_GB']:.2f} CPU-s/GB; kvbm/LMCache {ratio}")
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.close()
+            self.proc = None
 
 
 async def run_tiers(opts: TiersOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
@@ -528,15 +581,16 @@ async def run_tiers(opts: TiersOptions, echo: Callable[[str], None] = print) -> 
                 if "disk" in opts.groups:
                     await _disk(opts, r, keys, data, work, paths)
                 if srv is not None:
-                    await _s3(opts, r, keys, data, work, srv, paths)
-                    if opts.peer_python:
-                        from kvbm.bench.peer import PeerError
-
-                        try:
-                            await _peer(opts, r, srv, paths)
-                        except PeerError as e:  # the kvbm rows stand; the CLI reports this and exits non-zero
-                            report["peer_error"] = str(e)
-                            echo(f"  peer failed: {e}")
+                    peer = _Peer(opts, srv, report, echo) if opts.peer_python else None
+                    try:
+                        if peer is not None:
+                            await peer.start()
+                        await _s3(opts, r, keys, data, work, srv, paths, peer.between if peer else None)
+                        if peer is not None:
+                            peer.rows(r, paths)
+                    finally:
+                        if peer is not None:
+                            peer.close()
             finally:
                 if srv is not None:
                     with contextlib.suppress(Exception):
