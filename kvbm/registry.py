@@ -44,6 +44,8 @@ class Registry:
         # Per tier: the footprint of most blocks (the first one added) and the exceptions.
         self._fp: list[int | None] = [None] * len(self.tiers)
         self._odd_fp: list[dict[int, int]] = [{} for _ in self.tiers]
+        # Re-pick a tier's base footprint when its exceptions reach this many (doubles each time: amortized O(1)).
+        self._rebase_at: list[int] = [64] * len(self.tiers)
         # namespace -> its 4-byte code suffix; namespace id -> namespace
         self._suffix: dict[str, bytes] = {}
         self._ns_names: list[str] = []
@@ -121,6 +123,19 @@ class Registry:
                 return fp
         return self._fp[i] or 0
 
+    def _rebase(self, i: int) -> None:
+        """Make the most common footprint of tier ``i`` its base (the first block may have been a partial one),
+        so the exceptions dict holds only the rare ones."""
+        odd, base, lru = self._odd_fp[i], self._fp[i], self._lru[i]
+        counts: dict[int, int] = {}
+        for fp in odd.values():
+            counts[fp] = counts.get(fp, 0) + 1
+        best = max(counts, key=counts.__getitem__)
+        if counts[best] > len(lru) - len(odd):
+            self._odd_fp[i] = odd = {c: odd.get(c, base) for c in lru if odd.get(c, base) != best}  # type: ignore
+            self._fp[i] = best
+        self._rebase_at[i] = max(64, 2 * len(odd))
+
     def _emit(self, kind: str, tier: str, key: BlockKey) -> None:
         for fn in self.listeners:
             fn(kind, tier, key)
@@ -144,6 +159,8 @@ class Registry:
             odd = self._odd_fp[i]
             if footprint != base:
                 odd[c] = footprint
+                if len(odd) >= self._rebase_at[i]:
+                    self._rebase(i)
             elif odd:
                 odd.pop(c, None)
             self._used[i] += footprint

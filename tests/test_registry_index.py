@@ -140,3 +140,61 @@ def test_listeners_hear_new_blocks_and_removals_once():
     r.remove("G2", k(1))
     r.remove("G2", k(1))  # not there: no event
     assert heard == [("stored", "G2", k(1)), ("stored", "G3", k(1)), ("removed", "G2", k(1))]
+
+
+def test_random_operations_match_a_plain_model():
+    """Random adds (two footprints, the rare one first), removes, touches, hits and pins against an
+    OrderedDict model of what the registry promises: membership, LRU order, used bytes, victims."""
+    import random
+    from collections import OrderedDict
+
+    rnd = random.Random(7)
+    tiers = ["G2", "G3"]
+    r = Registry(tiers)
+    model: dict[str, OrderedDict[BlockKey, int]] = {t: OrderedDict() for t in tiers}
+    keys = [k(i, NS_A if i % 3 else NS_B) for i in range(300)]
+    r.add("G2", keys[0], 40)  # a partial block first: most blocks then differ from the first footprint
+    model["G2"][keys[0]] = 40
+    for step in range(6000):
+        op = rnd.random()
+        key, t = rnd.choice(keys), rnd.choice(tiers)
+        if op < 0.5:
+            fp = 40 if rnd.random() < 0.05 else 100
+            r.add(t, key, fp)
+            model[t].pop(key, None)
+            model[t][key] = fp
+        elif op < 0.75:
+            assert r.remove(t, key) == (model[t].pop(key, None) is not None)
+        elif op < 0.85:
+            r.touch(t, key)
+            if key in model[t]:
+                model[t].move_to_end(key)
+        else:
+            r.record_hit([key])
+            for m in model.values():
+                if key in m:
+                    m.move_to_end(key)
+        if step % 500 == 0 or step == 5999:
+            for tier in tiers:
+                assert r.keys(tier) == list(model[tier])
+                assert r.used(tier) == sum(model[tier].values()) and r.count(tier) == len(model[tier])
+                pinned = set(rnd.sample(list(model[tier]), min(5, len(model[tier]))))
+                r.pin(pinned, tier)
+                want, need = [], 350
+                for kk, fp in model[tier].items():
+                    if kk in pinned:
+                        continue
+                    want.append(kk)
+                    need -= fp
+                    if need <= 0:
+                        break
+                if need > 0:
+                    with pytest.raises(LookupError):
+                        r.victims(tier, 350, r.used(tier))
+                else:
+                    assert r.victims(tier, 350, r.used(tier)) == want
+                r.unpin(pinned, tier)
+    assert len(r) == len(set(model["G2"]) | set(model["G3"]))
+    # Memory: the common footprint is the tier's base and the rare one the exception, whichever came first.
+    g2 = r._ti["G2"]
+    assert r._fp[g2] == 100 and len(r._odd_fp[g2]) < r.count("G2") / 4
