@@ -9,7 +9,7 @@ is not kept as a :class:`BlockKey` but as one Python int packing the namespace i
 the hash (:meth:`Registry._code`). Each tier is a plain insertion-ordered dict ``code -> code`` whose
 order is that tier's LRU order (a touch re-inserts at the end). The value is the key itself, so a block
 held in several tiers shares one int object (adding it to a second tier looks the canonical object up
-in the first). Footprints are stored once per tier (the first block's) plus a sparse dict of the blocks
+in the first). Footprints are stored once per tier (the most common one) plus a sparse dict of the blocks
 whose footprint differs. Dead entries that re-inserts and removals leave at the front of a tier's dict
 are skipped by :meth:`victims` in C and dropped when the dict resizes.
 """
@@ -41,7 +41,7 @@ class Registry:
         # Per tier: code -> code (the canonical int); insertion order is LRU order (oldest first).
         self._lru: list[dict[int, int]] = [{} for _ in self.tiers]
         self._used: list[int] = [0] * len(self.tiers)
-        # Per tier: the footprint of most blocks (the first one added) and the exceptions.
+        # Per tier: the footprint of most blocks (re-picked as the exceptions grow) and the exceptions.
         self._fp: list[int | None] = [None] * len(self.tiers)
         self._odd_fp: list[dict[int, int]] = [{} for _ in self.tiers]
         # Re-pick a tier's base footprint when its exceptions reach this many (doubles each time: amortized O(1)).
