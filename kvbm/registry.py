@@ -201,7 +201,16 @@ class Registry:
 
     def match_prefix(self, keys: Sequence[BlockKey]) -> list[str]:
         """For the leading run of ``keys`` present in some tier: the fastest tier of each."""
-        codes = self._codes(keys, intern=False)
+        return self._match(self._codes(keys, intern=False))
+
+    def match_hashes(self, namespace: str, hashes: Sequence[bytes]) -> list[str]:
+        """:meth:`match_prefix` for one namespace's hashes as a request carries them (no BlockKey built)."""
+        sfx = self._suffix.get(namespace)
+        if sfx is None:
+            return []
+        return self._match(list(map(int.from_bytes, map(bytes.__add__, hashes, repeat(sfx)), repeat("little"))))
+
+    def _match(self, codes: list[int]) -> list[str]:
         with self._lock:
             # Tiers with no blocks cannot match: skip them (a prefix held in G3 alone is then one C-level
             # pass over one dict).

@@ -86,6 +86,11 @@ def test_keys_round_trip_any_hash_length_and_leading_zeros():
     assert r.match_prefix([unknown, *keys]) == []
     assert r.match_prefix([*keys, unknown, keys[0]]) == ["G3"] * len(keys)
     assert not r.holds("G3", unknown) and r.where(unknown) == [] and r.hits(unknown) == 0
+    # the same answer from the hashes a Lookup message carries
+    a = [key for key in keys if key.namespace == NS_A]
+    assert r.match_hashes(NS_A, [key.hash for key in a]) == r.match_prefix(a) == ["G3"] * len(a)
+    assert r.match_hashes(NS_A, [a[0].hash, b"\x07", a[1].hash]) == ["G3"]
+    assert r.match_hashes("m-unknown0000000000", [a[0].hash]) == []
 
 
 def test_used_bytes_follow_each_blocks_footprint():
