@@ -194,6 +194,15 @@ class PeerProcess:
         self._proc: subprocess.Popen[str] | None = None
 
     def start(self) -> PeerProcess:
+        # Say "not installed" before anything else (find_spec imports nothing: fast).
+        probe = subprocess.run([self.python, "-c", "import importlib.util as u, sys; "
+                                "sys.exit(0 if u.find_spec('lmcache') and u.find_spec('torch') else 3)"],
+                               capture_output=True, text=True, timeout=120)
+        if probe.returncode == 3:
+            raise PeerError(f"lmcache: not installed for {self.python} (scripts/lmcache_venv.sh builds a venv "
+                            "with it)")
+        if probe.returncode != 0:
+            raise PeerError(f"lmcache: {self.python} does not run: {probe.stderr.strip()[-500:]}")
         self._tmp = tempfile.TemporaryDirectory(prefix="kvbm-bench-peer-")
         tmp = Path(self._tmp.name)
         script = tmp / "lmcache_peer.py"
