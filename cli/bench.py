@@ -72,13 +72,19 @@ def with_s3(fn: Any) -> Any:
 @click.option("--s3-concurrency", default=8, show_default=True, help="s3.max_concurrency of the kvbm S3 tier.")
 @click.option("--s3-reference/--no-s3-reference", default=True, show_default=True,
               help="Also time plain aiobotocore (the S3Tier's library) without kvbm.")
+@click.option("--peer-python", type=click.Path(dir_okay=False), default=None, envvar="KVBM_BENCH_PEER_PYTHON",
+              show_envvar=True, help="Python of a venv with LMCache (scripts/lmcache_venv.sh): run its S3 connector "
+              "against the same server and put its rows next to kvbm's.")
+@click.option("--peer-domain", default="s3.kvbm.test", show_default=True,
+              help="SeaweedFS -s3.domainName for the peer (it addresses <bucket>.<domain>).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
 @with_s3
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Draw a PNG here.")
 @click.option("--markdown", is_flag=True, help="Print the table as markdown.")
 def tiers_cmd(block_size: str, blocks: int, repeats: int, groups: str, s3_clients: str, file_io: str,
-              disk_modes: str, boto3_threads: int, s3_concurrency: int, s3_reference: bool, workdir: str | None,
+              disk_modes: str, boto3_threads: int, s3_concurrency: int, s3_reference: bool, peer_python: str | None,
+              peer_domain: str, workdir: str | None,
               s3_endpoint: str | None,
               s3_access_key: str, s3_secret_key: str, s3_bucket: str, json_path: str | None, plot_path: str | None,
               markdown: bool) -> None:
@@ -92,13 +98,21 @@ def tiers_cmd(block_size: str, blocks: int, repeats: int, groups: str, s3_client
         block_bytes=parse_size(block_size, "--block-size"), blocks=blocks, repeats=repeats, groups=_csv(groups),
         s3_clients=_csv(s3_clients), file_io=_csv(file_io), disk_modes=_csv(disk_modes),
         boto3_threads=boto3_threads, s3_concurrency=s3_concurrency, s3_reference=s3_reference, workdir=workdir,
+        peer_python=peer_python, peer_domain=peer_domain,
         s3_endpoint=s3_endpoint,
         s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
     )
+    if peer_python and "s3" not in opts.groups:
+        raise click.BadParameter("the peer runs in the s3 group", param_hint="--peer-python")
+    if peer_python and s3_endpoint:
+        raise click.BadParameter("the peer needs the bench's own SeaweedFS (started with -s3.domainName)",
+                                 param_hint="--peer-python")
     report = asyncio.run(run_tiers(opts, click.echo))
     click.echo("")
     click.echo(tiers_table(report, markdown))
     _emit(report, json_path, plot_path, plot_tiers)
+    if report.get("peer_error"):
+        raise click.ClickException(report["peer_error"])
 
 
 @bench.command("manager")
@@ -110,18 +124,21 @@ def tiers_cmd(block_size: str, blocks: int, repeats: int, groups: str, s3_client
 @click.option("--daemon-events", default=50_000, show_default=True, help="Block events sent through the daemon.")
 @click.option("--daemon-batch", default=64, show_default=True, help="Blocks per store request.")
 @click.option("--daemon-lookups", default=500, show_default=True, help="Lookups timed through the daemon.")
+@click.option("--daemon-registered", default=None, type=int,
+              help="Blocks registered in the daemon before its lookups [default: --registered].")
 @click.option("--onboard-blocks", default=32, show_default=True, help="Blocks per onboard (overhead figure).")
 @click.option("--block-size", default="8MiB", show_default=True, help="Block size of the onboard figure.")
-@click.option("--repeats", default=3, show_default=True, help="Onboard repeats (median).")
+@click.option("--repeats", default=3, show_default=True,
+              help="Repeats of the registry, lookup and onboard figures (the median is reported).")
 @click.option("--groups", default="ingest,lookup,memory,daemon,onboard", show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
 @with_s3
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--markdown", is_flag=True, help="Print the table as markdown.")
 def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, daemon_events: int, daemon_batch: int,
-                daemon_lookups: int, onboard_blocks: int, block_size: str, repeats: int, groups: str,
-                workdir: str | None, s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str, s3_bucket: str,
-                json_path: str | None, markdown: bool) -> None:
+                daemon_lookups: int, daemon_registered: int | None, onboard_blocks: int, block_size: str, repeats: int,
+                groups: str, workdir: str | None, s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str,
+                s3_bucket: str, json_path: str | None, markdown: bool) -> None:
     """Event ingest rate, prefix lookup latency, index memory per block and onboard overhead."""
     from kvbm.bench.manager import ManagerOptions, run_manager
     from kvbm.bench.report import manager_table
@@ -131,7 +148,7 @@ def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, 
     opts = ManagerOptions(
         registered=registered, prefix_blocks=prefix_blocks, lookups=lookups, daemon=daemon,
         daemon_events=max(daemon_events, prefix_blocks + daemon_batch), daemon_batch=daemon_batch,
-        daemon_lookups=daemon_lookups, onboard_blocks=onboard_blocks,
+        daemon_lookups=daemon_lookups, daemon_registered=daemon_registered, onboard_blocks=onboard_blocks,
         block_bytes=parse_size(block_size, "--block-size"),
         onboard_repeats=repeats, groups=_csv(groups), workdir=workdir, s3_endpoint=s3_endpoint,
         s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,

@@ -252,6 +252,7 @@ class EmbeddedS3:
         stop_timeout_s: float = 3.0,
         volume_size_limit_mb: int = 256,
         reuse: bool = True,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         if len(bucket) < 3:
             raise ConfigError(f"bucket {bucket!r} is shorter than 3 characters")
@@ -265,6 +266,7 @@ class EmbeddedS3:
         self.stop_timeout_s = stop_timeout_s
         self.volume_size_limit_mb = volume_size_limit_mb
         self.reuse = reuse
+        self.extra_args = tuple(extra_args)  # more `weed server` flags (e.g. -s3.domainName=... for a bench peer)
         self.ports: dict[str, int] = {}
         self.pid: int | None = None
         self.reused = False
@@ -489,7 +491,7 @@ class EmbeddedS3:
             "-s3", f"-s3.config={ident}", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3'] + 10000}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-volume.max=0", f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}",
-            "-volume.preStopSeconds=0", "-master.telemetry=false",
+            "-volume.preStopSeconds=0", "-master.telemetry=false", *self.extra_args,
         ]
 
     def _launch(self, state: dict[str, Any] | None) -> None:

@@ -39,6 +39,8 @@ def machine() -> dict[str, Any]:
         "memory_bytes": mem,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        # `uptime`'s load averages when the run started: other work on the machine skews every figure.
+        "load_avg_1_5_15": load_avg(),
     }
     try:
         import torch
@@ -59,6 +61,14 @@ def machine() -> dict[str, Any]:
 
             d[mod] = version(mod.replace("_", "-"))
     return d
+
+
+def load_avg() -> list[float]:
+    """The 1, 5 and 15 minute load averages (as `uptime` prints them)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
 
 
 def _clk_tck() -> int:
@@ -164,9 +174,10 @@ def temp_dir(prefix: str, base: str | None = None) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def s3_server(base: Path, *, endpoint: str | None = None, access_key: str = "", secret_key: str = "",
-              bucket: str = "kvbm-bench") -> Iterator[dict[str, Any]]:
+              bucket: str = "kvbm-bench", domain: str | None = None) -> Iterator[dict[str, Any]]:
     """A loopback S3 endpoint: ``endpoint`` if given (never started or stopped here), else a fresh embedded
-    SeaweedFS in ``base`` (stopped afterwards). Yields {endpoint, access_key, secret_key, bucket, pid, prefix}."""
+    SeaweedFS in ``base`` (stopped afterwards; with ``domain`` it also answers virtual-hosted requests for
+    ``<bucket>.<domain>``). Yields {endpoint, access_key, secret_key, bucket, pid, prefix}."""
     prefix = f"kvbm-bench-{uuid.uuid4().hex[:10]}"
     if endpoint:
         yield {"endpoint": endpoint, "access_key": access_key, "secret_key": secret_key, "bucket": bucket,
@@ -175,7 +186,8 @@ def s3_server(base: Path, *, endpoint: str | None = None, access_key: str = "", 
     from kvbm.s3server import EmbeddedS3
 
     srv = EmbeddedS3(base / "seaweedfs", bucket=bucket, access_key="kvbm-bench",
-                     secret_key=uuid.uuid4().hex, reuse=False, stop_timeout_s=5.0)
+                     secret_key=uuid.uuid4().hex, reuse=False, stop_timeout_s=5.0,
+                     extra_args=(f"-s3.domainName={domain}",) if domain else ())
     srv.start()
     try:
         yield {"endpoint": srv.endpoint, "access_key": srv.access_key, "secret_key": srv.secret_key,

@@ -2,10 +2,12 @@
 
 * **ingest**: block events (a block stored in a tier) per second: through the daemon's socket
   (PrepareStore + copy into G2 shared memory + CommitStore, batched) when :mod:`kvbm.daemon` exists,
-  and straight into ``manager.registry`` in-process.
+  and straight into ``manager.registry`` in-process (``registry.add`` and ``registry.remove``).
 * **lookup**: ``manager.lookup`` (``registry.match_prefix``) latency for a fully held 1,000-block prefix
-  with 1M blocks registered (in-process), and the same request through the daemon's socket.
-* **index memory** per registered block (tracemalloc, and the RSS delta of the 1M registration).
+  with 1M blocks registered (in-process), and the same request through the daemon's socket after the
+  daemon was filled to the same count (medians of per-round percentiles).
+* **index memory** per registered block: the heap the registry keeps once the caller's keys are dropped
+  (tracemalloc, every block in one tier and in two), and the RSS delta of the registration.
 * **onboard overhead**: a full onboard of N blocks from G3 and from G4 minus (a) the tier's own reads of
   the same blocks at the same concurrency and (b) a raw transfer of the same bytes (pread / boto3 GET).
 """
@@ -38,6 +40,7 @@ from kvbm.bench.common import (
     CpuMeter,
     boto3_client,
     delete_prefix,
+    load_avg,
     machine,
     median,
     rnd_bytes,
@@ -61,6 +64,7 @@ class ManagerOptions:
     daemon_events: int = 50_000
     daemon_batch: int = 64
     daemon_lookups: int = 500
+    daemon_registered: int | None = None  # blocks registered in the daemon before its lookups (None: registered)
     onboard_blocks: int = 32
     block_bytes: int = 8 * MiB
     onboard_repeats: int = 3
@@ -86,47 +90,96 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _proc_rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _blocks_of(stats: Any) -> int:
+    """Blocks the daemon's Stats reply counts in its tiers (G2 only here)."""
+    try:
+        return sum(int(t["blocks"]) for t in stats["tiers"])
+    except (KeyError, TypeError, ValueError):
+        return -1
+
+
 def _row(rows: list[dict[str, Any]], metric: str, via: str, value: float, unit: str, note: str = "",
          **extra: Any) -> None:
     rows.append({"metric": metric, "via": via, "value": value, "unit": unit, "note": note, **extra})
 
 
-def bench_registry(opts: ManagerOptions, rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
-    """Ingest rate, index memory and lookup latency of the manager's registry, in-process."""
-    ns = f"kvbm-bench-{secrets.token_hex(8)}"
-    n = opts.registered
-    # Memory: tracemalloc over a 100k sample (keys included: the index holds them), RSS over the whole run.
-    sample = min(n, 100_000)
+def _index_bytes_per_block(keys: list[BlockKey], tiers: list[str]) -> float:
+    """Heap the registry keeps per block once the caller's keys are gone (tracemalloc).
+
+    Each block is added from a fresh :class:`BlockKey` over a copy of its hash, as a daemon decodes it from a
+    message, and the caller's objects are dropped before the heap is read: what remains is the index."""
     gc.collect()
     tracemalloc.start()
-    reg_s = Registry(TIERS)
-    base, _ = tracemalloc.get_traced_memory()
-    ks = _keys(sample, ns)
-    for k in ks:
-        reg_s.add("G3", k, 8 * MiB)
-    cur, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    per_block_tm = (cur - base) / sample
-    del reg_s, ks
-    gc.collect()
+    try:
+        reg = Registry(TIERS)
+        base, _ = tracemalloc.get_traced_memory()
+        for k in keys:
+            fresh = BlockKey(k.namespace, bytes(bytearray(k.hash)))
+            for t in tiers:
+                reg.add(t, fresh, 8 * MiB)
+        del fresh
+        gc.collect()
+        cur, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert reg.count(tiers[0]) == len(keys) == len(reg)
+    return (cur - base) / len(keys)
 
-    rss0 = _rss()
+
+def bench_registry(opts: ManagerOptions, rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
+    """Ingest/remove rates, index memory and lookup latency of the manager's registry, in-process."""
+    ns = f"kvbm-bench-{secrets.token_hex(8)}"
+    n = opts.registered
+    reps = max(1, opts.onboard_repeats)
     keys = _keys(n, ns)
-    reg = Registry(TIERS)
-    t0 = time.perf_counter()
-    for k in keys:
-        reg.add("G3", k, 8 * MiB)
-    dt = time.perf_counter() - t0
-    rss1 = _rss()
-    if "ingest" in opts.groups:
-        _row(rows, "block events ingested", "registry.add in-process", n / dt, "events/s",
-             f"{n:,} BlockStored events into one tier, one thread")
-        echo(f"  ingest in-process: {n / dt:,.0f} events/s")
     if "memory" in opts.groups:
-        _row(rows, "index memory per block", "tracemalloc (registry + key)", per_block_tm, "bytes",
-             f"{sample:,}-block sample, BlockKey with 16-byte hash included")
-        _row(rows, "index memory per block", "RSS delta", (rss1 - rss0) / n, "bytes", f"{n:,} blocks")
-        echo(f"  index memory: {per_block_tm:.0f} B/block (tracemalloc), {(rss1 - rss0) / n:.0f} B/block (RSS)")
+        one = _index_bytes_per_block(keys, ["G3"])
+        two = _index_bytes_per_block(keys, ["G2", "G3"])
+        _row(rows, "index memory per block", "tracemalloc, one tier", one, "bytes",
+             f"{n:,} blocks in G3; heap the registry keeps once the caller's keys are dropped")
+        _row(rows, "index memory per block", "tracemalloc, two tiers", two, "bytes",
+             f"{n:,} blocks each in G2 and G3 (per block, not per entry)")
+        echo(f"  index memory: {one:.0f} B/block in one tier, {two:.0f} B/block in two (tracemalloc)")
+    gc.collect()
+    reg = Registry(TIERS)
+    add_s, rm_s = [], []
+    gc.collect()
+    rss0 = _rss()
+    for r in range(reps):
+        t0 = time.perf_counter()
+        for k in keys:
+            reg.add("G3", k, 8 * MiB)
+        add_s.append(time.perf_counter() - t0)
+        if r == 0:
+            rss1 = _rss()  # the first fill: later ones reuse the dict the removes left behind
+        if r == reps - 1:
+            break
+        t0 = time.perf_counter()
+        for k in keys:
+            reg.remove("G3", k)
+        rm_s.append(time.perf_counter() - t0)
+    if "ingest" in opts.groups:
+        dt = median(add_s)
+        _row(rows, "block events ingested", "registry.add in-process", n / dt, "events/s",
+             f"{n:,} BlockStored events into one tier, one thread; median of {len(add_s)}")
+        msg = f"  registry.add: {n / dt:,.0f} events/s"
+        if rm_s:
+            _row(rows, "block events removed", "registry.remove in-process", n / median(rm_s), "events/s",
+                 f"{n:,} BlockRemoved events, one thread; median of {len(rm_s)}")
+            msg += f"; registry.remove: {n / median(rm_s):,.0f} events/s"
+        echo(msg)
+    if "memory" in opts.groups:
+        # The keys exist before rss0: the delta is the index alone (allocator slack included).
+        _row(rows, "index memory per block", "RSS delta", (rss1 - rss0) / n, "bytes", f"{n:,} blocks in G3")
+        echo(f"  index memory: {(rss1 - rss0) / n:.0f} B/block (RSS delta)")
     if "lookup" in opts.groups:
         from kvbm.manager import BlockManager
 
@@ -136,19 +189,24 @@ def bench_registry(opts: ManagerOptions, rows: list[dict[str, Any]], echo: Calla
         prefixes = [keys[i : i + opts.prefix_blocks] for i in range(0, min(n, 50 * opts.prefix_blocks),
                                                                      opts.prefix_blocks)]
         prefixes = [p for p in prefixes if len(p) == opts.prefix_blocks] or [keys[: opts.prefix_blocks]]
-        lat = []
-        for i in range(opts.lookups):
-            p = prefixes[i % len(prefixes)]
-            t = time.perf_counter()
-            got = mgr.lookup(p)
-            lat.append(time.perf_counter() - t)
-            assert len(got) == len(p)
-        s = summary([x * 1e6 for x in lat])
+        p50s, p99s = [], []
+        for _ in range(reps):
+            lat = []
+            for i in range(opts.lookups):
+                p = prefixes[i % len(prefixes)]
+                t = time.perf_counter()
+                got = mgr.lookup(p)
+                lat.append(time.perf_counter() - t)
+                assert len(got) == len(p)
+            s = summary([x * 1e6 for x in lat])
+            p50s.append(s["p50"])
+            p99s.append(s["p99"])
         via = f"manager.lookup in-process ({n:,} registered)"
-        _row(rows, f"lookup {opts.prefix_blocks}-block prefix p50", via, s["p50"], "us")
-        _row(rows, f"lookup {opts.prefix_blocks}-block prefix p99", via, s["p99"], "us",
-             "held in G3: each key misses G1, G2 first")
-        echo(f"  lookup in-process: p50 {s['p50']:.0f} us, p99 {s['p99']:.0f} us")
+        rounds = f"median of {reps} rounds of {opts.lookups}"
+        _row(rows, f"lookup {opts.prefix_blocks}-block prefix p50", via, median(p50s), "us", rounds)
+        _row(rows, f"lookup {opts.prefix_blocks}-block prefix p99", via, median(p99s), "us",
+             f"{rounds}; held in G3 (G1, G2 empty)")
+        echo(f"  lookup in-process: p50 {median(p50s):.0f} us, p99 {median(p99s):.0f} us")
     del reg, keys
     gc.collect()
 
@@ -224,12 +282,15 @@ def bench_daemon(opts: ManagerOptions, rows: list[dict[str, Any]], work: Path, e
                       tokens_per_block=16, block_bytes=1024)
     slot = layout.block_nbytes
     n = opts.daemon_events
-    d = _DaemonProc(work, slot, (n + opts.prefix_blocks + 64) * slot)
+    total = max(n, opts.daemon_registered or opts.registered)
+    reps = max(1, opts.onboard_repeats)
+    # G2 holds every block (1 KiB each), so the daemon's registry ends up with ``total`` blocks.
+    d = _DaemonProc(work, slot, (total + opts.prefix_blocks + 64) * slot)
     d.start()
     try:
-        with WorkerClient(d.endpoint, timeout_s=30.0) as c:
+        with WorkerClient(d.endpoint, timeout_s=60.0) as c:
             c.register(layout, worker_id=f"bench-{os.getpid()}")
-            keys = _keys(n, layout.namespace)
+            keys = _keys(total, layout.namespace)
             buf = np.zeros(slot, dtype=np.uint8)
             bs = opts.daemon_batch
             c.ping()
@@ -247,25 +308,41 @@ def bench_daemon(opts: ManagerOptions, rows: list[dict[str, Any]], work: Path, e
                  f"PrepareStore+copy+CommitStore of {slot} B blocks; daemon CPU {dcpu / (n - bs) * 1e6:.1f} us/event,"
                  f" client {m.cpu / (n - bs) * 1e6:.1f} us/event", stored=stored)
             echo(f"  ingest via daemon: {ev:,.0f} events/s ({stored:,} stored)")
-            # round trip and lookup latency
+            if total > n:
+                echo(f"  filling the daemon to {total:,} blocks ...")
+                fill = 1024
+                for i in range(n, total, fill):
+                    chunk = keys[i : i + fill]
+                    stored += c.store(chunk, [buf] * len(chunk)).stored
+            st = c.stats()
+            # round trip and lookup latency: ``reps`` rounds, the median of each percentile
             rtt = []
             for _ in range(200):
                 t = time.perf_counter()
                 c.ping()
                 rtt.append(time.perf_counter() - t)
-            lat = []
-            pref = keys[: opts.prefix_blocks]
-            for _ in range(opts.daemon_lookups):
-                t = time.perf_counter()
-                rep = c.lookup(pref)
-                lat.append(time.perf_counter() - t)
-                assert rep.matched == len(pref), rep
-            s = summary([x * 1e6 for x in lat])
+            pref = [k.hash for k in keys[: opts.prefix_blocks]]
+            p50s, p99s = [], []
+            for _ in range(reps):
+                lat = []
+                for _ in range(opts.daemon_lookups):
+                    t = time.perf_counter()
+                    rep = c.lookup(pref)
+                    lat.append(time.perf_counter() - t)
+                    assert rep.matched == len(pref), rep
+                s = summary([x * 1e6 for x in lat])
+                p50s.append(s["p50"])
+                p99s.append(s["p99"])
             via = f"daemon socket ({stored:,} registered)"
-            _row(rows, f"lookup {opts.prefix_blocks}-block prefix p50", via, s["p50"], "us",
-                 f"ping round trip p50 {median(rtt) * 1e6:.0f} us")
-            _row(rows, f"lookup {opts.prefix_blocks}-block prefix p99", via, s["p99"], "us")
-            echo(f"  lookup via daemon: p50 {s['p50']:.0f} us, p99 {s['p99']:.0f} us (ping {median(rtt) * 1e6:.0f} us)")
+            rounds = f"median of {reps} rounds of {opts.daemon_lookups}"
+            _row(rows, f"lookup {opts.prefix_blocks}-block prefix p50", via, median(p50s), "us",
+                 f"{rounds}; ping round trip p50 {median(rtt) * 1e6:.0f} us")
+            _row(rows, f"lookup {opts.prefix_blocks}-block prefix p99", via, median(p99s), "us",
+                 f"{rounds}; per round {', '.join(f'{x:.0f}' for x in p99s)}")
+            _row(rows, "daemon RSS", via, _proc_rss(d.proc.pid) / MiB if d.proc else 0.0, "MiB",
+                 f"daemon reports {_blocks_of(st):,} blocks; G2 pool in shared memory not counted")
+            echo(f"  lookup via daemon: p50 {median(p50s):.0f} us, p99 {median(p99s):.0f} us"
+                 f" (ping {median(rtt) * 1e6:.0f} us)")
     finally:
         d.stop()
 
@@ -385,4 +462,5 @@ async def run_manager(opts: ManagerOptions, echo: Callable[[str], None] = print)
         if "onboard" in opts.groups:
             report["onboard"] = await bench_onboard(opts, rows, work, echo)
     report["seconds"] = round(time.perf_counter() - t0, 1)
+    report["load_avg_end"] = load_avg()
     return report

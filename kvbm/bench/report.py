@@ -60,7 +60,7 @@ def plot_tiers(report: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in report.get("rows", []) if r.get("MBps")]
+    rows = [r for r in report.get("rows", []) if r.get("MBps") and not r.get("peer")]  # peer rows: the table
     labels = [f"{r['path']}\n{r['kvbm']}" for r in rows]
     kv = [r["MBps"] or 0 for r in rows]
     base = [r.get("baseline_MBps") or 0 for r in rows]

@@ -41,6 +41,7 @@ from kvbm.bench.common import (
     CpuMeter,
     boto3_client,
     delete_prefix,
+    load_avg,
     machine,
     median,
     rnd_bytes,
@@ -70,6 +71,9 @@ class TiersOptions:
     s3_access_key: str = ""
     s3_secret_key: str = ""
     s3_bucket: str = "kvbm-bench"
+    peer_python: str | None = None  # python of a venv with LMCache: its S3 connector runs as a peer
+    peer_domain: str = "s3.kvbm.test"  # SeaweedFS -s3.domainName (the peer addresses <bucket>.<domain>)
+    peer_io_threads: int = 64  # LMCache's s3_num_io_threads (its default)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -342,7 +346,9 @@ async def _disk(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list
 
 
 async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[np.ndarray], work: Path,
-              srv: dict[str, Any], paths: dict[str, Any]) -> None:
+              srv: dict[str, Any], paths: dict[str, Any],
+              between: Callable[[int], Awaitable[None]] | None = None) -> None:
+    """kvbm's S3 rows; ``between(i)`` runs before the i-th S3Tier client and after the last (the peer's passes)."""
     from kvbm.stack import build_stack
 
     n = len(keys)
@@ -404,7 +410,9 @@ async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[n
         put_all()  # warm the connections and the bucket's volumes once (not timed)
         if opts.s3_reference:
             await aio_reference()
-        for client in opts.s3_clients:
+        for ci, client in enumerate(opts.s3_clients):
+            if between is not None:
+                await between(ci)
             prefix = f"{srv['prefix']}/{client}"
             try:
                 stack = await build_stack(_config(opts, work, s3=srv, client=client, prefix=prefix),
@@ -445,11 +453,101 @@ async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[n
                 await mgr.delete(keys)
             finally:
                 await stack.close()
+        if between is not None:
+            await between(len(opts.s3_clients))
     finally:
         with contextlib.suppress(Exception):
             del_all()
         pool.shutdown(wait=True)
         cli.close()
+
+
+def _peer_rows(r: _Runner, peer: dict[str, Any]) -> list[dict[str, Any]]:
+    """LMCache's medians next to each kvbm S3Tier row of the same path; ratio = kvbm / LMCache."""
+    gb = r.nbytes / 1e9
+    name = f"LMCache {peer['version']} {peer['client']} x{peer['io_threads']}"
+    out: list[dict[str, Any]] = []
+    for path, op in (("G2->G4 PUT", "put"), ("G4->G2 GET", "get")):
+        runs = [p[op] for p in peer["passes"]]
+        mbps = median([r.nbytes / x["wall"] / MB for x in runs])
+        cpu = median([x["cpu"] / gb for x in runs])
+        srv = [x["server_cpu"] / gb for x in runs if x.get("server_cpu") is not None]
+        mine = [row for row in r.rows if row["path"] == path and "S3Tier" in row["kvbm"] and not row.get("peer")]
+        for row in mine or [None]:
+            out.append({
+                "path": path, "kvbm": row["kvbm"] if row else "-", "MBps": row["MBps"] if row else None,
+                "MBps_runs": row["MBps_runs"] if row else [], "cpu_s_per_GB": row["cpu_s_per_GB"] if row else None,
+                "baseline": name, "baseline_MBps": round(mbps, 1),
+                "baseline_MBps_runs": [round(r.nbytes / x["wall"] / MB, 1) for x in runs],
+                "baseline_cpu_s_per_GB": round(cpu, 3),
+                "ratio": round(row["MBps"] / mbps, 3) if row and row["MBps"] and mbps else None,
+                "bytes": r.nbytes, "peer": "lmcache",
+                "server_cpu_s_per_GB": row.get("server_cpu_s_per_GB") if row else None,
+                "baseline_server_cpu_s_per_GB": round(median(srv), 3) if srv else None,
+            })
+    return out
+
+
+class _Peer:
+    """The LMCache peer's passes spread over kvbm's S3 rows: ``repeats`` passes over the points before each
+    S3Tier client and after the last, so load drift on a shared machine hits both."""
+
+    def __init__(self, opts: TiersOptions, srv: dict[str, Any], report: dict[str, Any],
+                 echo: Callable[[str], None]) -> None:
+        self.opts, self.srv, self.report, self.echo = opts, srv, report, echo
+        points = len(opts.s3_clients) + 1
+        self.plan = [j * points // opts.repeats for j in range(opts.repeats)]
+        self.proc: Any = None
+
+    def _fail(self, e: Exception) -> None:
+        self.report["peer_error"] = str(e)  # the kvbm rows stand; the CLI reports this and exits non-zero
+        self.echo(f"  peer failed: {e}")
+        self.close()
+
+    async def start(self) -> None:
+        from kvbm.bench.peer import PeerError, PeerProcess
+
+        assert self.opts.peer_python
+        self.echo(f"  peer: starting LMCache's S3 connector under {self.opts.peer_python} ...")
+        proc = PeerProcess(self.opts.peer_python, srv=self.srv, domain=self.opts.peer_domain,
+                           blocks=self.opts.blocks, block_bytes=self.opts.block_bytes,
+                           io_threads=self.opts.peer_io_threads)
+        try:
+            self.proc = await asyncio.to_thread(proc.start)
+        except PeerError as e:
+            proc.close()
+            self._fail(e)
+
+    async def between(self, point: int) -> None:
+        from kvbm.bench.peer import PeerError
+
+        for _ in range(self.plan.count(point)):
+            if self.proc is None:
+                return
+            try:
+                got = await asyncio.to_thread(self.proc.run_pass)
+            except PeerError as e:
+                self._fail(e)
+                return
+            nb = self.opts.blocks * self.opts.block_bytes
+            self.echo(f"  peer pass: LMCache PUT {nb / got['put']['wall'] / MB:.0f} MB/s, "
+                      f"GET {nb / got['get']['wall'] / MB:.0f} MB/s")
+
+    def rows(self, r: _Runner, paths: dict[str, Any]) -> None:
+        if self.proc is None or len(self.proc.passes) < len(self.plan):
+            return
+        peer = {**self.proc.meta, "passes": self.proc.passes}
+        paths["peer"] = peer
+        for row in _peer_rows(r, peer):
+            r.rows.append(row)
+            ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
+            self.echo(f"  {row['path']:<18} {row['kvbm']:<22} vs {row['baseline']}: {row['baseline_MBps']:.0f} MB/s,"
+                      f" {row['baseline_cpu_s_per_GB']:.2f} CPU-s/GB; kvbm/LMCache {ratio}")
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.close()
+            self.proc = None
 
 
 async def run_tiers(opts: TiersOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
@@ -470,7 +568,8 @@ async def run_tiers(opts: TiersOptions, echo: Callable[[str], None] = print) -> 
             if "s3" in opts.groups:
                 echo("  starting S3 endpoint ..." if not opts.s3_endpoint else f"  S3 endpoint {opts.s3_endpoint}")
                 srv = es.enter_context(s3_server(work, endpoint=opts.s3_endpoint, access_key=opts.s3_access_key,
-                                                 secret_key=opts.s3_secret_key, bucket=opts.s3_bucket))
+                                                 secret_key=opts.s3_secret_key, bucket=opts.s3_bucket,
+                                                 domain=opts.peer_domain if opts.peer_python else None))
                 server_pid = srv["pid"]
                 paths["s3_endpoint"] = {"endpoint": srv["endpoint"], "embedded": srv["embedded"],
                                         "bucket": srv["bucket"], "prefix": srv["prefix"],
@@ -482,11 +581,21 @@ async def run_tiers(opts: TiersOptions, echo: Callable[[str], None] = print) -> 
                 if "disk" in opts.groups:
                     await _disk(opts, r, keys, data, work, paths)
                 if srv is not None:
-                    await _s3(opts, r, keys, data, work, srv, paths)
+                    peer = _Peer(opts, srv, report, echo) if opts.peer_python else None
+                    try:
+                        if peer is not None:
+                            await peer.start()
+                        await _s3(opts, r, keys, data, work, srv, paths, peer.between if peer else None)
+                        if peer is not None:
+                            peer.rows(r, paths)
+                    finally:
+                        if peer is not None:
+                            peer.close()
             finally:
                 if srv is not None:
                     with contextlib.suppress(Exception):
                         delete_prefix(srv, srv["prefix"])
         report["rows"] = r.rows
     report["seconds"] = round(time.perf_counter() - t_start, 1)
+    report["load_avg_end"] = load_avg()
     return report
