@@ -127,7 +127,9 @@ def test_offload_durable_with_s3_down_reports_nothing_durable(outage_s3, tmp_pat
 
     down, up = asyncio.run(go())
     assert in_bucket(srv, prefix, up) == block(up)
-    assert all(in_bucket(srv, prefix, k) is None for k in down)
+    # The blocks stored in the outage were not durable then; the manager may have written them through since
+    # the server came back (owed writes, see the test below): absent or the right bytes, never others.
+    assert all(in_bucket(srv, prefix, k) in (None, block(k)) for k in down)
 
 
 def test_s3_put_beyond_max_pending_writes_raises(s3_server, s3_prefix):
