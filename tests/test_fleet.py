@@ -4,6 +4,7 @@ and a block deleted from the bucket leaves every node's index (peer events, a 40
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import time
@@ -11,9 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
+from click.testing import CliRunner
+from needs import needs
 from serve_proc import ServeProc
 
 from kvbm.blocks import BlockKey
+from kvbm.cli.main import main
 from kvbm.client import WorkerClient
 from kvbm.config import S3Config
 from kvbm.layout import KVLayout
@@ -57,7 +62,7 @@ class Node:
 
     def client(self) -> WorkerClient:
         assert self.proc is not None
-        c = self.proc.client()
+        c = self.proc.client(curve_server_key=self.cfg["daemon"].get("curve_public_key", ""))
         c.register(LAYOUT, worker_id=f"w-{self.dir.name}")
         return c
 
@@ -249,6 +254,13 @@ def test_peer_events_share_stores_and_purges(tmp_path, s3_server, s3_prefix, nod
         assert rep.matched == 2 and "G4" not in rep.tiers  # B's own G2 copies of the two it loaded
         assert loads_exact(cb, keys) == 2
         assert fleet(cb)["peers"][0]["removed"] >= 4
+    # kvbm status shows the peers followed, the probe's hit rate and the negative cache.
+    env = {"KVBM_CONFIG": str(b.proc.cfg_path)}
+    rep = json.loads(CliRunner().invoke(main, ["status", "--json"], env=env, catch_exceptions=False).output)
+    assert rep["fleet"]["peers"][0]["endpoint"] == a.events and rep["fleet"]["peers"][0]["connected"]
+    assert rep["fleet"]["probe"]["negative_cache"] >= 1 and rep["fleet"]["probe"]["probed"] >= 4
+    text = CliRunner().invoke(main, ["status"], env=env, catch_exceptions=False).output
+    assert "fleet: 1 peers followed" in text and a.events in text and "negative cache" in text
 
 
 def test_a_peer_that_restarts_is_followed_again(tmp_path, s3_server, s3_prefix, nodes):
@@ -287,3 +299,20 @@ def test_three_nodes_share_one_bucket(tmp_path, s3_server, s3_prefix, nodes):
         for c in (ca, cb, cc):
             assert poll(lambda c=c: c.lookup(pa).matched == 2 and c.lookup(pb).matched == 2)
         assert loads_exact(cc, pa) == 2 and loads_exact(cc, pb) == 2
+
+
+@needs("curve", zmq.has("curve"), "libzmq without CURVE")
+def test_peers_follow_each_other_over_curve(tmp_path, s3_server, s3_prefix, nodes):
+    """A fleet sharing one CURVE key pair: the event streams are encrypted, and B follows A with the keys."""
+    pub, sec = (k.decode() for k in zmq.curve_keypair())
+    keys = {"curve_public_key": pub, "curve_secret_key": sec}
+    a = Node(tmp_path, "a", s3_server, s3_prefix, **keys)
+    b = Node(tmp_path, "b", s3_server, s3_prefix, peers=[a.events], probe=False, prefetch=False, **keys)
+    nodes.append(a.start())
+    nodes.append(b.start())
+    blocks = prompt(2)
+    with a.client() as ca, b.client() as cb:
+        assert poll(lambda: following(cb))
+        store(ca, blocks)
+        assert poll(lambda: cb.lookup(blocks).matched == 2)
+        assert loads_exact(cb, blocks) == 2
