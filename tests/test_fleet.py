@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+import zmq.asyncio
 from click.testing import CliRunner
 from needs import needs
 from serve_proc import ServeProc
@@ -316,3 +317,32 @@ def test_peers_follow_each_other_over_curve(tmp_path, s3_server, s3_prefix, node
         store(ca, blocks)
         assert poll(lambda: cb.lookup(blocks).matched == 2)
         assert loads_exact(cb, blocks) == 2
+
+
+def test_follower_counts_gaps_and_resets_and_skips_bad_messages():
+    """Sequence numbers of a peer's stream: in order, a jump (lost batches), a restart (back to 0), junk."""
+    from kvbm import protocol as p
+    from kvbm.fleet.peers import PeerFollower
+
+    applied: list[int] = []
+    gaps: list[int] = []
+    ctx = zmq.asyncio.Context()
+    f = PeerFollower("tcp://127.0.0.1:1", ctx, lambda _f, b: applied.append(len(b.events[0].hashes)),
+                     lambda peer: gaps.append(peer.stats.last_seq))
+    k = prompt(1)[0]
+
+    def msg(seq: int, n: int = 1) -> list[bytes]:
+        ev = p.BlocksStored(namespace=k.namespace, hashes=[k.hash] * n, tier="G4", nbytes=64)
+        return [p.EVENTS_TOPIC, seq.to_bytes(8, "big"), p.encode(p.EventBatch(ts=0.0, events=[ev]))]
+
+    f.handle(msg(0))
+    f.handle(msg(1, 2))
+    assert f.stats.gaps == 0 and gaps == [] and applied == [1, 2]
+    f.handle(msg(5))  # 2..4 lost
+    assert f.stats.gaps == 1 and f.stats.lost == 3 and gaps == [5]
+    f.handle(msg(0, 3))  # the peer restarted
+    assert f.stats.resets == 1 and gaps == [5, 0] and applied == [1, 2, 1, 3]
+    f.handle([p.EVENTS_TOPIC, (1).to_bytes(8, "big"), b"\xc1junk"])
+    f.handle([b"other"])
+    assert f.stats.bad == 2 and f.stats.batches == 4 and f.stats.last_seq == 1
+    ctx.term()
