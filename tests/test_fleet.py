@@ -142,6 +142,7 @@ def test_b_finds_a_blocks_through_the_bucket(tmp_path, s3_server, s3_prefix, nod
         first = cb.lookup(keys)
         if budget_ms:
             assert first.matched == 4 and first.tiers == ["G4"] * 4
+            assert cb.stats()["daemon"]["prefetches"] == 1  # found blocks start the usual prefetch to G2
         else:
             assert first.matched == 0  # answered before the probe: B did not know yet
             assert poll(lambda: cb.lookup(keys).matched == 4)
