@@ -109,6 +109,20 @@ def daemon_report(link: DaemonLink) -> dict[str, Any]:
                                        "breaker": s3.get("breaker"), "healthy": s3.get("breaker") == "closed",
                                        "errors": s3.get("errors")},
         "engines": stats.get("engines", {}),
+        "fleet": _fleet(d.get("fleet")),
+    }
+
+
+def _fleet(f: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Peers followed and bucket-probe counters (None for a daemon without a shared tier or that predates them)."""
+    if not f or not f.get("shared_tier"):
+        return None
+    probe = f.get("probe")
+    return {
+        "peers": [{k: pr.get(k) for k in ("endpoint", "connected", "connects", "batches", "stored", "removed",
+                                          "gaps", "lost", "resets", "last_seq")} for pr in f.get("peers") or []],
+        "probe": None if probe is None else {k: probe.get(k) for k in (
+            "probes", "probed", "found", "missed", "hit_rate", "negative_cache", "negative_hits", "late", "failed")},
     }
 
 
@@ -157,6 +171,28 @@ def render_daemon(rep: dict[str, Any]) -> list[str]:
     if s3:
         state = "healthy" if s3["healthy"] else f"UNHEALTHY (circuit breaker {s3['breaker']})"
         lines.append(f"S3 {s3['bucket']} at {s3['endpoint']}: {state}, {s3['errors']} errors")
+    lines += render_fleet(rep.get("fleet"))
+    return lines
+
+
+def render_fleet(f: dict[str, Any] | None) -> list[str]:
+    if f is None:
+        return []
+    pr = f["probe"]
+    if pr is None:
+        probe = "bucket probes off"
+    else:
+        hr = pr["hit_rate"]
+        probe = (f"bucket probes: {pr['probed']} blocks asked, {pr['found']} found "
+                 f"(hit rate {'-' if hr is None else f'{hr:.1%}'}), negative cache {pr['negative_cache']} "
+                 f"({pr['negative_hits']} lookups spared a HEAD), {pr['late']} answered before their probe")
+    lines = [f"fleet: {len(f['peers'])} peers followed; {probe}"]
+    if f["peers"]:
+        rows = [["peer", "state", "batches", "stored", "removed", "gaps", "resets"]]
+        for p in f["peers"]:
+            rows.append([str(p["endpoint"]), "connected" if p["connected"] else "DISCONNECTED", str(p["batches"]),
+                         str(p["stored"]), str(p["removed"]), str(p["gaps"]), str(p["resets"])])
+        lines += ["  " + line for line in _table(rows, {2, 3, 4, 5, 6})]
     return lines
 
 

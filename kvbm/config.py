@@ -164,6 +164,15 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     index_bucket: Literal["start", "background", "lazy"] = "background"
     prefetch: bool = True  # a lookup that hits G3/G4 starts bringing the blocks up to G2
     max_prefetch: int = 16  # prefetches in flight at once; more lookups are not prefetched
+    # Fleet: many daemons sharing one bucket (same s3.bucket and s3.prefix). See kvbm.fleet.
+    peers: list[str] = []  # other daemons' events_endpoint (tcp://node-a:5558): their G4 stores/removals are learned
+    peer_curve_server_key: str = ""  # Z85 public key of the peers' PUB sockets (empty: curve_public_key)
+    probe: bool = True  # a lookup that misses probes the bucket (HEAD) for the next blocks of its prefix
+    probe_budget_ms: float = 30.0  # how long a lookup waits for its probe; the rest is learned for the next lookup
+    probe_concurrency: int = 8  # HEADs in flight per probe (blocks are probed in windows of this many)
+    probe_max_blocks: int = 64  # blocks one probe asks about at most
+    probe_negative_ttl_s: float = 1.0  # a block the bucket lacked is not probed again for this long
+    probe_negative_max: int = 100_000  # entries of the negative cache (the oldest leave first)
 
 
 class Config(_Redacted, forbid_unknown_fields=True, kw_only=True):

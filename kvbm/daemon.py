@@ -40,6 +40,7 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.config import Config
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
+from kvbm.fleet import BucketProbe, PeerFollower
 from kvbm.health import readiness
 from kvbm.keys import is_namespace
 from kvbm.kvevents import KVEventSubscriber, describe_views
@@ -49,6 +50,7 @@ from kvbm.redact import redact
 from kvbm.security import admin_token_path, check_binds, ensure_admin_token, server_keys, token_matches
 from kvbm.sessions import Sessions, WorkerSession
 from kvbm.tiers.pool import SlotPoolTier
+from kvbm.tiers.s3 import S3Tier
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,16 @@ class Daemon:
         self._ns_locks: dict[str, asyncio.Lock] = {}
         self._flush_scheduled = False
         self._metrics: MetricsServer | None = None
+        # Fleet (kvbm.fleet): what other daemons sharing the bucket store and delete.
+        shared = next((t for t in manager.tiers if isinstance(t, S3Tier)), None)
+        self._shared = shared.name if shared is not None else ""
+        self.probe: BucketProbe | None = None
+        if shared is not None and self.dc.probe:
+            self.probe = BucketProbe(shared, self._learn_probed, concurrency=self.dc.probe_concurrency,
+                                     max_blocks=self.dc.probe_max_blocks, negative_ttl_s=self.dc.probe_negative_ttl_s,
+                                     negative_max=self.dc.probe_negative_max)
+        self.peers: list[PeerFollower] = []
+        self._learning = False  # applying what others did: not this daemon's own change, not republished
         # Latency histograms: observed by the handlers below, the manager's copies and the S3 tier's requests.
         self.metrics = Metrics(self.snapshot, self.readiness, [t.name for t in manager.tiers])
         manager.observe_copy = self.metrics.observe_copy
@@ -137,12 +149,12 @@ class Daemon:
         self._inline: dict[type, Any] = {
             p.Unregister: self._unregister,
             p.Ping: self._ping,
-            p.Lookup: self._lookup,
             p.Release: self._release,
             p.Stats: self._stats,
         }
         self._handlers: dict[type, Any] = {
             p.Register: self._register,
+            p.Lookup: self._lookup,  # a task: it may wait (probe_budget_ms) for a bucket probe
             p.PrepareStore: self._prepare,
             p.CommitStore: self._commit,
             p.Onboard: self._onboard,
@@ -218,6 +230,11 @@ class Daemon:
             sub.open()
             self._subs.append(sub)
             self._spawn(sub.run())
+        for ep in self.dc.peers:
+            peer = PeerFollower(ep, self._ctx, self._apply_peer, self._peer_gap, curve=self._peer_curve())
+            peer.open()
+            self.peers.append(peer)
+            self._spawn(peer.run())
         if self.dc.metrics_port:
             self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
             self.metrics_port = await self._metrics.start()
@@ -310,6 +327,8 @@ class Daemon:
             self._drop_worker(w, "shutdown", quarantine=False)
         for sub in self._subs:
             sub.close()
+        for peer in self.peers:
+            peer.close()
         if self._metrics is not None:
             await self._metrics.close()
         if self._auth is not None:
@@ -515,15 +534,36 @@ class Daemon:
     def _ping(self, _msg: p.Ping, _w: WorkerSession) -> p.Pong:
         return p.Pong()
 
-    def _lookup(self, msg: p.Lookup, _w: WorkerSession) -> p.LookupReply:
+    async def _lookup(self, msg: p.Lookup, _w: WorkerSession) -> p.LookupReply:
+        """The fastest tier of each block of the leading run held anywhere. A run that ends short of the request
+        while G4 is enabled starts a bucket probe of the next blocks (another node may have stored them); the
+        reply waits for it up to ``probe_budget_ms``: a probe done by then is in this reply, a slower one fills
+        the index for the next lookup (and starts the prefetch of what it found)."""
         t0 = time.perf_counter()
         keys = msg.keys()
         tiers = self.manager.lookup(keys)
+        if len(tiers) < len(keys) and self.probe is not None:
+            probe = self.probe.start(keys[len(tiers) :])
+            if probe is not None:
+                if self.dc.probe_budget_ms > 0:
+                    await asyncio.wait({probe}, timeout=self.dc.probe_budget_ms / 1000)
+                if probe.done():
+                    tiers = self.manager.relookup(keys, tiers)
+                else:
+                    self.probe.stats.late += 1
+                    if self.dc.prefetch:
+                        probe.add_done_callback(lambda _t: self._prefetch_run(keys))
         self.stats.lookup_seconds += time.perf_counter() - t0
         self.metrics.lookup.labels(tier=self.metrics.slowest(tiers)).observe(time.perf_counter() - t0)
         if self.dc.prefetch and any(t not in ("G1", STORE_TIER) for t in tiers):
             self._prefetch(keys[: len(tiers)])
         return p.LookupReply(matched=len(tiers), tiers=tiers)
+
+    def _prefetch_run(self, keys: list[BlockKey]) -> None:
+        """Prefetch the leading run of ``keys`` if part of it is on a slow tier (after a late probe)."""
+        tiers = self.manager.registry.match_prefix(keys)
+        if any(t not in ("G1", STORE_TIER) for t in tiers):
+            self._prefetch(keys[: len(tiers)])
 
     def _prefetch(self, keys: list[BlockKey]) -> None:
         """A lookup that hits disk or S3 is usually followed by an Onboard: start bringing the blocks up to
@@ -692,9 +732,11 @@ class Daemon:
     # -- events, leases, reporting ---------------------------------------------------------------------
     def _on_registry(self, kind: str, tier: str, key: BlockKey) -> None:
         """Every tier change the manager makes (stores, cascades, evictions, demotions) becomes an event."""
-        if self._pub is None:
+        if self._pub is None or (self._learning and tier == self._shared):
             return
-        self._pending_events.setdefault((kind, tier, key.namespace), []).append(key.hash)
+        # Stored blocks carry their size, so a peer indexes them without asking the bucket.
+        nbytes = (self.manager.by_name[tier].nbytes(key) or 0) if kind == "stored" else 0
+        self._pending_events.setdefault((kind, tier, key.namespace, nbytes), []).append(key.hash)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush_events)
@@ -703,9 +745,9 @@ class Daemon:
         self._flush_scheduled = False
         pending, self._pending_events = self._pending_events, {}
         events: list[Any] = []
-        for (kind, tier, ns), hashes in pending.items():
+        for (kind, tier, ns, nbytes), hashes in pending.items():
             cls = p.BlocksStored if kind == "stored" else p.BlocksRemoved
-            events.append(cls(namespace=ns, hashes=hashes, tier=tier))
+            events.append(cls(namespace=ns, hashes=hashes, tier=tier, nbytes=nbytes))
         if events:
             self._publish(*events)
 
@@ -729,6 +771,64 @@ class Daemon:
                 self._drop_worker(w, "lease expired")
             self.sessions.reap_quarantine()
 
+    # -- fleet: other daemons sharing the bucket -------------------------------------------------------
+    @contextlib.contextmanager
+    def _learned(self) -> Any:
+        self._learning = True
+        try:
+            yield
+        finally:
+            self._learning = False
+
+    def _learn_probed(self, found: dict[BlockKey, int]) -> None:
+        with self._learned():
+            self.manager.learn(self._shared, found)
+
+    def _apply_peer(self, peer: PeerFollower, batch: p.EventBatch) -> None:
+        """A peer's G4 stores and removals are this daemon's too (same bucket, same keys); the rest is its own."""
+        if not self._shared:
+            return
+        with self._learned():
+            for ev in batch.events:
+                if ev.tier != self._shared or isinstance(ev, p.BlocksOnboarded):
+                    continue
+                keys = [BlockKey(ev.namespace, h) for h in ev.hashes]
+                if isinstance(ev, p.BlocksStored):
+                    if self.probe is not None:
+                        for k in keys:
+                            self.probe.negative.discard(k)
+                    if ev.nbytes > 0:  # else (a peer that does not say) the next lookup's probe finds them
+                        self.manager.learn(self._shared, dict.fromkeys(keys, ev.nbytes))
+                    peer.stats.stored += len(keys)
+                else:
+                    self.manager.forget(self._shared, keys)
+                    peer.stats.removed += len(keys)
+
+    def _peer_gap(self, _peer: PeerFollower) -> None:
+        """Messages from a peer were lost: the blocks they announced may sit in the negative cache."""
+        if self.probe is not None:
+            self.probe.negative.clear()
+
+    def _peer_curve(self) -> tuple[str, str, str] | None:
+        """CURVE for following peers: their PUB's public key (``peer_curve_server_key``, else this daemon's own:
+        a fleet sharing one server key pair) and this daemon's key pair as the client's (an ephemeral one when
+        it has none)."""
+        server = self.dc.peer_curve_server_key or self.dc.curve_public_key
+        if not server:
+            return None
+        if self.dc.curve_secret_key and self.dc.curve_public_key:
+            return server, self.dc.curve_public_key, self.dc.curve_secret_key
+        public, secret = zmq.curve_keypair()
+        return server, public.decode(), secret.decode()
+
+    def fleet(self) -> dict[str, Any]:
+        """What ``kvbm status`` shows of the fleet: peers followed, probe counters, negative-cache size."""
+        return {
+            "shared_tier": self._shared or None,
+            "peers": [peer.describe() for peer in self.peers],
+            "probe": self.probe.describe() if self.probe is not None else None,
+        }
+
     def readiness(self) -> dict[str, Any]:
         """What ``/readyz`` answers (see :func:`kvbm.health.readiness`)."""
         serving = self.ready.is_set() and not self._stop.is_set()
@@ -745,6 +845,7 @@ class Daemon:
             namespaces_indexed=len(self._ns_indexed),
             pins=self.sessions.pin_total(), quarantined_slots=self.sessions.quarantined_slots(),
         )
+        d["fleet"] = self.fleet()
         snap["daemon"] = d
         snap["engines"] = describe_views(self._subs)
         if resident:

@@ -36,6 +36,7 @@ from kvbm.metrics import no_observe
 from kvbm.registry import Registry
 from kvbm.tiers.base import Tier
 from kvbm.tiers.pool import SlotPoolTier
+from kvbm.tiers.s3 import S3Tier
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,42 @@ class BlockManager:
         self.stats.lookup_blocks += len(keys)
         self.stats.lookup_hit_blocks += len(found)
         return found
+
+    def relookup(self, keys: Sequence[BlockKey], before: Sequence[str]) -> list[str]:
+        """:meth:`lookup` again after the index learned more (a bucket probe): counts only the added hits."""
+        found = self.registry.match_prefix(keys)
+        self.stats.lookup_hit_blocks += max(0, len(found) - len(before))
+        return found
+
+    # -- what other nodes did to a shared tier --------------------------------------------------------
+    def _shared(self, name: str) -> S3Tier:
+        tier = self.by_name[name]
+        if not isinstance(tier, S3Tier):
+            raise KvbmError(f"{name} is not a shared (S3) tier")
+        return tier
+
+    def learn(self, name: str, found: dict[BlockKey, int]) -> int:
+        """Index blocks another node stored in shared tier ``name`` (``{key: payload bytes}``, from its event or a
+        bucket probe), without I/O; returns how many were new here."""
+        tier = self._shared(name)
+        n = 0
+        for key, nbytes in found.items():
+            if self.registry.holds(name, key):
+                continue  # already known: leave its LRU position alone
+            tier.remember(key, nbytes)
+            self.registry.add(name, key, tier.footprint(nbytes))
+            n += 1
+        return n
+
+    def forget(self, name: str, keys: Sequence[BlockKey]) -> int:
+        """Drop blocks another node deleted from shared tier ``name`` from the index (no I/O); returns how many
+        were indexed. A read of one in flight ends as a miss (404), never with wrong bytes."""
+        tier = self._shared(name)
+        n = 0
+        for key in keys:
+            tier.forget(key)
+            n += self.registry.remove(name, key)
+        return n
 
     def where(self, key: BlockKey) -> list[str]:
         return self.registry.where(key)

@@ -262,6 +262,7 @@ class _Event(msgspec.Struct, tag_field="type", tag=True, kw_only=True, gc=False)
     namespace: str
     hashes: list[bytes]
     tier: str = "G2"
+    nbytes: int = 0  # payload bytes of each block (BlocksStored; 0: not known), so peers index them without I/O
 
 
 class BlocksStored(_Event, kw_only=True):

@@ -69,7 +69,7 @@ from kvbm.config import S3Config, parse_size
 from kvbm.errors import ConfigError, CorruptBlockError, TierFullError, TierUnavailableError, WriteShedError
 from kvbm.keys import object_relkey, parse_object_relkey
 from kvbm.metrics import no_observe
-from kvbm.tiers.base import StoredBlock, Tier
+from kvbm.tiers.base import StoredBlock, Tier, TierStats
 
 log = logging.getLogger("kvbm.tiers.s3")
 
@@ -189,6 +189,12 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
 
 
+class S3Stats(TierStats):
+    """The tier's counters plus HEAD requests (existence probes, listing tools)."""
+
+    heads: int = 0
+
+
 class S3Tier(Tier):
     """Blocks as objects in one bucket; see the module docstring for keys, format and failure handling."""
 
@@ -212,6 +218,7 @@ class S3Tier(Tier):
         cfg = cfg or S3Config()
         cap = parse_size(cfg.capacity, "s3.capacity") if capacity_bytes is None else capacity_bytes
         super().__init__(cap)
+        self.stats: S3Stats = S3Stats()
         self.cfg = cfg
         self.endpoint = endpoint if endpoint is not None else (cfg.endpoint or None)
         self.bucket = bucket if bucket is not None else cfg.bucket
@@ -638,6 +645,7 @@ class S3Tier(Tier):
         return buf
 
     async def _head_size(self, okey: str) -> int | None:
+        self.stats.heads += 1
         try:
             resp = await self._s3.head_object(Bucket=self.bucket, Key=okey)
         except Exception as e:
@@ -740,6 +748,7 @@ class S3Tier(Tier):
         async def one(k: BlockKey) -> tuple[BlockKey, dict[str, Any] | None]:
             okey = self.object_key(k)
             async with sem:
+                self.stats.heads += 1
                 try:
                     r = await self._s3.head_object(Bucket=self.bucket, Key=okey)
                 except Exception as e:
@@ -759,6 +768,72 @@ class S3Tier(Tier):
             elif v["size"] >= HEADER_LEN:
                 self._index_set(k, v["nbytes"])
         return out
+
+    async def exists_many(self, keys: Iterable[BlockKey], concurrency: int | None = None) -> dict[BlockKey, int | None]:
+        """Existence probe (HEAD, at most ``concurrency`` in flight, default ``max_concurrency``): payload bytes of
+        each block the bucket holds, None for each it lacks (404). Keys whose HEAD failed otherwise are left out
+        (unknown, not missing). Updates the index. Raises TierUnavailableError when the endpoint is offline or the
+        circuit breaker is open (nothing was asked)."""
+        self._require_online()
+        todo = list(dict.fromkeys(keys))
+        if not todo:
+            return {}
+        if not self.breaker.allow():
+            raise TierUnavailableError(f"S3 {self.endpoint_name}: circuit breaker open")
+        sem = asyncio.Semaphore(max(1, concurrency or self.cfg.max_concurrency))
+        assert self._sem is not None
+        shared = self._sem
+
+        async def one(k: BlockKey) -> tuple[BlockKey, int | BaseException | None]:
+            okey = self.object_key(k)
+            async with sem, shared:
+                self.stats.heads += 1
+                t0 = time.perf_counter()
+                try:
+                    r = await self._s3.head_object(Bucket=self.bucket, Key=okey)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    if _err_code(e) in _MISS_CODES:
+                        return k, None
+                    return k, e
+                self.observe("head", time.perf_counter() - t0)
+            size = int(r["ContentLength"])
+            if size < HEADER_LEN:
+                return k, None  # not a block (foreign or truncated): never indexed
+            meta = r.get("Metadata") or {}
+            nb = str(meta.get("kvbm-nbytes", ""))
+            return k, int(nb) if nb.isdigit() and int(nb) == size - HEADER_LEN else size - HEADER_LEN
+
+        out: dict[BlockKey, int | None] = {}
+        failed: BaseException | None = None
+        try:
+            got = await asyncio.gather(*(one(k) for k in todo))
+        except BaseException:
+            self.breaker._probing = False
+            raise
+        for k, v in got:
+            if isinstance(v, BaseException):
+                failed = v
+                continue
+            out[k] = v
+            if v is None:
+                self._index_drop(k)
+            else:
+                self._index_set(k, v)
+        if failed is not None:
+            self._failed("HEAD", None, failed)
+        elif out:
+            self.breaker.success()
+        return out
+
+    def remember(self, key: BlockKey, nbytes: int) -> None:
+        """Index a block another node wrote (learned from its event or a probe), without I/O."""
+        self._index_set(key, nbytes)
+
+    def forget(self, key: BlockKey) -> None:
+        """Drop a block another node deleted from the index, without I/O."""
+        self._index_drop(key)
 
     async def delete_many(self, s3_keys: Iterable[str]) -> tuple[int, list[tuple[str, str, str]]]:
         """DeleteObjects in chunks of 1000: ``(deleted, [(key, code, message), ...])``."""

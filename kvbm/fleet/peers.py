@@ -1,0 +1,148 @@
+"""Peer followers: subscribe to other daemons' event streams (their ``daemon.events_endpoint``) and hand their
+batches to the daemon, which learns their G4 stores and removals at once.
+
+Every daemon numbers its batches (an 8-byte big-endian sequence, from 0 at start). A follower checks the
+numbers: a jump forward means messages were lost (a slow joiner, a full queue), a step back means the peer
+restarted and counts from 0 again. Either way the follower keeps going and tells the daemon (``on_gap``),
+which forgets its negative cache so the bucket probe finds whatever the lost messages announced. ZeroMQ
+reconnects the SUB socket on its own when a peer dies and comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvbm import protocol as p
+
+log = logging.getLogger(__name__)
+
+_UP_EVENT = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)  # CURVE: up once the handshake passed
+
+
+class PeerStats(msgspec.Struct):
+    endpoint: str
+    connected: bool = False
+    connects: int = 0  # times the connection (re)started
+    batches: int = 0
+    stored: int = 0  # G4 blocks learned from the peer's events
+    removed: int = 0  # G4 blocks dropped because of them
+    gaps: int = 0  # jumps in the peer's sequence numbers (messages lost)
+    lost: int = 0  # batches lost in those jumps
+    resets: int = 0  # sequence numbers that started again (the peer restarted)
+    bad: int = 0  # messages that did not decode
+    last_seq: int = -1
+    last_event_at: float = 0.0  # unix time of the last batch
+
+
+class PeerFollower:
+    """Follows one peer's PUB socket; ``apply(self, batch)`` for each batch, ``on_gap(self)`` after lost ones."""
+
+    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context, apply: Callable[[PeerFollower, p.EventBatch], None],
+                 on_gap: Callable[[PeerFollower], None], *, curve: tuple[str, str, str] | None = None) -> None:
+        self.endpoint = endpoint
+        self.stats = PeerStats(endpoint=endpoint)
+        self._ctx = ctx
+        self._apply = apply
+        self._on_gap = on_gap
+        self._curve = curve  # (server public key, own public key, own secret key), Z85
+        self._sock: zmq.asyncio.Socket | None = None
+        self._mon: zmq.asyncio.Socket | None = None
+        self._seen = False
+
+    def open(self) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if self._curve is not None:
+            server, public, secret = self._curve
+            sock.curve_serverkey = server.encode()
+            sock.curve_publickey = public.encode()
+            sock.curve_secretkey = secret.encode()
+        sock.setsockopt(zmq.SUBSCRIBE, p.EVENTS_TOPIC)
+        self._mon = sock.get_monitor_socket(_UP_EVENT | zmq.EVENT_DISCONNECTED)
+        sock.connect(self.endpoint)
+        self._sock = sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        for s in (self._mon, self._sock):
+            if s is not None:
+                s.close(0)
+        self._sock = self._mon = None
+
+    async def run(self) -> None:
+        await asyncio.gather(self._receive(), self._watch())
+
+    async def _receive(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                self.handle(frames)
+            except Exception:  # one bad batch must not stop the follower
+                self.stats.bad += 1
+                log.exception("peer %s: batch not applied", self.endpoint)
+
+    async def _watch(self) -> None:
+        """Connection state from the socket monitor (what ``kvbm status`` shows)."""
+        assert self._mon is not None
+        while True:
+            ev: dict[str, Any] = parse_monitor_message(await self._mon.recv_multipart())
+            if ev["event"] == _UP_EVENT:
+                self.stats.connected = True
+                self.stats.connects += 1
+                self._on_gap(self)  # whatever it published before this connection is lost to us
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                self.stats.connected = False
+
+    def handle(self, frames: list[bytes]) -> None:
+        """One published message: ``[topic, seq (8 bytes), EventBatch]``."""
+        if len(frames) != 3 or frames[0] != p.EVENTS_TOPIC or len(frames[1]) != 8:
+            self.stats.bad += 1
+            return
+        seq = int.from_bytes(frames[1], "big")
+        last = self.stats.last_seq
+        gap = False
+        if not self._seen:
+            gap = seq > 0  # joined late (or the peer published before we connected)
+            self._seen = True
+        elif seq > last + 1:
+            self.stats.gaps += 1
+            self.stats.lost += seq - last - 1
+            gap = True
+        elif seq <= last:
+            self.stats.resets += 1
+            gap = True  # what it published between dying and our reconnect is lost
+        self.stats.last_seq = seq
+        if gap:
+            self._on_gap(self)
+        try:
+            batch = p.decode_events(frames[2])
+        except p.ProtocolError as e:
+            self.stats.bad += 1
+            log.warning("peer %s: %s", self.endpoint, e)
+            return
+        if batch.v != p.PROTOCOL_VERSION:
+            self.stats.bad += 1
+            return
+        self.stats.batches += 1
+        self.stats.last_event_at = time.time()
+        self._apply(self, batch)
+
+    def describe(self) -> dict[str, object]:
+        return msgspec.structs.asdict(self.stats)
