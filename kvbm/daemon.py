@@ -812,12 +812,13 @@ class Daemon:
     def _peer_curve(self) -> tuple[str, str, str] | None:
         """CURVE for following peers: their PUB's public key (``peer_curve_server_key``, else this daemon's own:
         a fleet sharing one server key pair) and this daemon's key pair as the client's (an ephemeral one when
-        it has none)."""
-        server = self.dc.peer_curve_server_key or self.dc.curve_public_key
+        it has none; a peer with a client allow-list must list this daemon's public key)."""
+        own_public, own_secret = self._curve_keys
+        server = self.dc.peer_curve_server_key or own_public
         if not server:
             return None
-        if self.dc.curve_secret_key and self.dc.curve_public_key:
-            return server, self.dc.curve_public_key, self.dc.curve_secret_key
+        if own_secret and own_public:
+            return server, own_public, own_secret
         public, secret = zmq.curve_keypair()
         return server, public.decode(), secret.decode()
 
