@@ -61,9 +61,11 @@ class Node:
         if self.proc is not None:
             self.proc.stop()
 
-    def client(self) -> WorkerClient:
+    def client(self, *, admin: bool = False, keypair: tuple[bytes, bytes] | None = None) -> WorkerClient:
+        """A registered worker client (``admin``: with the daemon's admin token, as `kvbm purge` has it)."""
         assert self.proc is not None
-        c = self.proc.client(curve_server_key=self.cfg["daemon"].get("curve_public_key", ""))
+        c = self.proc.client(admin=admin, curve_server_key=self.cfg["daemon"].get("curve_public_key", ""),
+                             curve_keypair=keypair)
         c.register(LAYOUT, worker_id=f"w-{self.dir.name}")
         return c
 
@@ -221,7 +223,7 @@ def test_a_block_purged_by_a_is_a_miss_on_b_at_the_first_read(tmp_path, s3_serve
     a = Node(tmp_path, "a", s3_server, s3_prefix)
     nodes.append(a.start())
     keys = prompt(4)
-    with a.client() as ca, b.client() as cb:
+    with a.client(admin=True) as ca, b.client() as cb:
         store(ca, keys)
         assert cb.lookup(keys).matched == 4
         assert ca.evict(keys[2:], tiers=["G2", "G3", "G4"]).removed >= 2
@@ -240,7 +242,7 @@ def test_peer_events_share_stores_and_purges(tmp_path, s3_server, s3_prefix, nod
     nodes.append(b.start())  # B first: it follows A once A binds (ZeroMQ reconnects)
     nodes.append(a.start())
     keys = prompt(4)
-    with a.client() as ca, b.client() as cb:
+    with a.client(admin=True) as ca, b.client() as cb:
         assert poll(lambda: following(cb))
         assert cb.lookup(keys).matched == 0  # negative-cached for 10 minutes
         store(ca, keys)
@@ -305,15 +307,24 @@ def test_three_nodes_share_one_bucket(tmp_path, s3_server, s3_prefix, nodes):
 
 @needs("curve", zmq.has("curve"), "libzmq without CURVE")
 def test_peers_follow_each_other_over_curve(tmp_path, s3_server, s3_prefix, nodes):
-    """A fleet sharing one CURVE key pair: the event streams are encrypted, and B follows A with the keys."""
+    """A fleet sharing one CURVE server key pair with a client allow-list: the event streams are encrypted and
+    authenticated, B follows A with its own (listed) keys, and workers use listed key pairs too."""
+    from kvbm.security import load_keypair, write_keypair
+
     pub, sec = (k.decode() for k in zmq.curve_keypair())
-    keys = {"curve_public_key": pub, "curve_secret_key": sec}
+    allowed = tmp_path / "clients"
+    allowed.mkdir()
+    (allowed / "fleet.key").write_text(f'metadata\ncurve\n    public-key = "{pub}"\n')  # the daemons, as peers
+    worker_pub, _ = write_keypair(tmp_path / "keys", "worker")
+    (allowed / "worker.key").write_text(worker_pub.read_text())
+    worker = load_keypair(tmp_path / "keys" / "worker.key_secret")
+    keys = {"curve_public_key": pub, "curve_secret_key": sec, "curve_clients_dir": str(allowed)}
     a = Node(tmp_path, "a", s3_server, s3_prefix, **keys)
     b = Node(tmp_path, "b", s3_server, s3_prefix, peers=[a.events], probe=False, prefetch=False, **keys)
     nodes.append(a.start())
     nodes.append(b.start())
     blocks = prompt(2)
-    with a.client() as ca, b.client() as cb:
+    with a.client(keypair=worker) as ca, b.client(keypair=worker) as cb:
         assert poll(lambda: following(cb))
         store(ca, blocks)
         assert poll(lambda: cb.lookup(blocks).matched == 2)
