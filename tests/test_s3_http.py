@@ -12,7 +12,7 @@ import pytest
 
 from kvbm.blocks import BlockKey, encode_block
 from kvbm.config import S3Config
-from kvbm.errors import ConfigError
+from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.s3server import EmbeddedS3, _s3_client
 from kvbm.tiers import s3 as s3mod
 from kvbm.tiers.s3 import HEADER_LEN, S3Tier, make_s3_tier
@@ -225,3 +225,90 @@ def test_signer_sends_unsigned_payload_unless_asked(s3_server, s3_prefix, monkey
     okey = asyncio.run(run(True))
     stored = cli.get_object(Bucket=s3_server.bucket, Key=okey)["Body"].read()
     assert seen[-1] == hashlib.sha256(stored).hexdigest()
+
+
+class _TlsProxy:
+    """A TLS terminator in front of the plain-http SeaweedFS (a real TLS endpoint; bytes pass unchanged)."""
+
+    def __init__(self, target: str, cert: str, keyfile: str) -> None:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(target)
+        self.target = (u.hostname, u.port)
+        self.cert, self.keyfile = cert, keyfile
+        self.accepted = 0
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        self._thread = threading.Thread(target=self._run, name="tls-proxy", daemon=True)
+        self._ready = threading.Event()
+
+    def _run(self) -> None:
+        import ssl
+
+        asyncio.set_event_loop(self.loop)
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.cert, self.keyfile)
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(1 << 20):
+                    w.write(data)
+                    await w.drain()
+            except Exception:
+                pass
+            finally:
+                w.close()
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            self.accepted += 1
+            ur, uw = await asyncio.open_connection(*self.target)
+            await asyncio.gather(pipe(r, uw), pipe(ur, w))
+
+        server = self.loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self.loop.run_forever()
+
+    def __enter__(self) -> _TlsProxy:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def test_https_endpoint_with_default_ssl_context(s3_server, s3_prefix, tmp_path, monkeypatch):
+    """An https endpoint goes through TLS with certificate verification (the CA trusted via SSL_CERT_FILE /
+    AWS_CA_BUNDLE, as an operator would); a certificate nobody trusts fails the start clearly."""
+    import subprocess
+
+    cert, keyfile = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", keyfile, "-out", cert,
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+
+    async def run(endpoint: str) -> None:
+        cfg = S3Config(bucket=s3_server.bucket, prefix=s3_prefix, client="http", max_retries=0)
+        t = make_s3_tier(cfg, endpoint, (s3_server.access_key, s3_server.secret_key))
+        await t.start()
+        try:
+            k, data = key(1), os.urandom(3 * MiB + 5)
+            await t.put(k, data)
+            out = bytearray(len(data))
+            assert await t.get_into(k, memoryview(out)) == len(data) and bytes(out) == data
+            assert t.stats.errors == 0
+        finally:
+            await t.close()
+
+    with _TlsProxy(s3_server.endpoint, cert, keyfile) as proxy:
+        endpoint = f"https://localhost:{proxy.port}"
+        # Trusted by botocore (control calls) only: the http client's own verification refuses the start.
+        monkeypatch.setenv("AWS_CA_BUNDLE", cert)
+        with pytest.raises(TierUnavailableError, match=r"S3 http client cannot use .*CERTIFICATE_VERIFY_FAILED"):
+            asyncio.run(run(endpoint))
+        monkeypatch.setenv("SSL_CERT_FILE", cert)
+        before = proxy.accepted
+        asyncio.run(run(endpoint))
+        assert proxy.accepted > before
