@@ -312,3 +312,108 @@ def test_https_endpoint_with_default_ssl_context(s3_server, s3_prefix, tmp_path,
         before = proxy.accepted
         asyncio.run(run(endpoint))
         assert proxy.accepted > before
+
+
+class _SlowDownProxy:
+    """Pipes to SeaweedFS, but answers the next ``faults`` requests itself with 503 SlowDown (throttling,
+    which SeaweedFS on loopback never produces) and closes those connections."""
+
+    def __init__(self, target: str) -> None:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(target)
+        self.target = (u.hostname, u.port)
+        self.faults = 0
+        self.answered = 0
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        self._open: set[asyncio.StreamWriter] = set()
+        self._thread = threading.Thread(target=self._run, name="slowdown-proxy", daemon=True)
+        self._ready = threading.Event()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, first: bytes = b"") -> None:
+            try:
+                if first:
+                    w.write(first)
+                while data := await r.read(1 << 20):
+                    w.write(data)
+                    await w.drain()
+            except Exception:
+                pass
+            finally:
+                w.close()
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            head = await r.readuntil(b"\r\n\r\n")
+            if self.faults > 0 and head.startswith(b"GET "):
+                self.faults -= 1
+                self.answered += 1
+                body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                w.write(b"HTTP/1.1 503 Slow Down\r\nConnection: close\r\nContent-Type: application/xml\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await w.drain()
+                w.close()
+                return
+            ur, uw = await asyncio.open_connection(*self.target)
+            self._open.add(w)
+            try:
+                await asyncio.gather(pipe(r, uw, head), pipe(ur, w))
+            finally:
+                self._open.discard(w)
+
+        server = self.loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self.loop.run_forever()
+
+    def arm(self, faults: int) -> None:
+        """Answer the next ``faults`` GETs with 503; idle kept-alive connections are closed so that the
+        next requests come on new ones (which the client must survive too)."""
+
+        def go() -> None:
+            self.faults = faults
+            for w in list(self._open):
+                w.close()
+
+        self.loop.call_soon_threadsafe(go)
+
+    def __enter__(self) -> _SlowDownProxy:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def test_throttling_is_retried_with_backoff_then_an_error(s3_server, s3_prefix):
+    """503 SlowDown is retried up to ``s3.max_retries`` times (the block arrives, no error counted); beyond
+    that the GET fails as an error (a miss, counted, feeding the breaker), not as a corrupt object."""
+
+    async def run(proxy: _SlowDownProxy) -> None:
+        cfg = S3Config(bucket=s3_server.bucket, prefix=s3_prefix, client="http", max_retries=2,
+                       max_concurrency=1, breaker_failures=5)
+        t = make_s3_tier(cfg, f"http://127.0.0.1:{proxy.port}", (s3_server.access_key, s3_server.secret_key))
+        await t.start()
+        try:
+            k, data = key(1), os.urandom(MiB)
+            await t.put(k, data)
+            out = bytearray(MiB)
+            proxy.arm(2)
+            await asyncio.sleep(0.2)  # let the proxy close the idle connections
+            assert await t.get_into(k, memoryview(out)) == MiB and bytes(out) == data
+            assert proxy.answered == 2 and t.stats.errors == 0 and t.breaker.consecutive == 0
+            proxy.arm(3)
+            await asyncio.sleep(0.2)
+            assert await t.get_into(k, memoryview(out)) is None
+            assert proxy.answered == 5 and t.stats.errors == 1 and t.stats.corrupt == 0 and t.contains(k)
+            assert await t.get_into(k, memoryview(out)) == MiB and bytes(out) == data
+        finally:
+            await t.close()
+
+    with _SlowDownProxy(s3_server.endpoint) as proxy:
+        asyncio.run(run(proxy))
