@@ -14,7 +14,7 @@ leading component. Keys under the prefix that do not parse this way are foreign 
 Object format
 -------------
 The body is :func:`kvbm.blocks.encode_block` (a 128-byte integrity header, then the payload), so the
-payload length is ``object size - 128``. Objects written by the aiobotocore path also carry user metadata
+payload length is ``object size - 128``. Objects written by the http and aiobotocore paths also carry user metadata
 (``x-amz-meta-kvbm-format``, ``-kvbm-namespace``, ``-kvbm-hash``, ``-kvbm-nbytes``, ``-kvbm-created``)
 so that listing tools need not read bodies; the NIXL OBJ path cannot set metadata, and the tools fall
 back to the key and size. Every read is verified with ``decode_block``; a corrupt object is a miss, is
