@@ -417,3 +417,28 @@ def test_throttling_is_retried_with_backoff_then_an_error(s3_server, s3_prefix):
 
     with _SlowDownProxy(s3_server.endpoint) as proxy:
         asyncio.run(run(proxy))
+
+
+def test_credentials_from_the_aws_chain(s3_server, s3_prefix, tmp_path, monkeypatch):
+    """No credentials in the config or the tier: the http client signs with what botocore's chain resolves
+    (here a shared credentials file), like the aiobotocore control client; the secret is never logged."""
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = {s3_server.access_key}\n"
+                     f"aws_secret_access_key = {s3_server.secret_key}\n")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+
+    async def run() -> None:
+        t = S3Tier(S3Config(bucket=s3_server.bucket, prefix=s3_prefix, client="http"), endpoint=s3_server.endpoint)
+        await t.start()
+        try:
+            k, data = key(1), os.urandom(2 * MiB)
+            await t.put(k, data)
+            assert await t.get(k) == data and t.stats.errors == 0
+            assert s3_server.secret_key not in repr(t.describe())
+        finally:
+            await t.close()
+
+    asyncio.run(run())
