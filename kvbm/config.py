@@ -96,7 +96,7 @@ class S3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     verify_tls: bool = True
     create_bucket: bool = True
     capacity: int | str = "1TiB"
-    client: Literal["aiobotocore", "nixl"] = "aiobotocore"
+    client: Literal["aiobotocore", "http", "nixl"] = "http"  # block bodies; control calls use aiobotocore
     max_concurrency: int = 8
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 30.0

@@ -31,7 +31,7 @@ def key(i: int, ns: str = NS) -> BlockKey:
     return BlockKey(ns, i.to_bytes(4, "big") + os.urandom(12))
 
 
-@pytest.mark.parametrize("client", ["aiobotocore", "nixl"])
+@pytest.mark.parametrize("client", ["aiobotocore", "http", "nixl"])
 def test_roundtrip_8mib(s3_server, s3_prefix, client):
     async def run():
         t = make_tier(s3_server, s3_prefix, client, max_concurrency=4)
@@ -60,7 +60,7 @@ def test_roundtrip_8mib(s3_server, s3_prefix, client):
             assert heads[absent] is None
             h = heads[keys[0]]
             assert h["size"] == 8 * MiB + HEADER_LEN and h["nbytes"] == 8 * MiB
-            if client == "aiobotocore":
+            if client != "nixl":
                 assert h["metadata"]["kvbm-namespace"] == NS
                 assert h["metadata"]["kvbm-hash"] == keys[0].hash.hex()
                 assert h["metadata"]["kvbm-nbytes"] == str(8 * MiB)
@@ -111,7 +111,7 @@ def test_cross_node_reuse(s3_server, s3_prefix):
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("client", ["aiobotocore", "nixl"])
+@pytest.mark.parametrize("client", ["aiobotocore", "http", "nixl"])
 def test_corrupt_object_is_a_counted_miss(s3_server, s3_prefix, client):
     async def run():
         t = make_tier(s3_server, s3_prefix, client)
@@ -138,7 +138,7 @@ def test_corrupt_object_is_a_counted_miss(s3_server, s3_prefix, client):
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("client", ["aiobotocore", "nixl"])
+@pytest.mark.parametrize("client", ["aiobotocore", "http", "nixl"])
 def test_wrong_credentials_clear_error(s3_server, s3_prefix, client):
     async def run():
         for creds in ((s3_server.access_key, "wrong-secret"), ("nobody", "nothing")):
@@ -239,7 +239,7 @@ def test_endpoint_killed_then_recovers(weed_binary, tmp_path):
                 read_timeout_s=5.0, nixl_timeout_s=1.5)
 
     async def run():
-        tiers = [make_tier(srv, f"p-{c}", c, **opts) for c in ("aiobotocore", "nixl")]
+        tiers = [make_tier(srv, f"p-{c}", c, **opts) for c in ("aiobotocore", "http", "nixl")]
         keys = [key(i) for i in range(3)]
         try:
             for t in tiers:

@@ -14,7 +14,7 @@ leading component. Keys under the prefix that do not parse this way are foreign 
 Object format
 -------------
 The body is :func:`kvbm.blocks.encode_block` (a 128-byte integrity header, then the payload), so the
-payload length is ``object size - 128``. Objects written by the aiobotocore path also carry user metadata
+payload length is ``object size - 128``. Objects written by the http and aiobotocore paths also carry user metadata
 (``x-amz-meta-kvbm-format``, ``-kvbm-namespace``, ``-kvbm-hash``, ``-kvbm-nbytes``, ``-kvbm-created``)
 so that listing tools need not read bodies; the NIXL OBJ path cannot set metadata, and the tools fall
 back to the key and size. Every read is verified with ``decode_block``; a corrupt object is a miss, is
@@ -23,8 +23,13 @@ counted in ``stats.corrupt`` and is deleted.
 Data paths (``s3.client``)
 --------------------------
 * ``aiobotocore``: one shared client, at most ``max_concurrency`` requests in flight.
+* ``http``: :mod:`kvbm.tiers.s3_http`, plain keep-alive HTTP(S) connections in worker threads that read
+  straight into the caller's buffer and send the payload from it (no body copy), checksumming there.
 * ``nixl``: the NIXL OBJ backend (aws-sdk-cpp) moves block bodies; its blocking calls run in a private
-  thread pool. Control calls (bucket checks, HEAD, LIST, DELETE) always use aiobotocore.
+  thread pool.
+
+``http`` and ``nixl`` are :class:`~kvbm.tiers.s3_http.BodyBackend` implementations (``self._body``); control
+calls (bucket checks, HEAD, LIST, DELETE) always use aiobotocore.
 
 Failure handling
 ----------------
@@ -70,6 +75,7 @@ from kvbm.errors import ConfigError, CorruptBlockError, TierFullError, TierUnava
 from kvbm.keys import object_relkey, parse_object_relkey
 from kvbm.metrics import no_observe
 from kvbm.tiers.base import StoredBlock, Tier, TierStats
+from kvbm.tiers.s3_http import BodyBackend, HttpBodyClient
 
 log = logging.getLogger("kvbm.tiers.s3")
 
@@ -79,6 +85,8 @@ _CRED_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidClientToke
                "ExpiredToken"}
 _MISS_CODES = {"NoSuchKey", "404", "NotFound"}
 DELETE_CHUNK = 1000
+# Checksums of bodies this large run in a thread, not on the event loop.
+_OFFLOOP_BYTES = 256 * 1024
 
 
 UNSIGNED_SIGV4 = "s3v4-kvbm-unsigned-payload"
@@ -224,8 +232,8 @@ class S3Tier(Tier):
         self.bucket = bucket if bucket is not None else cfg.bucket
         self.prefix = (prefix if prefix is not None else cfg.prefix).strip("/")
         self.client_kind = client or cfg.client
-        if self.client_kind not in ("aiobotocore", "nixl"):
-            raise ConfigError(f"s3.client: {self.client_kind!r} is not 'aiobotocore' or 'nixl'")
+        if self.client_kind not in ("aiobotocore", "http", "nixl"):
+            raise ConfigError(f"s3.client: {self.client_kind!r} is not 'aiobotocore', 'http' or 'nixl'")
         if len(self.bucket) < 3:
             raise ConfigError(f"s3.bucket: {self.bucket!r} is shorter than 3 characters")
         self.shard_chars = cfg.shard_chars
@@ -242,6 +250,7 @@ class S3Tier(Tier):
         self._stack: contextlib.AsyncExitStack | None = None
         self._s3: Any = None
         self._nixl: _NixlObj | None = None
+        self._body: BodyBackend | None = None  # block bodies (http, nixl); None: aiobotocore
         self._started = False
         self._warned_at = 0.0
         # Offline: started, but the endpoint has not answered yet (only with wait_for_endpoint).
@@ -329,6 +338,9 @@ class S3Tier(Tier):
         await self._check_bucket()
         if self.client_kind == "nixl" and self._nixl is None:
             await self._start_nixl(session)
+            self._body = _NixlBody(self)
+        if self.client_kind == "http" and self._body is None:
+            await self._start_http(session)
         self.online = True
         self.last_error = ""
 
@@ -426,6 +438,46 @@ class S3Tier(Tier):
             with contextlib.suppress(Exception):
                 await self._s3.delete_object(Bucket=self.bucket, Key=probe)
 
+    async def _start_http(self, session: Any) -> None:
+        """The http body client, proven with a real write + read (its own signer, its own connections)."""
+        from botocore.credentials import ReadOnlyCredentials
+
+        if self._access_key and self._secret_key:
+            fixed = ReadOnlyCredentials(self._access_key, self._secret_key, self._session_token)
+
+            async def creds() -> Any:
+                return fixed
+        else:
+            chain = await session.get_credentials()
+            if chain is None:
+                raise ConfigError(f"no S3 credentials for {self.endpoint_name}")
+
+            async def creds() -> Any:
+                return await chain.get_frozen_credentials()  # refreshed by botocore when near expiry
+
+        try:
+            client = HttpBodyClient(self.cfg, self.endpoint, self.bucket, creds)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        probe = f"{self._base()}.kvbm-probe/{uuid.uuid4().hex}"
+        pkey = BlockKey("kvbm-probe-0000000000000000", uuid.uuid4().bytes)
+        body = b"kvbm-http-probe"
+        try:
+            await client.put(probe, pkey, memoryview(body), {})
+            back = bytearray(len(body))
+            if await client.get_into(probe, pkey, memoryview(back)) != len(body) or bytes(back) != body:
+                raise TierUnavailableError("probe read back different bytes")
+        except Exception as e:
+            client.close()
+            code = _err_code(e)
+            if code in _CRED_CODES:
+                raise ConfigError(f"S3 credentials rejected by {self.endpoint_name} ({code}, http client)") from None
+            raise TierUnavailableError(f"S3 http client cannot use {self.endpoint_name}: {_one_line(e)}") from None
+        finally:
+            with contextlib.suppress(Exception):
+                await self._s3.delete_object(Bucket=self.bucket, Key=probe)
+        self._body = client
+
     async def _diagnose(self) -> str:
         """Error code of a small signed request (tells bad credentials from other failures)."""
         try:
@@ -445,6 +497,9 @@ class S3Tier(Tier):
         self.online = False
 
     async def _teardown(self) -> None:
+        if self._body is not None:
+            self._body.close()
+            self._body = None
         if self._nixl is not None:
             self._nixl.close()
             self._nixl = None
@@ -507,22 +562,18 @@ class S3Tier(Tier):
             okey = self.object_key(key)
             assert self._sem is not None
             async with self._sem:
-                # Body buffers are reused per size (botocore takes whole bytearrays, not views): no fresh,
-                # page-faulting 8 MiB allocation per block.
-                size = HEADER_LEN + n
-                free = self._bodies.setdefault(size, [])
-                buf = free.pop() if free else bytearray(size)
-                try:
-                    encode_block_into(buf, key, data, HEADER_LEN)
+                if self._body is not None:
                     t0 = time.perf_counter()
-                    if self._nixl is not None:
-                        await self._nixl.write(okey, buf)
-                    else:
-                        await self._s3.put_object(Bucket=self.bucket, Key=okey, Body=buf, Metadata=self._meta(key, n))
+                    await self._body.put(okey, key, memoryview(data), self._meta(key, n))
                     self.observe("put", time.perf_counter() - t0)
-                finally:
-                    if len(free) < self.cfg.max_concurrency:
-                        free.append(buf)
+                else:
+                    buf = await self._encode(key, data)
+                    try:
+                        t0 = time.perf_counter()
+                        await self._s3.put_object(Bucket=self.bucket, Key=okey, Body=buf, Metadata=self._meta(key, n))
+                        self.observe("put", time.perf_counter() - t0)
+                    finally:
+                        self._release_body(buf)
         except (asyncio.CancelledError, KeyboardInterrupt):
             self.breaker._probing = False
             raise
@@ -548,11 +599,10 @@ class S3Tier(Tier):
             assert self._sem is not None
             async with self._sem:
                 t0 = time.perf_counter()
-                if self._nixl is None:
+                if self._body is None:
                     n = await self._stream_into(key, okey, view)
                 else:
-                    body = await self._fetch(key, okey)
-                    n = None if body is None else self._copy_payload(key, body, view)
+                    n = await self._body.get_into(okey, key, view)
                 self.observe("get", time.perf_counter() - t0)
         except (asyncio.CancelledError, KeyboardInterrupt):
             self.breaker._probing = False
@@ -581,6 +631,23 @@ class S3Tier(Tier):
         self.stats.hits += 1
         self.stats.bytes_out += n
         return n
+
+    async def _encode(self, key: BlockKey, data: memoryview | bytes) -> bytearray:
+        """``header || payload`` in a body buffer reused per size (botocore and NIXL take whole buffers, not
+        views: no fresh, page-faulting 8 MiB allocation per block); checksum and copy off the event loop."""
+        size = HEADER_LEN + memoryview(data).nbytes
+        free = self._bodies.setdefault(size, [])
+        buf = free.pop() if free else bytearray(size)
+        if size >= _OFFLOOP_BYTES:
+            await asyncio.to_thread(encode_block_into, buf, key, data, HEADER_LEN)
+        else:
+            encode_block_into(buf, key, data, HEADER_LEN)
+        return buf
+
+    def _release_body(self, buf: bytearray) -> None:
+        free = self._bodies.setdefault(len(buf), [])
+        if len(free) < self.cfg.max_concurrency:
+            free.append(buf)
 
     @staticmethod
     def _copy_payload(key: BlockKey, body: bytes | bytearray, view: memoryview) -> int:
@@ -616,7 +683,10 @@ class S3Tier(Tier):
             if n > view.nbytes:
                 raise ValueError(f"{key}: block is {n} bytes, buffer has {view.nbytes}")
             await _read_exact(stream, view[:n], key)
-        verify(key, header, view[:n])
+        if n >= _OFFLOOP_BYTES:
+            await asyncio.to_thread(verify, key, header, view[:n])
+        else:
+            verify(key, header, view[:n])
         return n
 
     async def _fetch(self, key: BlockKey, okey: str) -> bytes | bytearray | None:
@@ -915,6 +985,29 @@ def make_s3_tier(
         tok = os.environ.get("AWS_SESSION_TOKEN") or None
     return S3Tier(cfg, endpoint=endpoint or cfg.endpoint or None, access_key=ak, secret_key=sk,
                   session_token=tok, **kw)
+
+
+class _NixlBody:
+    """:class:`BodyBackend` over NIXL OBJ: bodies are staged in a buffer (NIXL registers whole regions)."""
+
+    def __init__(self, tier: S3Tier) -> None:
+        self.tier = tier
+
+    async def put(self, okey: str, key: BlockKey, payload: memoryview, meta: dict[str, str]) -> None:
+        t = self.tier
+        assert t._nixl is not None
+        buf = await t._encode(key, payload)
+        try:
+            await t._nixl.write(okey, buf)
+        finally:
+            t._release_body(buf)
+
+    async def get_into(self, okey: str, key: BlockKey, view: memoryview) -> int | None:
+        body = await self.tier._fetch(key, okey)
+        return None if body is None else self.tier._copy_payload(key, body, view)
+
+    def close(self) -> None:
+        pass  # the tier closes its _NixlObj
 
 
 class _NixlObj:
