@@ -47,3 +47,17 @@ def s3_prefix(s3_server: EmbeddedS3) -> str:
 def s3_bucket(s3_server: EmbeddedS3) -> str:
     """A fresh, not yet created bucket name (>= 3 chars, lowercase)."""
     return f"kvbm-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama saved locally (2 layers, 2 KV heads): what the vLLM tests run."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)

@@ -11,19 +11,6 @@ from kvbm.keys import check_namespace
 pytest.importorskip("vllm", reason="the vLLM CPU build is not installed (KVBM_EXTRAS=vllm)")
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
-
-
 def vllm_config(model: str, **kw):
     from vllm.engine.arg_utils import EngineArgs
 
