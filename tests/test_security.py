@@ -429,6 +429,10 @@ def test_daemon_log_lines_mask_secret_named_fields(capfd):
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level
+    # `kvbm bench` (run in-process by other tests) quiets the kvbm logger: this test needs INFO through.
+    kvbm_log = logging.getLogger("kvbm")
+    saved_kvbm = kvbm_log.level
+    kvbm_log.setLevel(logging.NOTSET)
     try:
         for fmt in ("json", "text"):
             configure_logging(fmt)
@@ -439,6 +443,7 @@ def test_daemon_log_lines_mask_secret_named_fields(capfd):
             assert "fake-log-secret" not in err, err
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
+        kvbm_log.setLevel(saved_kvbm)
 
 
 def test_credential_files_and_bind_rules(tmp_path):
