@@ -101,6 +101,8 @@ class S3Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     scan_on_start: bool = False
     # Deadline for one NIXL OBJ transfer (aws-sdk-cpp itself retries a dead endpoint for ~25 s).
     nixl_timeout_s: float = 10.0
+    # LIST requests in flight at once when a namespace is listed by shard directory (re-index, status, purge).
+    list_concurrency: int = 16
 
 
 class EmbeddedS3Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -144,6 +146,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     index_bucket: Literal["start", "background", "lazy"] = "background"
     prefetch: bool = True  # a lookup that hits G3/G4 starts bringing the blocks up to G2
     max_prefetch: int = 16  # prefetches in flight at once; more lookups are not prefetched
+    # Fleet-wide recency: every this many seconds the daemon writes the hashes hit since the last write to
+    # {s3.prefix}/_access/{namespace}/{node}/{epoch}.log (kvbm.recency); purge and prewarm read them. 0: off.
+    access_log_interval_s: float = 300.0
+    node_id: str = ""  # names this node's access logs; empty: the host name
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

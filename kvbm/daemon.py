@@ -38,6 +38,7 @@ from kvbm.health import readiness
 from kvbm.kvevents import KVEventSubscriber, describe_views
 from kvbm.manager import PERSISTENT, BlockManager
 from kvbm.metrics import Metrics, MetricsServer
+from kvbm.recency import AccessRecorder
 from kvbm.sessions import Sessions, WorkerSession
 from kvbm.tiers.pool import SlotPoolTier
 
@@ -115,6 +116,7 @@ class Daemon:
         self._ns_indexed: set[str] = set()
         self._ns_locks: dict[str, asyncio.Lock] = {}
         self._flush_scheduled = False
+        self.access_log: AccessRecorder | None = None
         self._metrics: MetricsServer | None = None
         # Latency histograms: observed by the handlers below, the manager's copies and the S3 tier's requests.
         self.metrics = Metrics(self.snapshot, self.readiness, [t.name for t in manager.tiers])
@@ -206,6 +208,7 @@ class Daemon:
             self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
             self.metrics_port = await self._metrics.start()
         self._spawn(self._reaper())
+        self._start_access_log()
         if s3_tiers and not self._bucket_indexed.is_set() and self.dc.index_bucket != "lazy":
             self._spawn(self._index_bucket(s3_tiers))
         logj("daemon.started", endpoint=self.endpoint, events=self.events_endpoint, metrics_port=self.metrics_port,
@@ -224,6 +227,15 @@ class Daemon:
 
     async def stop(self) -> None:
         self._stop.set()
+
+    def _start_access_log(self) -> None:
+        """Fleet-wide recency: write this node's hits to the bucket every ``access_log_interval_s``."""
+        s3 = next((t for t in self.manager.tiers if t.kind == "s3"), None)
+        if s3 is None or self.dc.access_log_interval_s <= 0:
+            return
+        self.access_log = AccessRecorder(s3, self.dc.node_id, self.dc.access_log_interval_s)
+        self.manager.registry.hit_listeners.append(self.access_log.record)
+        self._spawn(self.access_log.run())
 
     async def _list_bucket(self, names: list[str]) -> None:
         """List the whole bucket once (raises TierUnavailableError if it cannot be listed to the end)."""
@@ -286,6 +298,9 @@ class Daemon:
             self._ns_retrying.discard(namespace)
 
     async def _shutdown(self) -> None:
+        if self.access_log is not None:  # the last interval's hits, so a restart does not forget them
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.access_log.flush(), 5.0)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -641,6 +656,7 @@ class Daemon:
 
     def _flush_events(self) -> None:
         self._flush_scheduled = False
+        self.access_log: AccessRecorder | None = None
         pending, self._pending_events = self._pending_events, {}
         events: list[Any] = []
         for (kind, tier, ns), hashes in pending.items():

@@ -27,6 +27,8 @@ class Registry:
         self._hits: dict[BlockKey, int] = {}
         # Called as listener(kind, tier, key) with kind "stored" or "removed", outside the lock.
         self.listeners: list[Callable[[str, str, BlockKey], None]] = []
+        # Called as hit_listener(keys) for every recorded hit, outside the lock (kvbm.recency).
+        self.hit_listeners: list[Callable[[list[BlockKey]], None]] = []
 
     def _emit(self, kind: str, tier: str, key: BlockKey) -> None:
         for fn in self.listeners:
@@ -84,6 +86,7 @@ class Registry:
         return out
 
     def record_hit(self, keys: Iterable[BlockKey]) -> None:
+        keys = list(keys)
         with self._lock:
             for key in keys:
                 self._hits[key] = self._hits.get(key, 0) + 1
@@ -91,6 +94,8 @@ class Registry:
                     lru = self._lru[t]
                     if key in lru:
                         lru.move_to_end(key)
+        for fn in self.hit_listeners:
+            fn(keys)
 
     def hits(self, key: BlockKey) -> int:
         return self._hits.get(key, 0)

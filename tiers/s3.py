@@ -67,7 +67,7 @@ from kvbm.blocks import (
 )
 from kvbm.config import S3Config, parse_size
 from kvbm.errors import ConfigError, CorruptBlockError, TierFullError, TierUnavailableError, WriteShedError
-from kvbm.keys import object_relkey, parse_object_relkey
+from kvbm.keys import is_namespace, object_relkey, parse_object_relkey
 from kvbm.metrics import no_observe
 from kvbm.tiers.base import StoredBlock, Tier
 
@@ -689,7 +689,7 @@ class S3Tier(Tier):
         self._require_online()
         before = {k for k in self._index if namespace is None or k.namespace == namespace}
         seen: set[BlockKey] = set()
-        async for bkey, _okey, size, mtime in self.list_objects(namespace):
+        async for bkey, _okey, size, mtime in self.list_objects_parallel(namespace):
             if bkey is None or size < HEADER_LEN:
                 continue
             seen.add(bkey)
@@ -712,23 +712,124 @@ class S3Tier(Tier):
             list_prefix += f"{namespace.strip('/')}/"
         if key_prefix:
             list_prefix += key_prefix.lstrip("/")
+        async for page in self._list_pages(list_prefix):
+            for entry in page:
+                yield entry
+
+    async def _list_pages(
+        self, list_prefix: str, delimiter: str = "", dirs: list[str] | None = None
+    ) -> AsyncIterator[list[tuple[BlockKey | None, str, int, _dt.datetime | None]]]:
+        """One list per LIST page under the raw key prefix ``list_prefix``; with ``delimiter``, the common
+        prefixes ("directories") are appended to ``dirs`` instead of being walked."""
         token: str | None = None
+        parse = self.parse_key
         while True:
             kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": list_prefix, "MaxKeys": 1000}
+            if delimiter:
+                kw["Delimiter"] = delimiter
             if token:
                 kw["ContinuationToken"] = token
             try:
                 resp = await self._s3.list_objects_v2(**kw)
             except Exception as e:
                 raise TierUnavailableError(f"S3 LIST {list_prefix!r} at {self.endpoint_name}: {_one_line(e)}") from None
-            for obj in resp.get("Contents", ()) or ():
-                k = obj["Key"]
-                yield self.parse_key(k), k, int(obj.get("Size", 0)), obj.get("LastModified")
+            if dirs is not None:
+                dirs.extend(cp["Prefix"] for cp in resp.get("CommonPrefixes", ()) or ())
+            yield [(parse(o["Key"]), o["Key"], int(o.get("Size", 0)), o.get("LastModified"))
+                   for o in resp.get("Contents", ()) or ()]
             if not resp.get("IsTruncated"):
                 break
             token = resp.get("NextContinuationToken")
             if not token:
                 break
+
+    async def list_objects_parallel(
+        self, namespace: str | None = None, concurrency: int | None = None
+    ) -> AsyncIterator[tuple[BlockKey | None, str, int, _dt.datetime | None]]:
+        """The same entries as :meth:`list_objects` (in another order), listed concurrently by key prefix.
+
+        A LIST page holds at most 1,000 keys and a listing is sequential within one prefix, so a bucket of
+        1M blocks is 1,000 round trips one after another. Here a delimiter LIST finds the namespaces under
+        the prefix and the shard directories (``{namespace}/{hh}/``) of each; every shard directory is then
+        listed on its own, up to ``concurrency`` at a time (default ``s3.list_concurrency``). Directories
+        that are not namespaces (foreign keys, access logs) are listed whole, so nothing is left out."""
+        self._require_online()
+        limit = max(1, concurrency or self.cfg.list_concurrency)
+        base = self._base()
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=4 * limit)
+        sem = asyncio.Semaphore(limit)
+        done = object()
+
+        async def walk(prefix: str, delimiter: str = "", dirs: list[str] | None = None) -> None:
+            async with sem:
+                async for page in self._list_pages(prefix, delimiter, dirs):
+                    if page:
+                        await queue.put(page)
+
+        async def shards(ns_prefix: str) -> None:
+            dirs: list[str] = []
+            await walk(ns_prefix, "/", dirs)  # objects right under the namespace, and its shard directories
+            await asyncio.gather(*(walk(d) for d in dirs))
+
+        async def produce() -> None:
+            try:
+                if namespace:
+                    await shards(f"{base}{namespace.strip('/')}/")
+                else:
+                    tops: list[str] = []
+                    await walk(base, "/", tops)  # foreign objects right under the prefix, and its directories
+                    jobs = []
+                    for d in tops:
+                        name = d[len(base) :].rstrip("/")
+                        sharded = self.shard_chars and is_namespace(name)
+                        jobs.append(shards(d) if sharded else walk(d))
+                    await asyncio.gather(*jobs)
+                await queue.put(done)
+            except BaseException as e:  # handed to the consumer, which raises it
+                await queue.put(e)
+
+        task = asyncio.get_running_loop().create_task(produce())
+        try:
+            while True:
+                item = await queue.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                for entry in item:
+                    yield entry
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    # -- small auxiliary objects (access logs) ------------------------------------------------------
+    async def put_aux(self, okey: str, body: bytes) -> None:
+        """PUT a small non-block object (e.g. an access log) under the prefix; raises TierUnavailableError."""
+        self._require_online()
+        if self.parse_key(okey) is not None or not okey.startswith(self._base()):
+            raise ValueError(f"{okey!r} is not an auxiliary key under the prefix")
+        assert self._sem is not None
+        async with self._sem:
+            try:
+                await self._s3.put_object(Bucket=self.bucket, Key=okey, Body=body)
+            except Exception as e:
+                raise TierUnavailableError(f"S3 PUT {okey} at {self.endpoint_name}: {_one_line(e)}") from None
+
+    async def get_aux(self, okey: str) -> bytes | None:
+        """GET a small non-block object; None when it does not exist."""
+        self._require_online()
+        assert self._sem is not None
+        async with self._sem:
+            try:
+                resp = await self._s3.get_object(Bucket=self.bucket, Key=okey)
+                async with resp["Body"] as stream:
+                    return bytes(await stream.read())
+            except Exception as e:
+                if _err_code(e) in _MISS_CODES:
+                    return None
+                raise TierUnavailableError(f"S3 GET {okey} at {self.endpoint_name}: {_one_line(e)}") from None
 
     async def head_many(self, keys: Iterable[BlockKey]) -> dict[BlockKey, dict[str, Any] | None]:
         """HEAD each block (``max_concurrency`` at a time): ``{key: {size, nbytes, last_modified, metadata}}``
@@ -790,7 +891,7 @@ class S3Tier(Tier):
     async def usage(self) -> dict[str, dict[str, Any]]:
         """Per namespace: ``{objects, bytes, oldest, newest}`` (bytes are object sizes; times are datetimes)."""
         out: dict[str, dict[str, Any]] = {}
-        async for bkey, _k, size, mtime in self.list_objects():
+        async for bkey, _k, size, mtime in self.list_objects_parallel():
             if bkey is None:
                 continue
             u = out.setdefault(bkey.namespace, {"objects": 0, "bytes": 0, "oldest": None, "newest": None})
