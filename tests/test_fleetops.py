@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 
@@ -12,6 +13,7 @@ import pytest
 from serve_proc import ServeProc
 from test_cli import cli_env, data_for, put_s3, run, tier_for
 
+import kvbm.tiers.s3 as s3mod
 from kvbm.blocks import BlockKey
 from kvbm.layout import KVLayout
 from kvbm.recency import AccessRecorder, access_prefix, read_access_times
@@ -24,7 +26,7 @@ PAYLOAD = 3000
 
 
 def bkey(ns: str, i: int) -> BlockKey:
-    return BlockKey(ns, i.to_bytes(4, "big").ljust(16, b"\x05"))
+    return BlockKey(ns, hashlib.blake2b(i.to_bytes(4, "big"), digest_size=16).digest())  # spread over shards
 
 
 async def _raw_keys(srv, prefix: str) -> list[str]:
@@ -141,10 +143,14 @@ def test_prewarm_hottest_brings_the_most_recently_used_into_disk(s3_server, s3_p
 
 
 # -- parallel listing --------------------------------------------------------------------------------------
-def test_parallel_listing_returns_exactly_the_serial_set_and_indexes_by_shard(s3_server, s3_prefix):
+def test_parallel_listing_returns_exactly_the_serial_set_and_indexes_by_shard(s3_server, s3_prefix, monkeypatch):
+    # Small pages, so 300 blocks take the same path as a million: a few serial pages, then by shard.
+    monkeypatch.setattr(s3mod, "LIST_PAGE", 20)
+    monkeypatch.setattr(s3mod, "LIST_SERIAL_PAGES", 2)
     keys = [bkey(NS, i) for i in range(300)] + [bkey(NS2, i) for i in range(40)]
     foreign = [f"{s3_prefix}/README", f"{s3_prefix}/{NS}/stray", f"{s3_prefix}/{NS}/zz/x",
-               f"{s3_prefix}/not-a-ns/ab/cd", f"{s3_prefix}/{NS2}/ab"]
+               f"{s3_prefix}/not-a-ns/ab/cd", f"{s3_prefix}/{NS2}/ab", f"{s3_prefix}/{NS}/a&b",
+               f"{s3_prefix}/{NS}/p%25 q+r<"]
     for i in range(0, len(keys), 50):
         asyncio.run(put_s3(s3_server, s3_prefix, keys[i : i + 50], n=16, foreign=foreign if not i else ()))
 
@@ -158,7 +164,11 @@ def test_parallel_listing_returns_exactly_the_serial_set_and_indexes_by_shard(s3
             rec = AccessRecorder(t, "n1", 60)
             rec.record(keys[:2])
             await rec.flush()
-            serial = [(b, k, s) async for b, k, s, _m in t.list_objects()]
+            full = [e async for e in t.list_objects()]
+            serial = [(b, k, s) for b, k, s, _m in full]
+            t._s3.meta.events.unregister("before-parse.s3.ListObjectsV2", s3mod._fast_list_contents)
+            assert [e async for e in t.list_objects()] == full  # the fast page parser agrees with botocore's
+            t._s3.meta.events.register("before-parse.s3.ListObjectsV2", s3mod._fast_list_contents)
             par = [(b, k, s) async for b, k, s, _m in t.list_objects_parallel(concurrency=4)]
             one_ns = [(b, k, s) async for b, k, s, _m in t.list_objects_parallel(NS)]
             prefixes.clear()
@@ -172,5 +182,8 @@ def test_parallel_listing_returns_exactly_the_serial_set_and_indexes_by_shard(s3
     assert sorted(par, key=lambda x: x[1]) == serial and len(set(par)) == len(par)
     assert sorted(one_ns, key=lambda x: x[1]) == [x for x in serial if x[1].startswith(f"{s3_prefix}/{NS}/")]
     assert set(indexed) == {k for k in keys if k.namespace == NS}
+    # The daemon's re-index (scan) lists most shard directories on their own, after a few serial pages.
     shards = {k.hash.hex()[:2] for k in keys if k.namespace == NS}
-    assert {f"{s3_prefix}/{NS}/{h}/" for h in shards} <= set(prefixes)  # the daemon's re-index lists by shard
+    listed = {p for p in prefixes if p.startswith(f"{s3_prefix}/{NS}/") and p.count("/") == 3}
+    assert len(shards) > 100 and len(listed) > len(shards) // 2
+    assert listed <= {f"{s3_prefix}/{NS}/{h}/" for h in shards} | {f"{s3_prefix}/{NS}/zz/"}
