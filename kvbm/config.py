@@ -150,6 +150,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # {s3.prefix}/_access/{namespace}/{node}/{epoch}.log (kvbm.recency); purge and prewarm read them. 0: off.
     access_log_interval_s: float = 300.0
     node_id: str = ""  # names this node's access logs; empty: the host name
+    # Join warm: before /readyz says ready, pull the fleet's prewarm_hottest most recently used blocks of each
+    # namespace (prewarm_namespaces, or every namespace with access logs) from the bucket into prewarm_to. 0: off.
+    prewarm_hottest: int = 0
+    prewarm_to: Literal["G2", "G3"] = "G3"
+    prewarm_namespaces: list[str] = []
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

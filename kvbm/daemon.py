@@ -117,6 +117,7 @@ class Daemon:
         self._ns_locks: dict[str, asyncio.Lock] = {}
         self._flush_scheduled = False
         self.access_log: AccessRecorder | None = None
+        self._prewarm = "off"  # off | running | done | failed: <why>
         self._metrics: MetricsServer | None = None
         # Latency histograms: observed by the handlers below, the manager's copies and the S3 tier's requests.
         self.metrics = Metrics(self.snapshot, self.readiness, [t.name for t in manager.tiers])
@@ -209,6 +210,9 @@ class Daemon:
             self.metrics_port = await self._metrics.start()
         self._spawn(self._reaper())
         self._start_access_log()
+        if self.dc.prewarm_hottest > 0 and s3_tiers:
+            self._prewarm = "running"
+            self._spawn(self._prewarm_hottest(s3_tiers[0]))
         if s3_tiers and not self._bucket_indexed.is_set() and self.dc.index_bucket != "lazy":
             self._spawn(self._index_bucket(s3_tiers))
         logj("daemon.started", endpoint=self.endpoint, events=self.events_endpoint, metrics_port=self.metrics_port,
@@ -296,6 +300,21 @@ class Daemon:
                 await self._index_namespace(namespace)
         finally:
             self._ns_retrying.discard(namespace)
+
+    async def _prewarm_hottest(self, s3_name: str) -> None:
+        """Join warm (``daemon.prewarm_hottest``): /readyz says not ready until this has run."""
+        from kvbm.maintenance import prewarm_manager
+
+        t0 = time.perf_counter()
+        try:
+            res = await prewarm_manager(self.manager, self.manager.by_name[s3_name], self.dc.prewarm_namespaces,
+                                        self.dc.prewarm_hottest, self.dc.prewarm_to)
+        except (KvbmError, OSError) as e:  # ready anyway: a cold node serves, a node that never gets ready does not
+            self._prewarm = f"failed: {e}"
+            logj("prewarm.failed", level=logging.WARNING, error=str(e))
+            return
+        self._prewarm = "done"
+        logj("prewarm.done", seconds=round(time.perf_counter() - t0, 3), to=self.dc.prewarm_to, **res)
 
     async def _shutdown(self) -> None:
         if self.access_log is not None:  # the last interval's hits, so a restart does not forget them
@@ -657,6 +676,7 @@ class Daemon:
     def _flush_events(self) -> None:
         self._flush_scheduled = False
         self.access_log: AccessRecorder | None = None
+        self._prewarm = "off"  # off | running | done | failed: <why>
         pending, self._pending_events = self._pending_events, {}
         events: list[Any] = []
         for (kind, tier, ns), hashes in pending.items():
@@ -698,7 +718,7 @@ class Daemon:
         d.update(
             queue_depth=self._offloads, inflight=self._inflight, workers=len(self.workers),
             bucket_indexed=self._bucket_indexed.is_set(), bucket_index_error=self._bucket_index_error,
-            namespaces_indexed=len(self._ns_indexed),
+            namespaces_indexed=len(self._ns_indexed), prewarm=self._prewarm,
             pins=self.sessions.pin_total(), quarantined_slots=self.sessions.quarantined_slots(),
         )
         snap["daemon"] = d

@@ -49,7 +49,7 @@ __all__ = [
     "DELETE_BATCH", "DaemonLink", "DeleteResult", "Entry", "PrewarmReport", "Selector", "daemon_reachable",
     "delete_bucket", "delete_disk", "iter_bucket", "iter_disk", "keys_from_hashes_file", "keys_from_tokens_file",
     "model_slug", "open_bucket", "parse_duration", "parse_size", "plan_log_purge", "plan_purge", "prewarm_disk",
-    "prewarm_host", "rank_hottest", "summarize", "with_access",
+    "prewarm_host", "prewarm_manager", "rank_hottest", "summarize", "with_access",
 ]
 
 
@@ -569,6 +569,31 @@ def rank_hottest(entries: Iterable[Entry], hottest: int | None = None, max_bytes
             total += e.size
         ranked = out
     return ranked
+
+
+async def prewarm_manager(manager: Any, tier: Any, namespaces: Sequence[str], hottest: int, to: str,
+                          concurrency: int = 8) -> dict[str, Any]:
+    """A daemon joining warm: bring the ``hottest`` most recently used blocks (fleet-wide, see
+    :mod:`kvbm.recency`) of each namespace (default: every namespace with access logs) from the bucket
+    ``tier`` into the manager's tier ``to``. The onboards count as hits, like any other use."""
+    from kvbm.recency import list_logs, read_access_times
+
+    nss = list(namespaces) or sorted({lg.namespace for lg in await list_logs(tier)})
+    sem = asyncio.Semaphore(max(1, concurrency))
+    out = {"namespaces": len(nss), "requested": 0, "prewarmed": 0}
+
+    async def one(key: BlockKey) -> None:
+        async with sem:
+            out["prewarmed"] += await manager.onboard([key], to=to)
+
+    for ns in nss:
+        await manager.index_tier(tier.name, ns)  # the manager must know what the bucket holds
+        entries = [e async for e in iter_bucket(tier, Selector(namespaces=(ns,), shard_chars=tier.shard_chars))]
+        times, _logs = await read_access_times(tier, [ns])
+        ranked = rank_hottest(with_access(entries, times), hottest)
+        out["requested"] += len(ranked)
+        await asyncio.gather(*(one(e.key) for e in ranked))
+    return out
 
 
 def leading_runs(chains: Sequence[Sequence[BlockKey]], available: set[BlockKey],

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from serve_proc import ServeProc
 from test_cli import cli_env, data_for, put_s3, run, tier_for
+from test_ops import get
 
 import kvbm.tiers.s3 as s3mod
 from kvbm.blocks import BlockKey
@@ -187,3 +188,40 @@ def test_parallel_listing_returns_exactly_the_serial_set_and_indexes_by_shard(s3
     listed = {p for p in prefixes if p.startswith(f"{s3_prefix}/{NS}/") and p.count("/") == 3}
     assert len(shards) > 100 and len(listed) > len(shards) // 2
     assert listed <= {f"{s3_prefix}/{NS}/{h}/" for h in shards} | {f"{s3_prefix}/{NS}/zz/"}
+
+
+# -- a daemon joins warm -----------------------------------------------------------------------------------
+def test_serve_with_prewarm_hottest_is_ready_once_the_hottest_blocks_are_on_disk(s3_server, s3_prefix, tmp_path):
+    keys = [bkey(NS, i) for i in range(6)]
+    asyncio.run(put_s3(s3_server, s3_prefix, keys))
+
+    async def hits() -> None:
+        t = tier_for(s3_server, s3_prefix)
+        await t.start()
+        try:
+            rec = AccessRecorder(t, "old-node", 60, clock=lambda: time.time() + 100)
+            rec.record([keys[3], keys[1]])
+            await rec.flush()
+        finally:
+            await t.close()
+
+    asyncio.run(hits())
+    d = ServeProc(tmp_path, {
+        "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
+        "disk": {"dir": str(tmp_path / "disk"), "capacity": "1MiB", "fsync": False, "o_direct": False},
+        "s3": {"endpoint": s3_server.endpoint, "bucket": s3_server.bucket, "prefix": s3_prefix,
+               "access_key": s3_server.access_key, "secret_key": s3_server.secret_key},
+        "embedded_s3": {"enabled": False}, "transfer": {"backend": "plain"},
+        "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "events_endpoint": "", "metrics_port": -1,
+                   "prewarm_hottest": 2},
+    }).start(marks=("daemon.started", "prewarm.done"))
+    try:
+        code, body = get(d.info["metrics_port"], "/readyz")
+        assert code == 200 and json.loads(body)["checks"]["prewarmed"] is True, body
+        on_disk = {p.stem for p in (tmp_path / "disk" / NS).rglob("*.kvb")}
+        assert on_disk == {keys[3].hash.hex(), keys[1].hash.hex()}
+        with d.client() as c:
+            st = c.stats()
+        assert st["daemon"]["prewarm"] == "done"
+    finally:
+        d.stop()

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime as _dt
 import html
 import itertools
@@ -194,6 +195,8 @@ def _fast_timestamp(value: Any) -> Any:
     return parse_timestamp(value)
 
 
+# Set only around S3Tier._list_pages' own requests: other callers of the client get botocore's usual reply.
+_FAST_LIST: contextvars.ContextVar[bool] = contextvars.ContextVar("kvbm_fast_list", default=False)
 _CONTENTS_RE = re.compile(rb"<Contents>(.*?)</Contents>", re.S)
 _KEY_RE = re.compile(rb"<Key>(.*?)</Key>", re.S)
 _SIZE_RE = re.compile(rb"<Size>(\d+)</Size>")
@@ -205,7 +208,9 @@ def _fast_list_contents(response_dict: dict[str, Any], customized_response_dict:
     page without them: its generic XML-to-dict parser costs ~50 us per object, the bulk of the client CPU
     of a million-object listing. The entries go to ``KvbmContents`` as ``(key, size, last-modified text)``."""
     body = response_dict.get("body")
-    if response_dict.get("status_code") != 200 or not isinstance(body, bytes | bytearray) or b"<Contents>" not in body:
+    if not _FAST_LIST.get() or response_dict.get("status_code") != 200 or not isinstance(body, bytes | bytearray):
+        return
+    if b"<Contents>" not in body:
         return
     # botocore asks for EncodingType=url and decodes the keys after parsing; do the same here.
     url = b"<EncodingType>url</EncodingType>" in body
@@ -786,10 +791,13 @@ class S3Tier(Tier):
                 kw["StartAfter"] = start_after
             if token:
                 kw["ContinuationToken"] = token
+            fast = _FAST_LIST.set(True)
             try:
                 resp = await self._s3.list_objects_v2(**kw)
             except Exception as e:
                 raise TierUnavailableError(f"S3 LIST {list_prefix!r} at {self.endpoint_name}: {_one_line(e)}") from None
+            finally:
+                _FAST_LIST.reset(fast)
             if dirs is not None:
                 dirs.extend(cp["Prefix"] for cp in resp.get("CommonPrefixes", ()) or ())
             fast = resp.get("KvbmContents")
