@@ -149,7 +149,8 @@ def purge(config_path: str | None, older_than: float | None, namespaces: tuple[s
             entries += loop.run_until_complete(listing())
         logs: list[AccessLog] = []
         recency = "write time"
-        if by == "access" and entries and cfg.s3.enabled:
+        # A disk-only purge reads the logs of a configured bucket, but never starts the embedded SeaweedFS for it.
+        if by == "access" and entries and cfg.s3.enabled and (use_bucket or cfg.s3.endpoint):
             try:
                 if tier is None:  # a disk-only purge still ranks by the fleet's hits when the bucket answers
                     tier = loop.run_until_complete(open_bucket(cfg))

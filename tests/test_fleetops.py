@@ -225,3 +225,22 @@ def test_serve_with_prewarm_hottest_is_ready_once_the_hottest_blocks_are_on_disk
         assert st["daemon"]["prewarm"] == "done"
     finally:
         d.stop()
+
+
+def test_plan_purge_ranks_by_last_use_and_falls_back_to_write_time():
+    from kvbm.maintenance import Entry, Selector, plan_log_purge, plan_purge, rank_hottest, with_access
+    from kvbm.recency import AccessLog
+
+    now = 10_000.0
+    es = [Entry("bucket", bkey(NS, i), f"k{i}", 100, now - 1000 * (5 - i)) for i in range(5)]  # k0 oldest write
+    es = with_access(es, {es[0].key: now - 10, es[1].key: now - 4500})  # k0 hot; k1's hit is older than its write
+    assert [e.ref for e in plan_purge(es, Selector(max_bytes=300), now)] == ["k1", "k2"]
+    assert [e.ref for e in plan_purge(es, Selector(older_than_s=2500), now)] == ["k1", "k2"]
+    assert [e.ref for e in plan_purge(es, Selector(max_bytes=300), now)] != [e.ref for e in plan_purge(
+        [Entry(e.store, e.key, e.ref, e.size, e.mtime) for e in es], Selector(max_bytes=300), now)]
+    assert [e.ref for e in rank_hottest(es, 2)] == ["k0", "k4"]
+    assert [e.ref for e in rank_hottest(es, max_bytes=250)] == ["k0", "k4"]
+    logs = [AccessLog("a", NS, "n", int(now - 40 * 86400)), AccessLog("b", NS, "n", int(now - 60)),
+            AccessLog("c", NS2, "n", int(now - 40 * 86400))]
+    assert [lg.key for lg in plan_log_purge(logs, Selector(older_than_s=1), 30 * 86400, now)] == ["a", "c"]
+    assert [lg.key for lg in plan_log_purge(logs, Selector(namespaces=(NS,), all=True), 30 * 86400, now)] == ["a", "b"]
