@@ -202,3 +202,41 @@ def longdoc_cmd(doc_lengths: str, docs: int, queries: int, query_tokens: int, or
     click.echo("")
     click.echo(longdoc_table(report, markdown))
     _emit(report, json_path, plot_path, plot_longdoc)
+
+
+@bench.command("fleet")
+@click.option("--daemons", default=2, show_default=True, help="Daemons sharing the bucket (at least 2).")
+@click.option("--blocks", default=20, show_default=True, help="Blocks stored durably on A, looked up on B.")
+@click.option("--hit-timeout", default=10.0, show_default=True, help="Seconds B may take to find a block.")
+@click.option("--lookups", default=200, show_default=True, help="Lookups timed on B (misses and G2 hits).")
+@click.option("--block-size", default="64KiB", show_default=True)
+@click.option("--listing-sizes", default="100000,1000000", show_default=True,
+              help="Bucket sizes (block objects) to list, comma separated.")
+@click.option("--listing-prefix", default="", help="Keep the listing objects under this prefix and reuse them.")
+@click.option("--put-concurrency", default=128, show_default=True, help="PUTs in flight creating listing objects.")
+@click.option("--list-concurrency", default=16, show_default=True, help="s3.list_concurrency of the parallel listing.")
+@click.option("--groups", default="fleet,listing", show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go.")
+@with_s3
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block_size: str, listing_sizes: str,
+              listing_prefix: str, put_concurrency: int, list_concurrency: int, groups: str, workdir: str | None,
+              s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str, s3_bucket: str,
+              json_path: str | None, markdown: bool) -> None:
+    """N daemons on one bucket: A's durable ack to B's hit, lookup cost, and listing 100k/1M block objects."""
+    from kvbm.bench.fleet import FleetOptions, fleet_table, run_fleet
+
+    if daemons < 2 or blocks < 1 or lookups < 1:
+        raise click.BadParameter("--daemons must be >= 2, --blocks and --lookups >= 1")
+    opts = FleetOptions(
+        daemons=daemons, blocks=blocks, hit_timeout_s=hit_timeout, lookups=lookups,
+        block_bytes=parse_size(block_size, "--block-size"),
+        listing_sizes=tuple(int(x) for x in _csv(listing_sizes)), listing_prefix=listing_prefix.strip("/"),
+        put_concurrency=put_concurrency, list_concurrency=list_concurrency, groups=_csv(groups), workdir=workdir,
+        s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
+    )
+    report = asyncio.run(run_fleet(opts, click.echo))
+    click.echo("")
+    click.echo(fleet_table(report, markdown))
+    _emit(report, json_path, None, None)

@@ -13,6 +13,7 @@ import click
 from kvbm.blocks import BlockKey
 from kvbm.cli.common import config_option, human_bytes, load, one_line_errors
 from kvbm.cli.status import daemon_options, find_daemon
+from kvbm.config import parse_size
 from kvbm.errors import ConfigError
 from kvbm.maintenance import (
     PrewarmReport,
@@ -25,7 +26,10 @@ from kvbm.maintenance import (
     open_bucket,
     prewarm_disk,
     prewarm_host,
+    rank_hottest,
+    with_access,
 )
+from kvbm.recency import read_access_times
 
 
 class _Bar:
@@ -77,6 +81,11 @@ async def _available(tier: Any, namespace: str, keys: list[BlockKey] | None) -> 
               help="vLLM's block size for --hash-scheme vllm (default: --block-tokens).")
 @click.option("--salt", default=None, help="Cache salt the prompts were hashed with (--tokens).")
 @click.option("--lora", default=None, help="LoRA name the prompts were hashed with (--tokens).")
+@click.option("--hottest", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Only the N most recently used blocks of the namespace, fleet-wide (the bucket's access logs; "
+                   "write time where no hit is recorded).")
+@click.option("--hottest-bytes", "hottest_bytes", metavar="SIZE", default=None,
+              help="Only the most recently used blocks that fit in SIZE (e.g. 50GiB); with --hottest, both limits.")
 @click.option("--to", "to", type=click.Choice(["disk", "host"]), default="disk", show_default=True,
               help="disk: write block files into the disk tier's directory; host: have the running daemon "
                    "onboard them into its host (G2) tier.")
@@ -87,11 +96,12 @@ async def _available(tier: Any, namespace: str, keys: list[BlockKey] | None) -> 
 @one_line_errors
 def prewarm(config_path: str | None, namespace: str, hashes_file: str | None, tokens_file: str | None,
             block_tokens: int | None, hash_scheme: str | None, vllm_block_size: int | None, salt: str | None,
-            lora: str | None, to: str, concurrency: int, as_json: bool, daemon_endpoint: str | None, direct: bool,
-            daemon_timeout: float) -> None:
+            lora: str | None, hottest: int | None, hottest_bytes: str | None, to: str, concurrency: int,
+            as_json: bool, daemon_endpoint: str | None, direct: bool, daemon_timeout: float) -> None:
     """Pull KV blocks from the bucket into a faster tier before requests need them.
 
-    Choose the blocks with --namespace alone (all of it), --hashes FILE or --tokens FILE (prompts as token
+    Choose the blocks with --namespace alone (all of it), --hottest N / --hottest-bytes SIZE (the fleet's most
+    recently used blocks of it: how a new node joins warm), --hashes FILE or --tokens FILE (prompts as token
     ids, hashed like the manager does: give --block-tokens and, for vLLM-keyed caches, --hash-scheme vllm
     --vllm-block-size). For prompts only the leading run of blocks up to the first one the bucket lacks is
     fetched (a prefix lookup can never reach past a gap).
@@ -104,6 +114,7 @@ def prewarm(config_path: str | None, namespace: str, hashes_file: str | None, to
     \b
     Examples:
       kvbm prewarm --namespace llama-3-8b-0123456789abcdef
+      kvbm prewarm --namespace NS --hottest 20000 --hottest-bytes 200GiB
       kvbm prewarm --namespace NS --tokens prompts.jsonl --block-tokens 64 --concurrency 16
       kvbm prewarm --namespace NS --hashes hot.txt --to host --daemon ipc:///run/kvbm.sock
 
@@ -115,6 +126,14 @@ def prewarm(config_path: str | None, namespace: str, hashes_file: str | None, to
         raise click.BadParameter(str(e), param_hint="--namespace") from None
     if hashes_file and tokens_file:
         raise click.UsageError("give --hashes or --tokens, not both")
+    if (hottest or hottest_bytes) and (hashes_file or tokens_file):
+        raise click.UsageError("--hottest/--hottest-bytes pick from the whole namespace; not with --hashes/--tokens")
+    budget = None
+    if hottest_bytes is not None:
+        try:
+            budget = parse_size(hottest_bytes, "--hottest-bytes")
+        except ConfigError as e:
+            raise click.BadParameter(str(e), param_hint="--hottest-bytes") from None
     if tokens_file and not block_tokens:
         raise click.UsageError("--tokens needs --block-tokens (tokens per kvbm block)")
     if (block_tokens or vllm_block_size or hash_scheme or salt or lora) and not tokens_file:
@@ -143,7 +162,8 @@ def prewarm(config_path: str | None, namespace: str, hashes_file: str | None, to
             raise click.ClickException(f"--to host needs a running daemon (its host tier lives in its memory): {why}")
     report = PrewarmReport()
     try:
-        report = asyncio.run(_run(cfg, namespace, keys, chains, to, concurrency, link, report, as_json))
+        hot = (hottest, budget) if (hottest or budget is not None) else None
+        report = asyncio.run(_run(cfg, namespace, keys, chains, to, concurrency, link, report, as_json, hot))
     finally:
         if link is not None:
             link.close()
@@ -188,7 +208,8 @@ def prewarm(config_path: str | None, namespace: str, hashes_file: str | None, to
 
 
 async def _run(cfg: Any, namespace: str, keys: list[BlockKey] | None, chains: list[list[BlockKey]] | None, to: str,
-               concurrency: int, link: Any, report: PrewarmReport, quiet: bool) -> PrewarmReport:
+               concurrency: int, link: Any, report: PrewarmReport, quiet: bool,
+               hot: tuple[int | None, int | None] | None = None) -> PrewarmReport:
     if to == "host" and keys is not None:
         # The daemon knows what it holds; ask it directly (no bucket round trips here).
         groups = chains if chains is not None else [keys]
@@ -198,8 +219,19 @@ async def _run(cfg: Any, namespace: str, keys: list[BlockKey] | None, chains: li
         return report
     tier = await open_bucket(cfg)
     try:
-        avail = await _available(tier, namespace, keys)
-        if keys is None:
+        if hot is not None:
+            sel = Selector(namespaces=(namespace,), shard_chars=tier.shard_chars)
+            entries = [e async for e in iter_bucket(tier, sel)]
+            times, _logs = await read_access_times(tier, [namespace])
+            ranked = rank_hottest(with_access(entries, times), *hot)
+            avail = {e.key: e.size for e in ranked}
+            keys = [e.key for e in ranked]
+        else:
+            avail = await _available(tier, namespace, keys)
+        if hot is not None:
+            report.requested = len(keys)  # type: ignore[arg-type]
+            wanted = keys
+        elif keys is None:
             keys = sorted(avail, key=lambda k: k.hash)
             report.requested = len(keys)
             wanted = keys

@@ -24,8 +24,11 @@ from kvbm.maintenance import (
     open_bucket,
     parse_duration,
     parse_size,
+    plan_log_purge,
     plan_purge,
+    with_access,
 )
+from kvbm.recency import AccessLog, read_access_times
 from kvbm.security import admin_token_path
 from kvbm.tiers.disk import DirLock, DiskDirBusy
 
@@ -72,7 +75,13 @@ def _plan_lines(plan: list[Entry]) -> list[str]:
 @click.option("--all", "all_", is_flag=True,
               help="Every block in scope (of --namespace/--model, or of every namespace).")
 @click.option("--max-bytes", metavar="SIZE", callback=_size,
-              help="Keep each namespace at most SIZE (e.g. 10GiB) per store, deleting its oldest blocks first.")
+              help="Keep each namespace at most SIZE (e.g. 10GiB) per store, deleting its least recently used "
+                   "blocks first.")
+@click.option("--by", "by", type=click.Choice(["access", "written"]), default="access", show_default=True,
+              help="Age and rank blocks by their last use anywhere in the fleet (the bucket's access logs; "
+                   "write time where none is recorded), or by write time only.")
+@click.option("--access-log-retention", "log_keep", metavar="AGE", callback=_duration, default="30d",
+              show_default=True, help="Delete access logs older than AGE (their hits no longer protect a block).")
 @click.option("--from", "from_", type=click.Choice(["bucket", "disk", "both"]), default="both", show_default=True,
               help="Which store to purge.")
 @click.option("--dry-run", is_flag=True, help="Only show what would be deleted (count and bytes).")
@@ -81,14 +90,16 @@ def _plan_lines(plan: list[Entry]) -> list[str]:
 @daemon_options
 @one_line_errors
 def purge(config_path: str | None, older_than: float | None, namespaces: tuple[str, ...], model: str | None,
-          prefix: str | None, all_: bool, max_bytes: int | None, from_: str, dry_run: bool, yes: bool,
-          as_json: bool, daemon_endpoint: str | None, direct: bool, daemon_timeout: float) -> None:
+          prefix: str | None, all_: bool, max_bytes: int | None, by: str, log_keep: float, from_: str,
+          dry_run: bool, yes: bool, as_json: bool, daemon_endpoint: str | None, direct: bool,
+          daemon_timeout: float) -> None:
     """Delete cached KV blocks by age, namespace, model, key prefix or size budget.
 
     Scope with --namespace / --model / --prefix; choose with --older-than, --max-bytes, --prefix or
     --all (at least one is required: a bare `kvbm purge` deletes nothing). Criteria add up: with both
-    an age and a budget, blocks older than the age go, then the oldest of the rest until each namespace
-    fits in the budget.
+    an age and a budget, blocks unused for longer than the age go, then the least recently used of the
+    rest until each namespace fits in the budget. "Used" is the later of the write time and the last hit
+    any daemon of the fleet recorded in the bucket's access logs (--by written ignores the logs).
 
     Only kvbm block keys are ever deleted: objects under the configured s3.prefix that parse as
     <namespace>/<shard>/<hash>, and <namespace>/<hh>/<hash>.kvb files in the disk directory. Other
@@ -137,16 +148,37 @@ def purge(config_path: str | None, older_than: float | None, namespaces: tuple[s
                 return [e async for e in iter_bucket(tier, sel)]
 
             entries += loop.run_until_complete(listing())
+        logs: list[AccessLog] = []
+        recency = "write time"
+        # A disk-only purge reads the logs of a configured bucket, but never starts the embedded SeaweedFS for it.
+        if by == "access" and entries and cfg.s3.enabled and (use_bucket or cfg.s3.endpoint):
+            try:
+                if tier is None:  # a disk-only purge still ranks by the fleet's hits when the bucket answers
+                    tier = loop.run_until_complete(open_bucket(cfg))
+                nss = sel.namespaces or None
+                times, logs = loop.run_until_complete(read_access_times(tier, nss))
+                entries = with_access(entries, times)
+                recency = f"access ({len(logs)} access logs, {len(times)} blocks with a recorded hit)"
+            except KvbmError as e:
+                if use_bucket:
+                    raise
+                recency = f"write time (bucket access logs unreadable: {' '.join(str(e).split())[:200]})"
         plan = plan_purge(entries, sel)
+        log_plan = plan_log_purge(logs, sel, log_keep) if use_bucket else []
         total = sum(e.size for e in plan)
         where = " and ".join(w for w, on in (("bucket", use_bucket), ("disk", use_disk)) if on) or "nothing"
         say(f"{'would delete' if dry_run else 'to delete'}: {len(plan)} blocks, {human_bytes(total)} "
-            f"(of {len(entries)} in scope, from {where})")
+            f"(of {len(entries)} in scope, from {where}; by {recency})")
         for line in _plan_lines(plan):
             say(line)
+        if log_plan:
+            say(f"  access logs: {len(log_plan)} old ones")
         summary: dict[str, Any] = {"dry_run": dry_run, "selected": len(plan), "selected_bytes": total,
-                                   "in_scope": len(entries), "deleted": 0, "bytes_freed": 0, "errors": 0}
-        if dry_run or not plan:
+                                   "in_scope": len(entries), "deleted": 0, "bytes_freed": 0, "errors": 0,
+                                   "by": "access" if recency.startswith("access") else "written",
+                                   "access_logs": len(logs), "access_logs_selected": len(log_plan),
+                                   "access_logs_deleted": 0}
+        if dry_run or not (plan or log_plan):
             if not plan:
                 say("nothing to delete")
             if as_json:
@@ -156,9 +188,11 @@ def purge(config_path: str | None, older_than: float | None, namespaces: tuple[s
             if not sys.stdin.isatty():
                 raise click.ClickException(f"refusing to delete {len(plan)} blocks without confirmation: "
                                            "no terminal to ask on (pass --yes, or --dry-run to look first)")
-            click.confirm(f"Delete {len(plan)} blocks ({human_bytes(total)})?", abort=True)
+            click.confirm(f"Delete {len(plan)} blocks ({human_bytes(total)})"
+                          + (f" and {len(log_plan)} old access logs" if log_plan else "") + "?", abort=True)
         guard = _disk_guard(cfg, use_disk, daemon_endpoint, direct, daemon_timeout)
         res = DeleteResult()
+        logs_deleted = 0
         t0 = time.perf_counter()
         try:
             with click.progressbar(length=len(plan), label="deleting", file=sys.stderr,
@@ -167,6 +201,10 @@ def purge(config_path: str | None, older_than: float | None, namespaces: tuple[s
                     delete_disk(cfg.disk_dir, plan, bar.update, into=res)
                 if tier is not None and not res.interrupted:
                     loop.run_until_complete(delete_bucket(tier, plan, bar.update, into=res))
+                if log_plan and not res.interrupted:
+                    logs_deleted, log_errors = loop.run_until_complete(
+                        tier.delete_many([lg.key for lg in log_plan]))  # type: ignore[union-attr]
+                    res.errors += [(k, f"{code} {msg}".strip()) for k, code, msg in log_errors]
         except KeyboardInterrupt:
             res.interrupted = "interrupted (Ctrl-C)"
         finally:
@@ -175,7 +213,7 @@ def purge(config_path: str | None, older_than: float | None, namespaces: tuple[s
         notice = _tell_daemon(cfg, res.done, use_disk, use_bucket, daemon_endpoint, direct, daemon_timeout)
         summary.update(deleted=res.deleted, bytes_freed=res.bytes, errors=len(res.errors), seconds=round(seconds, 3),
                        keys_per_s=round(res.deleted / seconds, 1) if seconds > 0 else None,
-                       interrupted=res.interrupted or None, daemon=notice,
+                       interrupted=res.interrupted or None, daemon=notice, access_logs_deleted=logs_deleted,
                        error_samples=[{"key": k, "error": m} for k, m in res.errors[:20]])
         if as_json:
             click.echo(json.dumps(summary))

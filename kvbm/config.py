@@ -114,6 +114,8 @@ class S3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     scan_on_start: bool = False
     # Deadline for one NIXL OBJ transfer (aws-sdk-cpp itself retries a dead endpoint for ~25 s).
     nixl_timeout_s: float = 10.0
+    # LIST requests in flight at once when a namespace is listed by shard directory (re-index, status, purge).
+    list_concurrency: int = 16
 
 
 class EmbeddedS3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
@@ -173,6 +175,15 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     probe_max_blocks: int = 64  # blocks one probe asks about at most
     probe_negative_ttl_s: float = 1.0  # a block the bucket lacked is not probed again for this long
     probe_negative_max: int = 100_000  # entries of the negative cache (the oldest leave first)
+    # Fleet-wide recency: every this many seconds the daemon writes the hashes hit since the last write to
+    # {s3.prefix}/_access/{namespace}/{node}/{epoch}.log (kvbm.recency); purge and prewarm read them. 0: off.
+    access_log_interval_s: float = 300.0
+    node_id: str = ""  # names this node's access logs; empty: the host name
+    # Join warm: before /readyz says ready, pull the fleet's prewarm_hottest most recently used blocks of each
+    # namespace (prewarm_namespaces, or every namespace with access logs) from the bucket into prewarm_to. 0: off.
+    prewarm_hottest: int = 0
+    prewarm_to: Literal["G2", "G3"] = "G3"
+    prewarm_namespaces: list[str] = []
 
 
 class Config(_Redacted, forbid_unknown_fields=True, kw_only=True):

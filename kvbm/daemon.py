@@ -46,6 +46,7 @@ from kvbm.keys import is_namespace
 from kvbm.kvevents import KVEventSubscriber, describe_views
 from kvbm.manager import PERSISTENT, BlockManager
 from kvbm.metrics import Metrics, MetricsServer
+from kvbm.recency import AccessRecorder
 from kvbm.redact import redact
 from kvbm.security import admin_token_path, check_binds, ensure_admin_token, server_keys, token_matches
 from kvbm.sessions import Sessions, WorkerSession
@@ -128,6 +129,8 @@ class Daemon:
         self._ns_indexed: set[str] = set()
         self._ns_locks: dict[str, asyncio.Lock] = {}
         self._flush_scheduled = False
+        self.access_log: AccessRecorder | None = None
+        self._prewarm = "off"  # off | running | done | failed: <why>
         self._metrics: MetricsServer | None = None
         # Fleet (kvbm.fleet): what other daemons sharing the bucket store and delete.
         shared = next((t for t in manager.tiers if isinstance(t, S3Tier)), None)
@@ -239,6 +242,10 @@ class Daemon:
             self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
             self.metrics_port = await self._metrics.start()
         self._spawn(self._reaper())
+        self._start_access_log()
+        if self.dc.prewarm_hottest > 0 and s3_tiers:
+            self._prewarm = "running"
+            self._spawn(self._prewarm_hottest(s3_tiers[0]))
         if s3_tiers and not self._bucket_indexed.is_set() and self.dc.index_bucket != "lazy":
             self._spawn(self._index_bucket(s3_tiers))
         logj("daemon.started", endpoint=self.endpoint, events=self.events_endpoint, metrics_port=self.metrics_port,
@@ -258,6 +265,15 @@ class Daemon:
 
     async def stop(self) -> None:
         self._stop.set()
+
+    def _start_access_log(self) -> None:
+        """Fleet-wide recency: write this node's hits to the bucket every ``access_log_interval_s``."""
+        s3 = next((t for t in self.manager.tiers if t.kind == "s3"), None)
+        if s3 is None or self.dc.access_log_interval_s <= 0:
+            return
+        self.access_log = AccessRecorder(s3, self.dc.node_id, self.dc.access_log_interval_s)
+        self.manager.registry.hit_listeners.append(self.access_log.record)
+        self._spawn(self.access_log.run())
 
     async def _list_bucket(self, names: list[str]) -> None:
         """List the whole bucket once (raises TierUnavailableError if it cannot be listed to the end)."""
@@ -319,7 +335,25 @@ class Daemon:
         finally:
             self._ns_retrying.discard(namespace)
 
+    async def _prewarm_hottest(self, s3_name: str) -> None:
+        """Join warm (``daemon.prewarm_hottest``): /readyz says not ready until this has run."""
+        from kvbm.maintenance import prewarm_manager
+
+        t0 = time.perf_counter()
+        try:
+            res = await prewarm_manager(self.manager, self.manager.by_name[s3_name], self.dc.prewarm_namespaces,
+                                        self.dc.prewarm_hottest, self.dc.prewarm_to)
+        except (KvbmError, OSError) as e:  # ready anyway: a cold node serves, a node that never gets ready does not
+            self._prewarm = f"failed: {e}"
+            logj("prewarm.failed", level=logging.WARNING, error=str(e))
+            return
+        self._prewarm = "done"
+        logj("prewarm.done", seconds=round(time.perf_counter() - t0, 3), to=self.dc.prewarm_to, **res)
+
     async def _shutdown(self) -> None:
+        if self.access_log is not None:  # the last interval's hits, so a restart does not forget them
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.access_log.flush(), 5.0)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -743,6 +777,8 @@ class Daemon:
 
     def _flush_events(self) -> None:
         self._flush_scheduled = False
+        self.access_log: AccessRecorder | None = None
+        self._prewarm = "off"  # off | running | done | failed: <why>
         pending, self._pending_events = self._pending_events, {}
         events: list[Any] = []
         for (kind, tier, ns, nbytes), hashes in pending.items():
@@ -843,7 +879,7 @@ class Daemon:
         d.update(
             queue_depth=self._offloads, inflight=self._inflight, workers=len(self.workers),
             bucket_indexed=self._bucket_indexed.is_set(), bucket_index_error=self._bucket_index_error,
-            namespaces_indexed=len(self._ns_indexed),
+            namespaces_indexed=len(self._ns_indexed), prewarm=self._prewarm,
             pins=self.sessions.pin_total(), quarantined_slots=self.sessions.quarantined_slots(),
         )
         d["fleet"] = self.fleet()

@@ -23,6 +23,7 @@ The CLI only parses options and prints; everything that decides *what* to touch 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -39,6 +40,7 @@ from kvbm.blocks import BlockKey
 from kvbm.config import Config, parse_size
 from kvbm.errors import ConfigError, KvbmError
 from kvbm.keys import DISK_SUFFIX, check_namespace, is_hash_hex, is_namespace, model_slug, parse_disk_relpath
+from kvbm.recency import AccessLog, is_access_key
 
 DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", re.IGNORECASE)
@@ -47,8 +49,8 @@ _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 __all__ = [
     "DELETE_BATCH", "DaemonLink", "DeleteResult", "Entry", "PrewarmReport", "Selector", "daemon_reachable",
     "delete_bucket", "delete_disk", "iter_bucket", "iter_disk", "keys_from_hashes_file", "keys_from_tokens_file",
-    "model_slug", "open_bucket", "parse_duration", "parse_size", "plan_purge", "prewarm_disk", "prewarm_host",
-    "summarize",
+    "model_slug", "open_bucket", "parse_duration", "parse_size", "plan_log_purge", "plan_purge", "prewarm_disk",
+    "prewarm_host", "prewarm_manager", "rank_hottest", "summarize", "with_access",
 ]
 
 
@@ -80,10 +82,16 @@ class Entry:
     ref: str
     size: int
     mtime: float
+    accessed: float = 0.0  # last access any node recorded in the bucket's access logs (0: none)
 
     @property
     def namespace(self) -> str:
         return self.key.namespace
+
+    @property
+    def last_used(self) -> float:
+        """The later of the write time and the last recorded access: what purge ages and ranks by."""
+        return max(self.mtime, self.accessed)
 
 
 @dataclass
@@ -205,9 +213,11 @@ async def iter_bucket(tier: Any, sel: Selector | None = None, foreign: list[int]
     ``foreign[0]`` (when given) and never yielded."""
     sel = sel or Selector(shard_chars=tier.shard_chars)
     for ns, kp in sel.list_prefixes():
-        async for bkey, okey, size, mtime in tier.list_objects(namespace=ns, key_prefix=kp):
+        # A namespace or the whole prefix is listed by shard directory, concurrently; a raw key prefix serially.
+        listing = tier.list_objects(namespace=ns, key_prefix=kp) if kp else tier.list_objects_parallel(ns)
+        async for bkey, okey, size, mtime in listing:
             if bkey is None or tier.object_key(bkey) != okey:
-                if foreign is not None:
+                if foreign is not None and not is_access_key(tier.prefix, okey):  # access logs are kvbm's own
                     foreign[0] += 1
                 continue
             e = Entry("bucket", bkey, okey, size, mtime.timestamp() if mtime else 0.0)
@@ -236,11 +246,27 @@ def iso(ts: float | None) -> str | None:
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# -- recency ---------------------------------------------------------------------------------------------
+def with_access(entries: Iterable[Entry], times: dict[BlockKey, float]) -> list[Entry]:
+    """``entries`` with ``accessed`` set from merged access logs (:func:`kvbm.recency.read_access_times`)."""
+    return [dataclasses.replace(e, accessed=times[e.key]) if e.key in times else e for e in entries]
+
+
+def plan_log_purge(logs: Iterable[AccessLog], sel: Selector, keep_s: float,
+                   now: float | None = None) -> list[AccessLog]:
+    """Access logs to delete: those of in-scope namespaces written more than ``keep_s`` ago, and with
+    ``--all`` (no key prefix) every log of the namespaces being emptied."""
+    now = time.time() if now is None else now
+    every = sel.all and not sel.prefix
+    return [lg for lg in logs if sel.ns_in_scope(lg.namespace) and (every or now - lg.epoch > keep_s)]
+
+
 # -- purge -----------------------------------------------------------------------------------------------
 def plan_purge(entries: Iterable[Entry], sel: Selector, now: float | None = None) -> list[Entry]:
-    """What to delete, oldest first: every in-scope entry when ``sel.all`` or when only a prefix was given;
-    else those older than ``sel.older_than_s``; then, with ``sel.max_bytes``, the oldest of what is left in
-    each (store, namespace) until it is at most ``max_bytes``."""
+    """What to delete, least recently used first: every in-scope entry when ``sel.all`` or when only a
+    prefix was given; else those not used (written or, per the access logs, read) for ``sel.older_than_s``;
+    then, with ``sel.max_bytes``, the least recently used of what is left in each (store, namespace) until
+    it is at most ``max_bytes``. Entries without a recorded access go by their write time."""
     if not sel.has_criterion:
         raise ConfigError("no purge criterion: give --older-than, --max-bytes, --prefix or --all")
     now = time.time() if now is None else now
@@ -249,7 +275,7 @@ def plan_purge(entries: Iterable[Entry], sel: Selector, now: float | None = None
     chosen: dict[tuple[str, str], Entry] = {}
     keep: list[Entry] = []
     for e in scoped:
-        if take_all or (sel.older_than_s is not None and now - e.mtime > sel.older_than_s):
+        if take_all or (sel.older_than_s is not None and now - e.last_used > sel.older_than_s):
             chosen[(e.store, e.ref)] = e
         else:
             keep.append(e)
@@ -259,12 +285,12 @@ def plan_purge(entries: Iterable[Entry], sel: Selector, now: float | None = None
             groups.setdefault((e.store, e.namespace), []).append(e)
         for group in groups.values():
             total = sum(e.size for e in group)
-            for e in sorted(group, key=lambda e: (e.mtime, e.ref)):
+            for e in sorted(group, key=lambda e: (e.last_used, e.accessed, e.ref)):
                 if total <= sel.max_bytes:
                     break
                 chosen[(e.store, e.ref)] = e
                 total -= e.size
-    return sorted(chosen.values(), key=lambda e: (e.mtime, e.store, e.ref))
+    return sorted(chosen.values(), key=lambda e: (e.last_used, e.accessed, e.store, e.ref))
 
 
 @dataclass
@@ -543,6 +569,48 @@ class PrewarmReport:
             "unreachable_after_gap": self.unreachable, "failed": len(self.failed),
             "failures": [{"key": k, "error": e} for k, e in self.failed[:100]], "skipped_no_room": self.no_room,
         }
+
+
+def rank_hottest(entries: Iterable[Entry], hottest: int | None = None, max_bytes: int | None = None) -> list[Entry]:
+    """Most recently used first (last recorded access, else write time): the first ``hottest`` entries and/or
+    as many as fit in ``max_bytes`` of object size."""
+    ranked = sorted(entries, key=lambda e: (-e.last_used, -e.accessed, e.ref))
+    if hottest is not None:
+        ranked = ranked[: max(0, hottest)]
+    if max_bytes is not None:
+        out, total = [], 0
+        for e in ranked:
+            if total + e.size > max_bytes:
+                break
+            out.append(e)
+            total += e.size
+        ranked = out
+    return ranked
+
+
+async def prewarm_manager(manager: Any, tier: Any, namespaces: Sequence[str], hottest: int, to: str,
+                          concurrency: int = 8) -> dict[str, Any]:
+    """A daemon joining warm: bring the ``hottest`` most recently used blocks (fleet-wide, see
+    :mod:`kvbm.recency`) of each namespace (default: every namespace with access logs) from the bucket
+    ``tier`` into the manager's tier ``to``. The onboards count as hits, like any other use."""
+    from kvbm.recency import list_logs, read_access_times
+
+    nss = list(namespaces) or sorted({lg.namespace for lg in await list_logs(tier)})
+    sem = asyncio.Semaphore(max(1, concurrency))
+    out = {"namespaces": len(nss), "requested": 0, "prewarmed": 0}
+
+    async def one(key: BlockKey) -> None:
+        async with sem:
+            out["prewarmed"] += await manager.onboard([key], to=to)
+
+    for ns in nss:
+        await manager.index_tier(tier.name, ns)  # the manager must know what the bucket holds
+        entries = [e async for e in iter_bucket(tier, Selector(namespaces=(ns,), shard_chars=tier.shard_chars))]
+        times, _logs = await read_access_times(tier, [ns])
+        ranked = rank_hottest(with_access(entries, times), hottest)
+        out["requested"] += len(ranked)
+        await asyncio.gather(*(one(e.key) for e in ranked))
+    return out
 
 
 def leading_runs(chains: Sequence[Sequence[BlockKey]], available: set[BlockKey],

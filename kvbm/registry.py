@@ -54,6 +54,8 @@ class Registry:
         self._hits: dict[int, int] = {}
         # Called as listener(kind, tier, key) with kind "stored" or "removed", outside the lock.
         self.listeners: list[Callable[[str, str, BlockKey], None]] = []
+        # Called as hit_listener(keys) for every recorded hit, outside the lock (kvbm.recency).
+        self.hit_listeners: list[Callable[[list[BlockKey]], None]] = []
 
     # -- key packing ---------------------------------------------------------------------------------
     def _code(self, key: BlockKey) -> int:
@@ -229,7 +231,8 @@ class Registry:
         return out
 
     def record_hit(self, keys: Iterable[BlockKey]) -> None:
-        codes = self._codes(list(keys))
+        keys = list(keys)
+        codes = self._codes(keys)
         with self._lock:
             hits = self._hits
             for code in codes:
@@ -239,6 +242,8 @@ class Registry:
                     c = lru.pop(code, None)
                     if c is not None:
                         lru[c] = c
+        for fn in self.hit_listeners:
+            fn(keys)
 
     def hits(self, key: BlockKey) -> int:
         return self._hits.get(self._peek(key), 0)  # type: ignore[arg-type]

@@ -154,3 +154,23 @@ def test_pack_unpack_round_trip():
     full, _ = m.prefill(torch.arange(30) % 100)
     part, _ = m.prefill(torch.arange(24, 30) % 100, back)
     assert torch.allclose(full, part, atol=1e-4)
+
+
+def test_bench_fleet_smoke(s3_server, tmp_path):
+    """Two daemons on one bucket and a small listing: every figure is in the JSON; a block B never finds is
+    counted as such, never timed."""
+    out = tmp_path / "fleet.json"
+    text = _run(["fleet", "--blocks", "2", "--hit-timeout", "1", "--lookups", "5", "--listing-sizes", "300",
+                 "--put-concurrency", "32", "--workdir", str(tmp_path), *_s3_args(s3_server), "--json", str(out)])
+    r = json.loads(out.read_text())
+    _check_machine(r)
+    f = r["fleet"]
+    assert f["daemons"] == 2 and f["found"] + f["never_found"] == 2
+    assert (f["ack_to_hit_s"] is None) == (f["found"] == 0)
+    assert f["lookup_miss_s"]["n"] == 5 and f["lookup_hit_g2_s"]["n"] == 5
+    (row,) = r["listing"]
+    assert row["objects"] == 300 and row["serial"]["listed"] == 300 and row["parallel"]["listed"] == 300
+    assert "error" not in row
+    assert not _objects(s3_server), "bench objects left in the bucket"
+    _no_secrets(s3_server, tmp_path, text)
+    _no_leftovers(tmp_path)

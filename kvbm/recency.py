@@ -1,0 +1,214 @@
+"""Fleet-wide block recency: per-node access logs in the bucket.
+
+An object's LastModified is its write time and never changes on reads, so a purge by age or budget
+would delete the oldest blocks even when they are the hottest. Every daemon therefore writes, once per
+``daemon.access_log_interval_s``, one small object per namespace naming the blocks it served since its
+last write::
+
+    {s3.prefix}/_access/{namespace}/{node}/{epoch}.log
+
+``epoch`` is the unix second of the write (an upper bound of each access in it), ``node`` the writer's
+``daemon.node_id`` (default: the host name). The body is a format line then one hex block hash per line.
+No per-object PUT or tag per hit, any S3 works, and a block hit on many nodes in one interval costs one
+line per node. :func:`read_access_times` merges the logs of a namespace into ``{hash: last access}``;
+``kvbm purge`` evicts by that (least recently used first, write time where no access is recorded) and
+deletes logs older than its retention; ``kvbm prewarm --hottest`` fetches the most recently used.
+
+``_access`` is not a namespace (namespaces start with a letter or digit), so block listings never
+mistake a log for a block, and the maintenance inventory does not count logs as foreign objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvbm.blocks import BlockKey
+from kvbm.keys import is_hash_hex, is_namespace
+
+log = logging.getLogger("kvbm.recency")
+
+ACCESS_DIR = "_access"
+LOG_SUFFIX = ".log"
+LOG_MAGIC = b"kvbm-access-v1\n"
+MAX_PENDING = 1_000_000  # distinct hashes kept per interval; beyond it hits are dropped (counted)
+_NODE_RE = re.compile(r"[^a-z0-9._-]+")
+
+__all__ = [
+    "ACCESS_DIR", "AccessLog", "AccessRecorder", "access_prefix", "decode_log", "encode_log", "is_access_key",
+    "log_key", "node_name", "parse_log_key", "read_access_times",
+]
+
+
+def node_name(node_id: str = "") -> str:
+    """A key-safe node name: ``node_id`` or the host name, lower case, ``[a-z0-9._-]``, at most 64 chars."""
+    name = _NODE_RE.sub("-", (node_id or socket.gethostname()).lower()).strip("-.")[:64]
+    return name or "node"
+
+
+def _base(prefix: str) -> str:
+    prefix = prefix.strip("/")
+    return f"{prefix}/" if prefix else ""
+
+
+def access_prefix(prefix: str, namespace: str | None = None) -> str:
+    """``{prefix}/_access/[{namespace}/]``: where the access logs (of one namespace) live."""
+    out = f"{_base(prefix)}{ACCESS_DIR}/"
+    return f"{out}{namespace}/" if namespace else out
+
+
+def log_key(prefix: str, namespace: str, node: str, epoch: int) -> str:
+    return f"{access_prefix(prefix, namespace)}{node}/{epoch}{LOG_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class AccessLog:
+    """One access-log object: its key, namespace, writer and write time (unix seconds)."""
+
+    key: str
+    namespace: str
+    node: str
+    epoch: int
+    size: int = 0
+
+
+def parse_log_key(prefix: str, okey: str, size: int = 0) -> AccessLog | None:
+    """The :class:`AccessLog` an object key names, or None if it is not one."""
+    base = access_prefix(prefix)
+    if not okey.startswith(base):
+        return None
+    parts = okey[len(base) :].split("/")
+    if len(parts) != 3 or not parts[2].endswith(LOG_SUFFIX):
+        return None
+    ns, node, name = parts
+    stem = name[: -len(LOG_SUFFIX)]
+    if not is_namespace(ns) or not node or node_name(node) != node or not stem.isdigit():
+        return None
+    return AccessLog(okey, ns, node, int(stem), size)
+
+
+def is_access_key(prefix: str, okey: str) -> bool:
+    """Whether ``okey`` lies under the access-log directory (a log, or a stray object there)."""
+    return okey.startswith(access_prefix(prefix))
+
+
+def encode_log(hashes: Iterable[bytes]) -> bytes:
+    return LOG_MAGIC + b"".join(h.hex().encode() + b"\n" for h in hashes)
+
+
+def decode_log(body: bytes) -> list[bytes]:
+    """The block hashes of a log body; an unknown format or a bad line yields nothing for it."""
+    if not body.startswith(LOG_MAGIC):
+        return []
+    out = []
+    for line in body[len(LOG_MAGIC) :].split(b"\n"):
+        s = line.strip().decode("ascii", "replace")
+        if s and is_hash_hex(s):
+            out.append(bytes.fromhex(s))
+    return out
+
+
+class AccessRecorder:
+    """Collects a daemon's hits and writes them as one access log per namespace per interval.
+
+    :meth:`record` is called on the event loop for every onboarded run (cheap: a set insert per block, so a
+    block is written at most once per interval however often it is hit); :meth:`run` flushes every
+    ``interval_s`` in the background. A failed write keeps the hashes for the next try, up to
+    ``MAX_PENDING``."""
+
+    def __init__(self, tier: Any, node: str, interval_s: float, clock: Callable[[], float] = time.time) -> None:
+        self.tier = tier
+        self.node = node_name(node)
+        self.interval_s = max(1.0, float(interval_s))
+        self.clock = clock
+        self.pending: dict[str, dict[bytes, None]] = {}
+        self.written = 0  # logs written
+        self.dropped = 0  # hits beyond MAX_PENDING
+        self.failed = 0  # writes that failed (their hashes were kept)
+        self._count = 0
+        self._last_epoch = 0
+        self._lock = asyncio.Lock()
+
+    def record(self, keys: Iterable[BlockKey]) -> None:
+        for k in keys:
+            hs = self.pending.get(k.namespace)
+            if hs is None:
+                hs = self.pending[k.namespace] = {}
+            if k.hash in hs:
+                continue
+            if self._count >= MAX_PENDING:
+                self.dropped += 1
+                continue
+            hs[k.hash] = None
+            self._count += 1
+
+    async def flush(self) -> int:
+        """Write what was recorded since the last flush; returns the logs written."""
+        async with self._lock:
+            if not self.pending:
+                return 0
+            # Rounded up: an upper bound of every hit in the log (LastModified is truncated to the second, so
+            # a block hit right after it was written still ranks as used after the write). One key per flush.
+            epoch = max(math.ceil(self.clock()), self._last_epoch + 1)
+            self._last_epoch = epoch
+            batch, self.pending, self._count = self.pending, {}, 0
+            n = 0
+            for ns, hashes in batch.items():
+                try:
+                    await self.tier.put_aux(log_key(self.tier.prefix, ns, self.node, epoch), encode_log(hashes))
+                    n += 1
+                except Exception as e:  # an outage: keep the hashes for the next interval
+                    self.failed += 1
+                    log.warning("access log write failed (%s); kept for the next try", e)
+                    self.record(BlockKey(ns, h) for h in hashes)
+            self.written += n
+            return n
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.flush()
+
+    def describe(self) -> dict[str, object]:
+        return {"node": self.node, "interval_s": self.interval_s, "logs_written": self.written,
+                "pending": self._count, "dropped": self.dropped, "failed": self.failed}
+
+
+async def list_logs(tier: Any, namespaces: Iterable[str] | None = None) -> list[AccessLog]:
+    """Every access log (of ``namespaces``, or of all) under the tier's prefix."""
+    prefixes = [access_prefix(tier.prefix, ns) for ns in namespaces] if namespaces else [access_prefix(tier.prefix)]
+    out: list[AccessLog] = []
+    for pfx in dict.fromkeys(prefixes):
+        async for page in tier._list_pages(pfx):
+            for _bk, okey, size, _mt in page:
+                lg = parse_log_key(tier.prefix, okey, size)
+                if lg is not None:
+                    out.append(lg)
+    return out
+
+
+async def read_access_times(tier: Any, namespaces: Iterable[str] | None = None, *, since: float = 0.0,
+                            concurrency: int = 16) -> tuple[dict[BlockKey, float], list[AccessLog]]:
+    """Merge the access logs (written after ``since``) into ``{block: last access, unix seconds}``;
+    also returns every log found (old ones included, for the purge of logs)."""
+    logs = await list_logs(tier, list(namespaces) if namespaces else None)
+    times: dict[BlockKey, float] = {}
+    sem = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(lg: AccessLog) -> None:
+        async with sem:
+            body = await tier.get_aux(lg.key)
+        for h in decode_log(body or b""):
+            k = BlockKey(lg.namespace, h)
+            if times.get(k, 0.0) < lg.epoch:
+                times[k] = float(lg.epoch)
+
+    await asyncio.gather(*(one(lg) for lg in logs if lg.epoch >= since))
+    return times, logs
