@@ -31,8 +31,11 @@ from contextlib import asynccontextmanager
 import msgspec
 
 from kvbm.blocks import BlockKey
+from kvbm.copiers import copy_block
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
+from kvbm.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.metrics import no_observe
+from kvbm.owed import CATCH_UP_EVERY_S, OwedWrites
 from kvbm.registry import Registry
 from kvbm.tiers.base import Tier
 from kvbm.tiers.pool import SlotPoolTier
@@ -40,9 +43,9 @@ from kvbm.tiers.s3 import S3Tier
 
 log = logging.getLogger(__name__)
 
-CATCH_UP_EVERY_S = 2.0  # how often owed write-throughs check whether their tier takes writes again
+__all__ = ["CATCH_UP_EVERY_S", "FAILURE_LOG_EVERY_S", "PERSISTENT", "BlockManager", "FailureLog", "ManagerStats"]
+
 PERSISTENT = ("disk", "s3")  # tier kinds that survive a restart
-FAILURE_LOG_EVERY_S = 60.0  # after the first, a kind of failure is logged at most this often
 
 
 class ManagerStats(msgspec.Struct):
@@ -65,29 +68,6 @@ class ManagerStats(msgspec.Struct):
     filtered: int = 0
     catch_up_writes: int = 0  # owed write-throughs retried once their tier took writes again
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
-
-
-class FailureLog:
-    """Counts background failures per ``tier:ExceptionType`` and logs each kind once, then at most once
-    every ``every_s`` (with how many were not logged), so an outage is one line, not one per block."""
-
-    def __init__(self, counts: dict[str, int], every_s: float = FAILURE_LOG_EVERY_S) -> None:
-        self.counts = counts
-        self.every_s = every_s
-        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (when, count then)
-
-    def record(self, what: str, key: BlockKey, tier: str, e: BaseException) -> None:
-        kind = f"{tier}:{type(e).__name__}"
-        n = self.counts.get(kind, 0) + 1
-        self.counts[kind] = n
-        now = time.monotonic()
-        last = self._logged.get(kind)
-        if last is not None and now - last[0] < self.every_s:
-            return
-        self._logged[kind] = (now, n)
-        since = "" if last is None else f" ({n - last[1] - 1} more like it not logged)"
-        log.warning("%s of %s to %s failed: %s: %s%s", what, key, tier, type(e).__name__, e, since,
-                    exc_info=not isinstance(e, (KvbmError, OSError)))
 
 
 class BlockManager:
@@ -119,9 +99,7 @@ class BlockManager:
         self.failures = FailureLog(self.stats.errors)
         self._pending: set[asyncio.Task[None]] = set()
         # Write-throughs a tier could not take (S3 down or shedding): tier -> keys, retried once it is writable.
-        self._owed: dict[str, set[BlockKey]] = {}
-        self._catch_up_task: asyncio.Task[None] | None = None
-        self.catch_up_every_s = CATCH_UP_EVERY_S
+        self.owed_writes = OwedWrites(self.by_name, self.registry, self._catch_up_cascade)
         self._moves: dict[tuple[BlockKey, str], asyncio.Future[bool]] = {}
         self._pools_registered = False
         self._room_locks: dict[str, asyncio.Lock] = {}
@@ -166,8 +144,7 @@ class BlockManager:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     async def close(self) -> None:
-        if self._catch_up_task is not None:
-            self._catch_up_task.cancel()
+        self.owed_writes.cancel()
         await self.drain()
         for tier in self.tiers:
             await tier.close()
@@ -383,7 +360,7 @@ class BlockManager:
                 self.failures.record("cascade", key, tier.name, e)
                 ok = False
                 if isinstance(e, TierUnavailableError):  # an outage or shed write: owed, retried later
-                    self._owe(tier.name, key)
+                    self.owed_writes.owe(tier.name, key)
             if ok:
                 self.stats.cascade_writes += 1
                 durable = durable or tier.kind in PERSISTENT
@@ -391,37 +368,27 @@ class BlockManager:
                 self.stats.cascade_failures += 1
         return durable
 
-    # -- write-throughs owed after an outage ----------------------------------------------------------
-    def _owe(self, tier: str, key: BlockKey) -> None:
-        self._owed.setdefault(tier, set()).add(key)
-        if self._catch_up_task is None or self._catch_up_task.done():
-            self._catch_up_task = asyncio.get_running_loop().create_task(self._catch_up_loop())
+    # -- write-throughs owed after an outage (kvbm.owed) ----------------------------------------------
+    @property
+    def catch_up_every_s(self) -> float:
+        return self.owed_writes.every_s
+
+    @catch_up_every_s.setter
+    def catch_up_every_s(self, seconds: float) -> None:
+        self.owed_writes.every_s = seconds
+
+    def _catch_up_cascade(self, key: BlockKey) -> bool:
+        started = self._schedule_cascade(key, None)
+        self.stats.catch_up_writes += started
+        return started
 
     def owed(self) -> dict[str, int]:
         """Blocks per tier whose write-through is waiting for that tier to take writes again."""
-        return {t: len(keys) for t, keys in self._owed.items() if keys}
-
-    async def _catch_up_loop(self) -> None:
-        """While write-throughs are owed: every ``catch_up_every_s``, cascade those whose tier is writable
-        again (S3 back), so a block stored during an outage still ends up durable."""
-        while any(self._owed.values()):
-            await asyncio.sleep(self.catch_up_every_s)
-            for name in [n for n, keys in self._owed.items() if keys]:
-                if self.by_name[name].writable():
-                    self.catch_up(name)
+        return self.owed_writes.counts()
 
     def catch_up(self, tier: str) -> int:
         """Schedule the owed write-throughs to ``tier`` for blocks still held above it; returns how many."""
-        keys, self._owed[tier] = self._owed.get(tier, set()), set()
-        started = 0
-        for key in keys:
-            if self.registry.where(key) and not self.registry.holds(tier, key):
-                if self._schedule_cascade(key, None):
-                    started += 1
-                    self.stats.catch_up_writes += 1
-                else:
-                    self._owed[tier].add(key)  # the cascade queue is full: next round
-        return started
+        return self.owed_writes.catch_up(tier)
 
     async def _reserve(self, tier: Tier, footprint: int) -> None:
         """Reserve ``footprint`` bytes in ``tier``, evicting LRU blocks as needed.
@@ -551,7 +518,7 @@ class BlockManager:
             with self.registry.pinned([key], src_name):
                 async with self._room(dst, fp):
                     t0 = time.perf_counter()
-                    ok = await self._copy(key, src, dst, n)
+                    ok = await copy_block(key, src, dst, n, self.mover)
                     if ok:
                         self.observe_copy(src_name, dst.name, time.perf_counter() - t0)
                         self.registry.add(dst.name, key, fp)
@@ -565,46 +532,6 @@ class BlockManager:
         a read that failed because the tier is unreachable (S3 down) leaves a copy that is still there."""
         if tier.nbytes(key) is None:
             self.registry.remove(tier.name, key)
-
-    async def _copy(self, key: BlockKey, src: Tier, dst: Tier, n: int) -> bool:
-        if isinstance(src, SlotPoolTier) and isinstance(dst, SlotPoolTier):
-            with src.hold(key) as view:  # the source slot is not reused while we copy from it
-                if view is None:
-                    return False
-                slot = dst.allocate(key, n)
-                try:
-                    if self.mover is not None:
-                        await asyncio.to_thread(self.mover.copy, [(view, dst.slot_tensor(slot, n))])  # type: ignore[attr-defined]
-                    else:
-                        await asyncio.to_thread(dst.slot_tensor(slot, n).copy_, view)
-                except BaseException:
-                    dst.abort(key)
-                    raise
-            dst.commit(key)
-            return True
-        if isinstance(dst, SlotPoolTier) and not dst.pool.is_cuda:
-            slot = dst.allocate(key, n)
-            try:
-                got = await src.get_into(key, memoryview(dst.slot_tensor(slot, n).numpy()))
-            except BaseException:
-                dst.abort(key)
-                raise
-            if got is None:
-                dst.abort(key)
-                return False
-            dst.commit(key)
-            return True
-        if isinstance(src, SlotPoolTier) and not src.pool.is_cuda:
-            with src.hold(key) as view:  # an Evict meanwhile must not hand the slot to a new block
-                if view is None:
-                    return False
-                await dst.put(key, memoryview(view.numpy()))
-            return True
-        data = await src.get(key)
-        if data is None:
-            return False
-        await dst.put(key, data)
-        return True
 
     # -- reads -----------------------------------------------------------------------------------------
     async def onboard(self, keys: Sequence[BlockKey], to: str | None = None) -> int:
