@@ -25,19 +25,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 
 import msgspec
 
+from kvbm import policy
 from kvbm.blocks import BlockKey
-from kvbm.copiers import copy_block
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
+from kvbm.external import ExternalStores
 from kvbm.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.metrics import no_observe
+from kvbm.moves import Moves, forget_if_gone
 from kvbm.owed import CATCH_UP_EVERY_S, OwedWrites
+from kvbm.policy import PERSISTENT
 from kvbm.registry import Registry
+from kvbm.room import Room
 from kvbm.tiers.base import Tier
+from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
 from kvbm.tiers.s3 import S3Tier
 
@@ -45,7 +49,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CATCH_UP_EVERY_S", "FAILURE_LOG_EVERY_S", "PERSISTENT", "BlockManager", "FailureLog", "ManagerStats"]
 
-PERSISTENT = ("disk", "s3")  # tier kinds that survive a restart
 
 
 class ManagerStats(msgspec.Struct):
@@ -100,11 +103,10 @@ class BlockManager:
         self._pending: set[asyncio.Task[None]] = set()
         # Write-throughs a tier could not take (S3 down or shedding): tier -> keys, retried once it is writable.
         self.owed_writes = OwedWrites(self.by_name, self.registry, self._catch_up_cascade)
-        self._moves: dict[tuple[BlockKey, str], asyncio.Future[bool]] = {}
         self._pools_registered = False
-        self._room_locks: dict[str, asyncio.Lock] = {}
-        self._reserved: dict[str, int] = {}
-        self._external: dict[BlockKey, tuple[str, int]] = {}
+        self.room = Room(self, lambda key, dst: self.moves.move(key, dst))  # reservations and eviction
+        self.moves = Moves(self, self.room)  # coalesced copies between tiers
+        self.external = ExternalStores(self, self.room, self._schedule_cascade)  # worker-filled G2 slots
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, *, index: bool | tuple[str, ...] = True) -> None:
@@ -198,8 +200,7 @@ class BlockManager:
         return self.registry.where(key)
 
     def _below(self, name: str) -> list[Tier]:
-        i = [t.name for t in self.tiers].index(name)
-        return self.tiers[i + 1 :]
+        return policy.below(self.tiers, name)
 
     # -- writes ----------------------------------------------------------------------------------------
     async def put(
@@ -234,95 +235,26 @@ class BlockManager:
             started += self._schedule_cascade(key, None)
         return started
 
-    # -- external stores (a worker copies into G2 slots itself) ---------------------------------------
-    async def prepare_store(self, keys: Sequence[BlockKey], nbytes: int, tier: str = "G2") -> list[int | None]:
+    # -- external stores (a worker copies into G2 slots itself; kvbm.external) --------------------------
+    async def prepare_store(self, keys: Sequence[BlockKey], nbytes: int,
+                            tier: str = TierName.G2) -> list[int | None]:
         """Reserve a slot in pool tier ``tier`` for each key; None for keys already stored there or being
         stored right now (another worker's prepared store, a prefetch or a cascade copying it in).
 
         The caller fills the slots (e.g. a GPU worker copying through shared memory) and then calls
         :meth:`complete_store`. Slots stay reserved, and out of eviction's reach, until then.
         """
-        pool = self.by_name[tier]
-        if not isinstance(pool, SlotPoolTier):
-            raise KvbmError(f"{tier} is not a slot pool")
-        slots: list[int | None] = []
-        try:
-            for key in keys:
-                if self.registry.holds(tier, key) or key in self._external or pool.is_pending(key):
-                    slots.append(None)
-                    continue
-                await self._reserve(pool, pool.footprint(nbytes))
-                await self._free_a_slot(pool)
-                if self.registry.holds(tier, key) or pool.is_pending(key):  # it arrived while we made room
-                    self._unreserve(pool, pool.footprint(nbytes))
-                    slots.append(None)
-                    continue
-                try:
-                    slots.append(pool.allocate(key, nbytes))
-                except BaseException:
-                    self._unreserve(pool, pool.footprint(nbytes))
-                    raise
-                self._external[key] = (tier, nbytes)
-        except BaseException:
-            self.complete_store([k for k, s in zip(keys, slots, strict=False) if s is not None], ok=False)
-            raise
-        return slots
-
-    async def _free_a_slot(self, pool: SlotPoolTier) -> None:
-        """Room in the registry is not always a free slot: a removed block's slot stays taken while a
-        reader still references it. Evict further LRU blocks until a slot is free (or none can go)."""
-        for _ in range(pool.num_slots):
-            if pool.free_slots():
-                return
-            used = self.registry.used(pool.name)
-            try:
-                victims = self.registry.victims(pool.name, pool.capacity_bytes - used + pool.slot_bytes,
-                                                pool.capacity_bytes)
-            except LookupError:
-                return  # everything left is pinned: allocate reports the pool full
-            if not victims:
-                return
-            await self._evict(pool, victims[0])
+        return await self.external.prepare(keys, nbytes, tier)
 
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
-        """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below.
-
-        Committing a key that is already there is a no-op (its slot stays; readers may be using it).
-        """
-        done = 0
-        for key in keys:
-            ent = self._external.pop(key, None)
-            if ent is None:
-                continue
-            tier, nbytes = ent
-            pool = self.by_name[tier]
-            assert isinstance(pool, SlotPoolTier)
-            if ok and pool.commit(key):
-                self.registry.add(tier, key, pool.footprint(nbytes))
-                done += 1
-                if cascade:
-                    self._schedule_cascade(key, tier)
-            elif not ok:
-                pool.abort(key)
-            self._unreserve(pool, pool.footprint(nbytes))
+        """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below."""
+        done = self.external.complete(keys, ok, cascade=cascade)
         self.stats.offload_blocks += done
         return done
 
     def detach_store(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
-        """Abort prepared stores whose writer may still be copying: the keys are free to be stored
-        again, but their slots stay referenced (returned; the caller unrefs them when safe)."""
-        slots: dict[BlockKey, int] = {}
-        for key in keys:
-            ent = self._external.pop(key, None)
-            if ent is None:
-                continue
-            pool = self.by_name[ent[0]]
-            assert isinstance(pool, SlotPoolTier)
-            slot = pool.detach(key)
-            if slot is not None:
-                slots[key] = slot
-            self._unreserve(pool, pool.footprint(ent[1]))
-        return slots
+        """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`)."""
+        return self.external.detach(keys)
 
     def _schedule_cascade(self, key: BlockKey, from_tier: str | None) -> bool:
         if len(self._pending) >= self.max_pending_cascades:
@@ -333,9 +265,9 @@ class BlockManager:
         task.add_done_callback(self._pending.discard)
         return True
 
-    def _filtered(self, tier: Tier, key: BlockKey) -> bool:
-        """The frequency filter: the disk tier only takes blocks hit at least ``min_hits_to_offload`` times."""
-        return tier.kind == "disk" and self.registry.hits(key) < self.min_hits_to_offload
+    def filtered(self, tier: Tier, key: BlockKey) -> bool:
+        """The frequency filter (:func:`kvbm.policy.filtered`) with ``min_hits_to_offload``."""
+        return policy.filtered(tier, key, self.registry, self.min_hits_to_offload)
 
     async def _cascade(self, key: BlockKey) -> bool:
         """Copy ``key`` to every lower tier that lacks it; True if it ends on a persistent tier."""
@@ -349,13 +281,13 @@ class BlockManager:
         durable = False
         for tier in self._below(where[0]):
             if self.registry.holds(tier.name, key):
-                durable = durable or tier.kind in PERSISTENT
+                durable = durable or policy.is_persistent(tier)
                 continue
-            if self._filtered(tier, key):
+            if self.filtered(tier, key):
                 self.stats.filtered += 1
                 continue
             try:
-                ok = await self._move(key, tier.name)
+                ok = await self.moves.move(key, tier.name)
             except Exception as e:  # any failure: count it, keep the block where it is, go on below
                 self.failures.record("cascade", key, tier.name, e)
                 ok = False
@@ -363,7 +295,7 @@ class BlockManager:
                     self.owed_writes.owe(tier.name, key)
             if ok:
                 self.stats.cascade_writes += 1
-                durable = durable or tier.kind in PERSISTENT
+                durable = durable or policy.is_persistent(tier)
             else:
                 self.stats.cascade_failures += 1
         return durable
@@ -390,148 +322,11 @@ class BlockManager:
         """Schedule the owed write-throughs to ``tier`` for blocks still held above it; returns how many."""
         return self.owed_writes.catch_up(tier)
 
-    async def _reserve(self, tier: Tier, footprint: int) -> None:
-        """Reserve ``footprint`` bytes in ``tier``, evicting LRU blocks as needed.
-
-        Raises TierFullError when pinned blocks, or blocks the tier must keep (no lower tier could take
-        them), leave too little room.
-        """
-        lock = self._room_locks.setdefault(tier.name, asyncio.Lock())
-        async with lock:
-            need = footprint + self._reserved.get(tier.name, 0)
-            skipped: list[BlockKey] = []  # pinned meanwhile: passed over (pinned here) while we look on
-            try:
-                while True:
-                    try:
-                        victims = self.registry.victims(tier.name, need, tier.capacity_bytes)
-                    except LookupError as e:
-                        raise TierFullError(str(e)) from None
-                    if not victims:
-                        break
-                    for victim in victims:
-                        gone = await self._evict(tier, victim)
-                        if gone is None:
-                            # The LRU block must stay and nothing below takes blocks now: the next
-                            # victims would fare no better, so stop here instead of trying them all.
-                            raise TierFullError(
-                                f"{tier.name} is full: its least recently used block {victim} is held by no "
-                                "lower tier and none can take it now")
-                        if not gone:
-                            skipped.append(victim)
-                            self.registry.pin([victim], tier.name)
-            finally:
-                self.registry.unpin(skipped, tier.name)
-            self._reserved[tier.name] = self._reserved.get(tier.name, 0) + footprint
-
-    def _unreserve(self, tier: Tier, footprint: int) -> None:
-        self._reserved[tier.name] -= footprint
-
-    @asynccontextmanager
-    async def _room(self, tier: Tier, footprint: int) -> AsyncIterator[None]:
-        """Room for ``footprint`` bytes in ``tier`` for the duration of a write."""
-        await self._reserve(tier, footprint)
-        try:
-            yield
-        finally:
-            self._unreserve(tier, footprint)
-
-    async def _evict(self, tier: Tier, key: BlockKey) -> bool | None:
-        """Evict ``key`` from ``tier``, demoting it first when no lower tier holds it.
-
-        True: evicted. False: pinned meanwhile, left in place. None: kept because it is a persistent
-        tier's only copy and no lower tier could take it (S3 down, disk full): it is never dropped.
-        """
-        below = self._below(tier.name)
-        if below and not any(self.registry.holds(t.name, key) for t in below):
-            with self.registry.pinned([key]):
-                for t in below:
-                    if self._filtered(t, key):
-                        continue
-                    if not t.writable():  # would be shed: do not read the block for nothing
-                        continue
-                    try:
-                        if await self._move(key, t.name):
-                            self.stats.demotions += 1
-                            break
-                    except Exception as e:  # any failure: count it; the block stays until it is demoted
-                        self.stats.demotion_failures += 1
-                        self.failures.record("demotion", key, t.name, e)
-            demoted = any(self.registry.holds(t.name, key) for t in below)
-            filtered_only = all(self._filtered(t, key) for t in below)
-            if not demoted and not filtered_only:
-                if tier.kind in PERSISTENT:
-                    self.stats.kept += 1
-                    return None
-                self.stats.dropped += 1
-        if self.registry.is_pinned(key, tier.name):
-            return False
-        self.registry.remove(tier.name, key)
-        await tier.delete(key)
-        self.stats.evictions += 1
-        return True
-
     async def _store(self, tier: Tier, key: BlockKey, data: memoryview | bytes) -> None:
         fp = tier.footprint(len(data))
-        async with self._room(tier, fp):
+        async with self.room.held(tier, fp):
             await tier.put(key, data)
             self.registry.add(tier.name, key, fp)
-
-    # -- moves -----------------------------------------------------------------------------------------
-    async def _move(self, key: BlockKey, dst_name: str) -> bool:
-        """Copy ``key`` from the fastest tier holding it into ``dst_name`` (coalesced per key/tier)."""
-        if self.registry.holds(dst_name, key):
-            return True
-        slot = (key, dst_name)
-        fut = self._moves.get(slot)
-        if fut is not None:
-            return await asyncio.shield(fut)
-        fut = asyncio.get_running_loop().create_future()
-        self._moves[slot] = fut
-        try:
-            ok = await self._do_move(key, self.by_name[dst_name])
-            fut.set_result(ok)
-            return ok
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # consumed here; waiters re-raise it
-            raise
-        finally:
-            del self._moves[slot]
-
-    def _sources(self, key: BlockKey, dst: Tier) -> list[str]:
-        """Tiers to copy ``key`` from: the nearest above ``dst`` first, then the nearest below."""
-        names = [t.name for t in self.tiers]
-        i = names.index(dst.name)
-        order = names[:i][::-1] + names[i + 1 :]
-        return [n for n in order if self.registry.holds(n, key)]
-
-    async def _do_move(self, key: BlockKey, dst: Tier) -> bool:
-        if self.registry.holds(dst.name, key):
-            return True
-        for src_name in self._sources(key, dst):
-            src = self.by_name[src_name]
-            n = src.nbytes(key)
-            if n is None:
-                self.registry.remove(src_name, key)  # the tier lost it (e.g. deleted behind our back)
-                continue
-            fp = dst.footprint(n)
-            with self.registry.pinned([key], src_name):
-                async with self._room(dst, fp):
-                    t0 = time.perf_counter()
-                    ok = await copy_block(key, src, dst, n, self.mover)
-                    if ok:
-                        self.observe_copy(src_name, dst.name, time.perf_counter() - t0)
-                        self.registry.add(dst.name, key, fp)
-            if ok:
-                return True
-            self._forget_if_gone(src, key)
-        return False
-
-    def _forget_if_gone(self, tier: Tier, key: BlockKey) -> None:
-        """After a failed read: forget ``tier``'s copy only if the tier dropped it (corrupt or vanished);
-        a read that failed because the tier is unreachable (S3 down) leaves a copy that is still there."""
-        if tier.nbytes(key) is None:
-            self.registry.remove(tier.name, key)
 
     # -- reads -----------------------------------------------------------------------------------------
     async def onboard(self, keys: Sequence[BlockKey], to: str | None = None) -> int:
@@ -545,7 +340,7 @@ class BlockManager:
         found = self.registry.match_prefix(keys)
         run = list(keys[: len(found)])
         self.registry.record_hit(run)
-        staging = self.by_name.get("G2") if target.kind == "device" else None
+        staging = self.by_name.get(TierName.G2) if target.kind == "device" else None
         done = 0
         with self.registry.pinned(run):
             results = await asyncio.gather(
@@ -567,10 +362,10 @@ class BlockManager:
             self.registry.touch(target.name, key)
             return True
         where = self.registry.where(key)
-        from_slow = bool(where) and where[0] not in ("G1", "G2")
-        if staging is not None and staging.name not in where and from_slow and not await self._move(key, staging.name):
+        stage = staging.name if staging is not None and policy.needs_staging(where) else ""
+        if stage and stage not in where and not await self.moves.move(key, stage):
             return False
-        return await self._move(key, target.name)
+        return await self.moves.move(key, target.name)
 
     async def read(self, key: BlockKey) -> bytes | None:
         """The block's bytes from the fastest tier that has a good copy."""
@@ -579,12 +374,12 @@ class BlockManager:
             if data is not None:
                 self.registry.record_hit([key])
                 return data
-            self._forget_if_gone(self.by_name[name], key)
+            forget_if_gone(self.registry, self.by_name[name], key)
         return None
 
     def device_tensor(self, key: BlockKey) -> object | None:
         """The G1 view of an onboarded block (a CUDA tensor on a GPU host)."""
-        g1 = self.by_name.get("G1")
+        g1 = self.by_name.get(TierName.G1)
         return g1.block_tensor(key) if isinstance(g1, SlotPoolTier) else None
 
     async def delete(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None) -> int:
