@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class ExternalStores:
     """Owns the prepared (not yet committed) stores: key -> (pool tier, payload bytes)."""
 
-    def __init__(self, manager: BlockManager, room: Room, cascade: Callable[[BlockKey, str], bool]) -> None:
+    def __init__(self, manager: BlockManager, room: Room, cascade: Callable[[BlockKey], bool]) -> None:
         self.m = manager
         self.registry = manager.registry
         self.room = room
@@ -75,7 +75,7 @@ class ExternalStores:
                 self.registry.add(tier, key, pool.footprint(nbytes))
                 done += 1
                 if cascade:
-                    self._cascade(key, tier)
+                    self._cascade(key)
             elif not ok:
                 pool.abort(key)
             self.room.unreserve(pool, pool.footprint(nbytes))

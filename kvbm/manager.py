@@ -31,12 +31,13 @@ import msgspec
 
 from kvbm import policy
 from kvbm.blocks import BlockKey
+from kvbm.cascade import WriteThrough
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
 from kvbm.external import ExternalStores
 from kvbm.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.metrics import no_observe
 from kvbm.moves import Moves, forget_if_gone
-from kvbm.owed import CATCH_UP_EVERY_S, OwedWrites
+from kvbm.owed import CATCH_UP_EVERY_S
 from kvbm.policy import PERSISTENT
 from kvbm.registry import Registry
 from kvbm.room import Room
@@ -93,20 +94,16 @@ class BlockManager:
         self.registry = Registry(names)
         self.mover = mover
         self.min_hits_to_offload = min_hits_to_offload
-        self.max_pending_cascades = max_pending_cascades
-        # Cascades copying at once: a burst (a big durable offload) queues here instead of being shed by a
-        # lower tier's own write limit (s3.max_pending_writes), which would leave the blocks above only.
-        self._cascade_slots = asyncio.Semaphore(max(1, max_concurrent_cascades))
         self.stats = ManagerStats()
         self.observe_copy = no_observe  # (src tier, dst tier, seconds) per block copy; see kvbm.metrics
         self.failures = FailureLog(self.stats.errors)
-        self._pending: set[asyncio.Task[None]] = set()
-        # Write-throughs a tier could not take (S3 down or shedding): tier -> keys, retried once it is writable.
-        self.owed_writes = OwedWrites(self.by_name, self.registry, self._catch_up_cascade)
+        # Background cascades (bounded; see kvbm.cascade) and the write-throughs owed after an outage.
+        self.write_through = WriteThrough(self, max_pending_cascades, max_concurrent_cascades)
+        self.owed_writes = self.write_through.owed
         self._pools_registered = False
         self.room = Room(self, lambda key, dst: self.moves.move(key, dst))  # reservations and eviction
         self.moves = Moves(self, self.room)  # coalesced copies between tiers
-        self.external = ExternalStores(self, self.room, self._schedule_cascade)  # worker-filled G2 slots
+        self.external = ExternalStores(self, self.room, self.write_through.schedule)  # worker-filled G2 slots
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, *, index: bool | tuple[str, ...] = True) -> None:
@@ -142,8 +139,7 @@ class BlockManager:
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        await self.write_through.drain()
 
     async def close(self) -> None:
         self.owed_writes.cancel()
@@ -215,7 +211,7 @@ class BlockManager:
                 log.debug("%s cannot take %s: %s", t.name, key, e)
                 continue
             if cascade:
-                self._schedule_cascade(key, t.name)
+                self.write_through.schedule(key)
             return t.name
         raise TierFullError(f"no tier could store {key}")
 
@@ -228,11 +224,11 @@ class BlockManager:
         self.stats.offloads += 1
         self.stats.offload_blocks += len(keys)
         if durable:
-            results = await asyncio.gather(*(self._cascade(k) for k in keys))
+            results = await asyncio.gather(*(self.write_through.cascade(k) for k in keys))
             return sum(results)
         started = 0
         for key in keys:
-            started += self._schedule_cascade(key, None)
+            started += self.write_through.schedule(key)
         return started
 
     # -- external stores (a worker copies into G2 slots itself; kvbm.external) --------------------------
@@ -256,49 +252,9 @@ class BlockManager:
         """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`)."""
         return self.external.detach(keys)
 
-    def _schedule_cascade(self, key: BlockKey, from_tier: str | None) -> bool:
-        if len(self._pending) >= self.max_pending_cascades:
-            self.stats.shed_offloads += 1
-            return False
-        task = asyncio.get_running_loop().create_task(self._cascade(key))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-        return True
-
     def filtered(self, tier: Tier, key: BlockKey) -> bool:
         """The frequency filter (:func:`kvbm.policy.filtered`) with ``min_hits_to_offload``."""
         return policy.filtered(tier, key, self.registry, self.min_hits_to_offload)
-
-    async def _cascade(self, key: BlockKey) -> bool:
-        """Copy ``key`` to every lower tier that lacks it; True if it ends on a persistent tier."""
-        async with self._cascade_slots:
-            return await self._cascade_now(key)
-
-    async def _cascade_now(self, key: BlockKey) -> bool:
-        where = self.registry.where(key)
-        if not where:
-            return False
-        durable = False
-        for tier in self._below(where[0]):
-            if self.registry.holds(tier.name, key):
-                durable = durable or policy.is_persistent(tier)
-                continue
-            if self.filtered(tier, key):
-                self.stats.filtered += 1
-                continue
-            try:
-                ok = await self.moves.move(key, tier.name)
-            except Exception as e:  # any failure: count it, keep the block where it is, go on below
-                self.failures.record("cascade", key, tier.name, e)
-                ok = False
-                if isinstance(e, TierUnavailableError):  # an outage or shed write: owed, retried later
-                    self.owed_writes.owe(tier.name, key)
-            if ok:
-                self.stats.cascade_writes += 1
-                durable = durable or policy.is_persistent(tier)
-            else:
-                self.stats.cascade_failures += 1
-        return durable
 
     # -- write-throughs owed after an outage (kvbm.owed) ----------------------------------------------
     @property
@@ -308,11 +264,6 @@ class BlockManager:
     @catch_up_every_s.setter
     def catch_up_every_s(self, seconds: float) -> None:
         self.owed_writes.every_s = seconds
-
-    def _catch_up_cascade(self, key: BlockKey) -> bool:
-        started = self._schedule_cascade(key, None)
-        self.stats.catch_up_writes += started
-        return started
 
     def owed(self) -> dict[str, int]:
         """Blocks per tier whose write-through is waiting for that tier to take writes again."""
@@ -402,7 +353,7 @@ class BlockManager:
         s = msgspec.structs.asdict(self.stats)
         s["errors"] = dict(self.stats.errors)
         s["hit_rate"] = (self.stats.lookup_hit_blocks / self.stats.lookup_blocks) if self.stats.lookup_blocks else 0.0
-        s["pending_cascades"] = len(self._pending)
+        s["pending_cascades"] = len(self.write_through.pending)
         s["owed"] = self.owed()
         return {"tiers": tiers, "manager": s}
 
