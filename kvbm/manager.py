@@ -25,24 +25,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 
 import msgspec
 
+from kvbm import policy
 from kvbm.blocks import BlockKey
+from kvbm.cascade import WriteThrough
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
+from kvbm.external import ExternalStores
+from kvbm.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.metrics import no_observe
+from kvbm.moves import Moves, forget_if_gone
+from kvbm.owed import CATCH_UP_EVERY_S
+from kvbm.policy import PERSISTENT
 from kvbm.registry import Registry
+from kvbm.room import Room
 from kvbm.tiers.base import Tier
+from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
 from kvbm.tiers.s3 import S3Tier
 
 log = logging.getLogger(__name__)
 
-CATCH_UP_EVERY_S = 2.0  # how often owed write-throughs check whether their tier takes writes again
-PERSISTENT = ("disk", "s3")  # tier kinds that survive a restart
-FAILURE_LOG_EVERY_S = 60.0  # after the first, a kind of failure is logged at most this often
+__all__ = ["CATCH_UP_EVERY_S", "FAILURE_LOG_EVERY_S", "PERSISTENT", "BlockManager", "FailureLog", "ManagerStats"]
+
 
 
 class ManagerStats(msgspec.Struct):
@@ -67,29 +74,6 @@ class ManagerStats(msgspec.Struct):
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
 
 
-class FailureLog:
-    """Counts background failures per ``tier:ExceptionType`` and logs each kind once, then at most once
-    every ``every_s`` (with how many were not logged), so an outage is one line, not one per block."""
-
-    def __init__(self, counts: dict[str, int], every_s: float = FAILURE_LOG_EVERY_S) -> None:
-        self.counts = counts
-        self.every_s = every_s
-        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (when, count then)
-
-    def record(self, what: str, key: BlockKey, tier: str, e: BaseException) -> None:
-        kind = f"{tier}:{type(e).__name__}"
-        n = self.counts.get(kind, 0) + 1
-        self.counts[kind] = n
-        now = time.monotonic()
-        last = self._logged.get(kind)
-        if last is not None and now - last[0] < self.every_s:
-            return
-        self._logged[kind] = (now, n)
-        since = "" if last is None else f" ({n - last[1] - 1} more like it not logged)"
-        log.warning("%s of %s to %s failed: %s: %s%s", what, key, tier, type(e).__name__, e, since,
-                    exc_info=not isinstance(e, (KvbmError, OSError)))
-
-
 class BlockManager:
     """Tracks blocks across tiers and moves them. Safe to use from one event loop."""
 
@@ -110,23 +94,16 @@ class BlockManager:
         self.registry = Registry(names)
         self.mover = mover
         self.min_hits_to_offload = min_hits_to_offload
-        self.max_pending_cascades = max_pending_cascades
-        # Cascades copying at once: a burst (a big durable offload) queues here instead of being shed by a
-        # lower tier's own write limit (s3.max_pending_writes), which would leave the blocks above only.
-        self._cascade_slots = asyncio.Semaphore(max(1, max_concurrent_cascades))
         self.stats = ManagerStats()
         self.observe_copy = no_observe  # (src tier, dst tier, seconds) per block copy; see kvbm.metrics
         self.failures = FailureLog(self.stats.errors)
-        self._pending: set[asyncio.Task[None]] = set()
-        # Write-throughs a tier could not take (S3 down or shedding): tier -> keys, retried once it is writable.
-        self._owed: dict[str, set[BlockKey]] = {}
-        self._catch_up_task: asyncio.Task[None] | None = None
-        self.catch_up_every_s = CATCH_UP_EVERY_S
-        self._moves: dict[tuple[BlockKey, str], asyncio.Future[bool]] = {}
+        # Background cascades (bounded; see kvbm.cascade) and the write-throughs owed after an outage.
+        self.write_through = WriteThrough(self, max_pending_cascades, max_concurrent_cascades)
+        self.owed_writes = self.write_through.owed
         self._pools_registered = False
-        self._room_locks: dict[str, asyncio.Lock] = {}
-        self._reserved: dict[str, int] = {}
-        self._external: dict[BlockKey, tuple[str, int]] = {}
+        self.room = Room(self, lambda key, dst: self.moves.move(key, dst))  # reservations and eviction
+        self.moves = Moves(self, self.room)  # coalesced copies between tiers
+        self.external = ExternalStores(self, self.room, self.write_through.schedule)  # worker-filled G2 slots
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, *, index: bool | tuple[str, ...] = True) -> None:
@@ -162,12 +139,10 @@ class BlockManager:
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        await self.write_through.drain()
 
     async def close(self) -> None:
-        if self._catch_up_task is not None:
-            self._catch_up_task.cancel()
+        self.owed_writes.cancel()
         await self.drain()
         for tier in self.tiers:
             await tier.close()
@@ -221,8 +196,7 @@ class BlockManager:
         return self.registry.where(key)
 
     def _below(self, name: str) -> list[Tier]:
-        i = [t.name for t in self.tiers].index(name)
-        return self.tiers[i + 1 :]
+        return policy.below(self.tiers, name)
 
     # -- writes ----------------------------------------------------------------------------------------
     async def put(
@@ -237,7 +211,7 @@ class BlockManager:
                 log.debug("%s cannot take %s: %s", t.name, key, e)
                 continue
             if cascade:
-                self._schedule_cascade(key, t.name)
+                self.write_through.schedule(key)
             return t.name
         raise TierFullError(f"no tier could store {key}")
 
@@ -250,361 +224,60 @@ class BlockManager:
         self.stats.offloads += 1
         self.stats.offload_blocks += len(keys)
         if durable:
-            results = await asyncio.gather(*(self._cascade(k) for k in keys))
+            results = await asyncio.gather(*(self.write_through.cascade(k) for k in keys))
             return sum(results)
         started = 0
         for key in keys:
-            started += self._schedule_cascade(key, None)
+            started += self.write_through.schedule(key)
         return started
 
-    # -- external stores (a worker copies into G2 slots itself) ---------------------------------------
-    async def prepare_store(self, keys: Sequence[BlockKey], nbytes: int, tier: str = "G2") -> list[int | None]:
+    # -- external stores (a worker copies into G2 slots itself; kvbm.external) --------------------------
+    async def prepare_store(self, keys: Sequence[BlockKey], nbytes: int,
+                            tier: str = TierName.G2) -> list[int | None]:
         """Reserve a slot in pool tier ``tier`` for each key; None for keys already stored there or being
         stored right now (another worker's prepared store, a prefetch or a cascade copying it in).
 
         The caller fills the slots (e.g. a GPU worker copying through shared memory) and then calls
         :meth:`complete_store`. Slots stay reserved, and out of eviction's reach, until then.
         """
-        pool = self.by_name[tier]
-        if not isinstance(pool, SlotPoolTier):
-            raise KvbmError(f"{tier} is not a slot pool")
-        slots: list[int | None] = []
-        try:
-            for key in keys:
-                if self.registry.holds(tier, key) or key in self._external or pool.is_pending(key):
-                    slots.append(None)
-                    continue
-                await self._reserve(pool, pool.footprint(nbytes))
-                await self._free_a_slot(pool)
-                if self.registry.holds(tier, key) or pool.is_pending(key):  # it arrived while we made room
-                    self._unreserve(pool, pool.footprint(nbytes))
-                    slots.append(None)
-                    continue
-                try:
-                    slots.append(pool.allocate(key, nbytes))
-                except BaseException:
-                    self._unreserve(pool, pool.footprint(nbytes))
-                    raise
-                self._external[key] = (tier, nbytes)
-        except BaseException:
-            self.complete_store([k for k, s in zip(keys, slots, strict=False) if s is not None], ok=False)
-            raise
-        return slots
-
-    async def _free_a_slot(self, pool: SlotPoolTier) -> None:
-        """Room in the registry is not always a free slot: a removed block's slot stays taken while a
-        reader still references it. Evict further LRU blocks until a slot is free (or none can go)."""
-        for _ in range(pool.num_slots):
-            if pool.free_slots():
-                return
-            used = self.registry.used(pool.name)
-            try:
-                victims = self.registry.victims(pool.name, pool.capacity_bytes - used + pool.slot_bytes,
-                                                pool.capacity_bytes)
-            except LookupError:
-                return  # everything left is pinned: allocate reports the pool full
-            if not victims:
-                return
-            await self._evict(pool, victims[0])
+        return await self.external.prepare(keys, nbytes, tier)
 
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
-        """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below.
-
-        Committing a key that is already there is a no-op (its slot stays; readers may be using it).
-        """
-        done = 0
-        for key in keys:
-            ent = self._external.pop(key, None)
-            if ent is None:
-                continue
-            tier, nbytes = ent
-            pool = self.by_name[tier]
-            assert isinstance(pool, SlotPoolTier)
-            if ok and pool.commit(key):
-                self.registry.add(tier, key, pool.footprint(nbytes))
-                done += 1
-                if cascade:
-                    self._schedule_cascade(key, tier)
-            elif not ok:
-                pool.abort(key)
-            self._unreserve(pool, pool.footprint(nbytes))
+        """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below."""
+        done = self.external.complete(keys, ok, cascade=cascade)
         self.stats.offload_blocks += done
         return done
 
     def detach_store(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
-        """Abort prepared stores whose writer may still be copying: the keys are free to be stored
-        again, but their slots stay referenced (returned; the caller unrefs them when safe)."""
-        slots: dict[BlockKey, int] = {}
-        for key in keys:
-            ent = self._external.pop(key, None)
-            if ent is None:
-                continue
-            pool = self.by_name[ent[0]]
-            assert isinstance(pool, SlotPoolTier)
-            slot = pool.detach(key)
-            if slot is not None:
-                slots[key] = slot
-            self._unreserve(pool, pool.footprint(ent[1]))
-        return slots
+        """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`)."""
+        return self.external.detach(keys)
 
-    def _schedule_cascade(self, key: BlockKey, from_tier: str | None) -> bool:
-        if len(self._pending) >= self.max_pending_cascades:
-            self.stats.shed_offloads += 1
-            return False
-        task = asyncio.get_running_loop().create_task(self._cascade(key))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-        return True
+    def filtered(self, tier: Tier, key: BlockKey) -> bool:
+        """The frequency filter (:func:`kvbm.policy.filtered`) with ``min_hits_to_offload``."""
+        return policy.filtered(tier, key, self.registry, self.min_hits_to_offload)
 
-    def _filtered(self, tier: Tier, key: BlockKey) -> bool:
-        """The frequency filter: the disk tier only takes blocks hit at least ``min_hits_to_offload`` times."""
-        return tier.kind == "disk" and self.registry.hits(key) < self.min_hits_to_offload
+    # -- write-throughs owed after an outage (kvbm.owed) ----------------------------------------------
+    @property
+    def catch_up_every_s(self) -> float:
+        return self.owed_writes.every_s
 
-    async def _cascade(self, key: BlockKey) -> bool:
-        """Copy ``key`` to every lower tier that lacks it; True if it ends on a persistent tier."""
-        async with self._cascade_slots:
-            return await self._cascade_now(key)
-
-    async def _cascade_now(self, key: BlockKey) -> bool:
-        where = self.registry.where(key)
-        if not where:
-            return False
-        durable = False
-        for tier in self._below(where[0]):
-            if self.registry.holds(tier.name, key):
-                durable = durable or tier.kind in PERSISTENT
-                continue
-            if self._filtered(tier, key):
-                self.stats.filtered += 1
-                continue
-            try:
-                ok = await self._move(key, tier.name)
-            except Exception as e:  # any failure: count it, keep the block where it is, go on below
-                self.failures.record("cascade", key, tier.name, e)
-                ok = False
-                if isinstance(e, TierUnavailableError):  # an outage or shed write: owed, retried later
-                    self._owe(tier.name, key)
-            if ok:
-                self.stats.cascade_writes += 1
-                durable = durable or tier.kind in PERSISTENT
-            else:
-                self.stats.cascade_failures += 1
-        return durable
-
-    # -- write-throughs owed after an outage ----------------------------------------------------------
-    def _owe(self, tier: str, key: BlockKey) -> None:
-        self._owed.setdefault(tier, set()).add(key)
-        if self._catch_up_task is None or self._catch_up_task.done():
-            self._catch_up_task = asyncio.get_running_loop().create_task(self._catch_up_loop())
+    @catch_up_every_s.setter
+    def catch_up_every_s(self, seconds: float) -> None:
+        self.owed_writes.every_s = seconds
 
     def owed(self) -> dict[str, int]:
         """Blocks per tier whose write-through is waiting for that tier to take writes again."""
-        return {t: len(keys) for t, keys in self._owed.items() if keys}
-
-    async def _catch_up_loop(self) -> None:
-        """While write-throughs are owed: every ``catch_up_every_s``, cascade those whose tier is writable
-        again (S3 back), so a block stored during an outage still ends up durable."""
-        while any(self._owed.values()):
-            await asyncio.sleep(self.catch_up_every_s)
-            for name in [n for n, keys in self._owed.items() if keys]:
-                if self.by_name[name].writable():
-                    self.catch_up(name)
+        return self.owed_writes.counts()
 
     def catch_up(self, tier: str) -> int:
         """Schedule the owed write-throughs to ``tier`` for blocks still held above it; returns how many."""
-        keys, self._owed[tier] = self._owed.get(tier, set()), set()
-        started = 0
-        for key in keys:
-            if self.registry.where(key) and not self.registry.holds(tier, key):
-                if self._schedule_cascade(key, None):
-                    started += 1
-                    self.stats.catch_up_writes += 1
-                else:
-                    self._owed[tier].add(key)  # the cascade queue is full: next round
-        return started
-
-    async def _reserve(self, tier: Tier, footprint: int) -> None:
-        """Reserve ``footprint`` bytes in ``tier``, evicting LRU blocks as needed.
-
-        Raises TierFullError when pinned blocks, or blocks the tier must keep (no lower tier could take
-        them), leave too little room.
-        """
-        lock = self._room_locks.setdefault(tier.name, asyncio.Lock())
-        async with lock:
-            need = footprint + self._reserved.get(tier.name, 0)
-            skipped: list[BlockKey] = []  # pinned meanwhile: passed over (pinned here) while we look on
-            try:
-                while True:
-                    try:
-                        victims = self.registry.victims(tier.name, need, tier.capacity_bytes)
-                    except LookupError as e:
-                        raise TierFullError(str(e)) from None
-                    if not victims:
-                        break
-                    for victim in victims:
-                        gone = await self._evict(tier, victim)
-                        if gone is None:
-                            # The LRU block must stay and nothing below takes blocks now: the next
-                            # victims would fare no better, so stop here instead of trying them all.
-                            raise TierFullError(
-                                f"{tier.name} is full: its least recently used block {victim} is held by no "
-                                "lower tier and none can take it now")
-                        if not gone:
-                            skipped.append(victim)
-                            self.registry.pin([victim], tier.name)
-            finally:
-                self.registry.unpin(skipped, tier.name)
-            self._reserved[tier.name] = self._reserved.get(tier.name, 0) + footprint
-
-    def _unreserve(self, tier: Tier, footprint: int) -> None:
-        self._reserved[tier.name] -= footprint
-
-    @asynccontextmanager
-    async def _room(self, tier: Tier, footprint: int) -> AsyncIterator[None]:
-        """Room for ``footprint`` bytes in ``tier`` for the duration of a write."""
-        await self._reserve(tier, footprint)
-        try:
-            yield
-        finally:
-            self._unreserve(tier, footprint)
-
-    async def _evict(self, tier: Tier, key: BlockKey) -> bool | None:
-        """Evict ``key`` from ``tier``, demoting it first when no lower tier holds it.
-
-        True: evicted. False: pinned meanwhile, left in place. None: kept because it is a persistent
-        tier's only copy and no lower tier could take it (S3 down, disk full): it is never dropped.
-        """
-        below = self._below(tier.name)
-        if below and not any(self.registry.holds(t.name, key) for t in below):
-            with self.registry.pinned([key]):
-                for t in below:
-                    if self._filtered(t, key):
-                        continue
-                    if not t.writable():  # would be shed: do not read the block for nothing
-                        continue
-                    try:
-                        if await self._move(key, t.name):
-                            self.stats.demotions += 1
-                            break
-                    except Exception as e:  # any failure: count it; the block stays until it is demoted
-                        self.stats.demotion_failures += 1
-                        self.failures.record("demotion", key, t.name, e)
-            demoted = any(self.registry.holds(t.name, key) for t in below)
-            filtered_only = all(self._filtered(t, key) for t in below)
-            if not demoted and not filtered_only:
-                if tier.kind in PERSISTENT:
-                    self.stats.kept += 1
-                    return None
-                self.stats.dropped += 1
-        if self.registry.is_pinned(key, tier.name):
-            return False
-        self.registry.remove(tier.name, key)
-        await tier.delete(key)
-        self.stats.evictions += 1
-        return True
+        return self.owed_writes.catch_up(tier)
 
     async def _store(self, tier: Tier, key: BlockKey, data: memoryview | bytes) -> None:
         fp = tier.footprint(len(data))
-        async with self._room(tier, fp):
+        async with self.room.held(tier, fp):
             await tier.put(key, data)
             self.registry.add(tier.name, key, fp)
-
-    # -- moves -----------------------------------------------------------------------------------------
-    async def _move(self, key: BlockKey, dst_name: str) -> bool:
-        """Copy ``key`` from the fastest tier holding it into ``dst_name`` (coalesced per key/tier)."""
-        if self.registry.holds(dst_name, key):
-            return True
-        slot = (key, dst_name)
-        fut = self._moves.get(slot)
-        if fut is not None:
-            return await asyncio.shield(fut)
-        fut = asyncio.get_running_loop().create_future()
-        self._moves[slot] = fut
-        try:
-            ok = await self._do_move(key, self.by_name[dst_name])
-            fut.set_result(ok)
-            return ok
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # consumed here; waiters re-raise it
-            raise
-        finally:
-            del self._moves[slot]
-
-    def _sources(self, key: BlockKey, dst: Tier) -> list[str]:
-        """Tiers to copy ``key`` from: the nearest above ``dst`` first, then the nearest below."""
-        names = [t.name for t in self.tiers]
-        i = names.index(dst.name)
-        order = names[:i][::-1] + names[i + 1 :]
-        return [n for n in order if self.registry.holds(n, key)]
-
-    async def _do_move(self, key: BlockKey, dst: Tier) -> bool:
-        if self.registry.holds(dst.name, key):
-            return True
-        for src_name in self._sources(key, dst):
-            src = self.by_name[src_name]
-            n = src.nbytes(key)
-            if n is None:
-                self.registry.remove(src_name, key)  # the tier lost it (e.g. deleted behind our back)
-                continue
-            fp = dst.footprint(n)
-            with self.registry.pinned([key], src_name):
-                async with self._room(dst, fp):
-                    t0 = time.perf_counter()
-                    ok = await self._copy(key, src, dst, n)
-                    if ok:
-                        self.observe_copy(src_name, dst.name, time.perf_counter() - t0)
-                        self.registry.add(dst.name, key, fp)
-            if ok:
-                return True
-            self._forget_if_gone(src, key)
-        return False
-
-    def _forget_if_gone(self, tier: Tier, key: BlockKey) -> None:
-        """After a failed read: forget ``tier``'s copy only if the tier dropped it (corrupt or vanished);
-        a read that failed because the tier is unreachable (S3 down) leaves a copy that is still there."""
-        if tier.nbytes(key) is None:
-            self.registry.remove(tier.name, key)
-
-    async def _copy(self, key: BlockKey, src: Tier, dst: Tier, n: int) -> bool:
-        if isinstance(src, SlotPoolTier) and isinstance(dst, SlotPoolTier):
-            with src.hold(key) as view:  # the source slot is not reused while we copy from it
-                if view is None:
-                    return False
-                slot = dst.allocate(key, n)
-                try:
-                    if self.mover is not None:
-                        await asyncio.to_thread(self.mover.copy, [(view, dst.slot_tensor(slot, n))])  # type: ignore[attr-defined]
-                    else:
-                        await asyncio.to_thread(dst.slot_tensor(slot, n).copy_, view)
-                except BaseException:
-                    dst.abort(key)
-                    raise
-            dst.commit(key)
-            return True
-        if isinstance(dst, SlotPoolTier) and not dst.pool.is_cuda:
-            slot = dst.allocate(key, n)
-            try:
-                got = await src.get_into(key, memoryview(dst.slot_tensor(slot, n).numpy()))
-            except BaseException:
-                dst.abort(key)
-                raise
-            if got is None:
-                dst.abort(key)
-                return False
-            dst.commit(key)
-            return True
-        if isinstance(src, SlotPoolTier) and not src.pool.is_cuda:
-            with src.hold(key) as view:  # an Evict meanwhile must not hand the slot to a new block
-                if view is None:
-                    return False
-                await dst.put(key, memoryview(view.numpy()))
-            return True
-        data = await src.get(key)
-        if data is None:
-            return False
-        await dst.put(key, data)
-        return True
 
     # -- reads -----------------------------------------------------------------------------------------
     async def onboard(self, keys: Sequence[BlockKey], to: str | None = None) -> int:
@@ -618,7 +291,7 @@ class BlockManager:
         found = self.registry.match_prefix(keys)
         run = list(keys[: len(found)])
         self.registry.record_hit(run)
-        staging = self.by_name.get("G2") if target.kind == "device" else None
+        staging = self.by_name.get(TierName.G2) if target.kind == "device" else None
         done = 0
         with self.registry.pinned(run):
             results = await asyncio.gather(
@@ -640,10 +313,10 @@ class BlockManager:
             self.registry.touch(target.name, key)
             return True
         where = self.registry.where(key)
-        from_slow = bool(where) and where[0] not in ("G1", "G2")
-        if staging is not None and staging.name not in where and from_slow and not await self._move(key, staging.name):
+        stage = staging.name if staging is not None and policy.needs_staging(where) else ""
+        if stage and stage not in where and not await self.moves.move(key, stage):
             return False
-        return await self._move(key, target.name)
+        return await self.moves.move(key, target.name)
 
     async def read(self, key: BlockKey) -> bytes | None:
         """The block's bytes from the fastest tier that has a good copy."""
@@ -652,12 +325,12 @@ class BlockManager:
             if data is not None:
                 self.registry.record_hit([key])
                 return data
-            self._forget_if_gone(self.by_name[name], key)
+            forget_if_gone(self.registry, self.by_name[name], key)
         return None
 
     def device_tensor(self, key: BlockKey) -> object | None:
         """The G1 view of an onboarded block (a CUDA tensor on a GPU host)."""
-        g1 = self.by_name.get("G1")
+        g1 = self.by_name.get(TierName.G1)
         return g1.block_tensor(key) if isinstance(g1, SlotPoolTier) else None
 
     async def delete(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None) -> int:
@@ -680,7 +353,7 @@ class BlockManager:
         s = msgspec.structs.asdict(self.stats)
         s["errors"] = dict(self.stats.errors)
         s["hit_rate"] = (self.stats.lookup_hit_blocks / self.stats.lookup_blocks) if self.stats.lookup_blocks else 0.0
-        s["pending_cascades"] = len(self._pending)
+        s["pending_cascades"] = len(self.write_through.pending)
         s["owed"] = self.owed()
         return {"tiers": tiers, "manager": s}
 

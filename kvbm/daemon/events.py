@@ -1,0 +1,93 @@
+"""The block-event publisher: the daemon's PUB socket (topic ``kvbm``).
+
+Every tier change the manager makes (stores, cascades, evictions, demotions) becomes an event, batched per
+event-loop turn; what the daemon *learned* of a shared tier (a peer's event, a bucket probe) is not
+republished, so fleet daemons following each other do not echo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvbm import protocol as p
+from kvbm.blocks import BlockKey
+from kvbm.daemon.stats import DaemonStats
+from kvbm.daemon.transport import curve_server, prepare_ipc
+from kvbm.manager import BlockManager
+
+
+class EventPublisher:
+    """Batches the manager's registry changes into :class:`~kvbm.protocol.EventBatch` messages."""
+
+    def __init__(self, manager: BlockManager, stats: DaemonStats, shared: str) -> None:
+        self.manager = manager
+        self.stats = stats
+        self.shared = shared  # the shared (S3) tier's name, "" without one
+        self.endpoint = ""
+        self._pub: zmq.asyncio.Socket | None = None
+        self._seq = 0
+        self._pending: dict[tuple[str, str, str, int], list[bytes]] = {}
+        self._flush_scheduled = False
+        self._learning = False  # applying what others did: not this daemon's own change, not republished
+
+    def bind(self, ctx: zmq.asyncio.Context, endpoint: str, public: str, secret: str) -> None:
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 10_000)
+        curve_server(pub, public, secret)  # block events name namespaces and hashes: same protection
+        prepare_ipc(endpoint)
+        pub.bind(endpoint)
+        self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._pub = pub
+        self.manager.registry.listeners.append(self.on_registry)
+
+    def close(self) -> None:
+        if self._pub is not None:
+            self._pub.close(0)
+
+    @contextlib.contextmanager
+    def learned(self) -> Iterator[None]:
+        """Changes made inside are another node's (not published)."""
+        self._learning = True
+        try:
+            yield
+        finally:
+            self._learning = False
+
+    def on_registry(self, kind: str, tier: str, key: BlockKey) -> None:
+        if self._pub is None or (self._learning and tier == self.shared):
+            return
+        # Stored blocks carry their size, so a peer indexes them without asking the bucket.
+        nbytes = (self.manager.by_name[tier].nbytes(key) or 0) if kind == "stored" else 0
+        self._pending.setdefault((kind, tier, key.namespace, nbytes), []).append(key.hash)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        events: list[Any] = []
+        for (kind, tier, ns, nbytes), hashes in pending.items():
+            cls = p.BlocksStored if kind == "stored" else p.BlocksRemoved
+            events.append(cls(namespace=ns, hashes=hashes, tier=tier, nbytes=nbytes))
+        if events:
+            self.publish(*events)
+
+    def publish(self, *events: Any) -> None:
+        if self._pub is None:
+            return
+        buf = p.encode(p.EventBatch(ts=time.time(), events=list(events)), 1 << 62)
+        try:
+            self._pub.send_multipart([p.EVENTS_TOPIC, self._seq.to_bytes(8, "big"), buf], flags=zmq.NOBLOCK)
+            self._seq += 1
+            self.stats.events_published += 1
+        except zmq.ZMQError:
+            self.stats.dropped += 1

@@ -1,0 +1,281 @@
+"""Request handlers: one plain async (or quick sync) method per request type, taking the message and the
+worker's session and returning the reply. No ZeroMQ here (see :mod:`kvbm.daemon.transport`), so the
+handlers can be called directly.
+
+Pins: blocks onboarded for a worker stay pinned in G2 until it sends Release or Unregister, or its lease
+runs out (:mod:`kvbm.sessions` owns the slot references). Slot requests carrying another G2 pool generation
+than this daemon's are refused (``E_STALE``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvbm import protocol as p
+from kvbm.blocks import BlockKey
+from kvbm.config import DaemonConfig
+from kvbm.daemon.auth import authorize, check_store
+from kvbm.daemon.barrier import Barriers
+from kvbm.daemon.events import EventPublisher
+from kvbm.daemon.indexing import BucketIndexer
+from kvbm.daemon.logs import logj
+from kvbm.daemon.prefetch import Prefetcher
+from kvbm.daemon.stats import DaemonStats
+from kvbm.daemon.transport import Handled
+from kvbm.errors import KvbmError
+from kvbm.fleet import BucketProbe
+from kvbm.manager import PERSISTENT, BlockManager
+from kvbm.metrics import Metrics
+from kvbm.sessions import Sessions, WorkerSession
+from kvbm.tiers.names import TierName
+from kvbm.tiers.pool import SlotPoolTier
+
+
+def g2_of(manager: BlockManager) -> SlotPoolTier:
+    """The host slot pool workers share: the daemon cannot serve without one."""
+    tier = manager.by_name.get(TierName.G2)
+    if not isinstance(tier, SlotPoolTier):
+        raise KvbmError("the daemon needs a G2 host tier (workers share its slots)")
+    return tier
+
+
+class Service:
+    """The daemon's request logic, wired to the manager, the sessions and the daemon's helpers."""
+
+    def __init__(self, dc: DaemonConfig, manager: BlockManager, sessions: Sessions, stats: DaemonStats,
+                 metrics: Metrics, *, indexer: BucketIndexer, probe: BucketProbe | None, prefetcher: Prefetcher,
+                 publisher: EventPublisher, snapshot: Callable[[bool], dict[str, Any]]) -> None:
+        self.dc = dc
+        self.manager = manager
+        self.sessions = sessions
+        self.stats = stats
+        self.metrics = metrics
+        self.indexer = indexer
+        self.probe = probe
+        self.prefetcher = prefetcher
+        self.publisher = publisher
+        self.barriers = Barriers(dc.barrier_timeout_s)
+        self.admin_token = ""  # set by the daemon at run(); never logged
+        self._snapshot = snapshot
+        # Quick requests are answered inline by the receive loop; the others each get a task.
+        self.inline: dict[type, Callable[[Any, Any], Any]] = {
+            p.Unregister: self.unregister, p.Ping: self.ping, p.Release: self.release, p.Stats: self.stats_reply,
+        }
+        self.handlers: dict[type, Callable[[Any, Any], Any]] = {
+            p.Register: self.register,
+            p.Lookup: self.lookup,  # a task: it may wait (probe_budget_ms) for a bucket probe
+            p.PrepareStore: self.prepare, p.CommitStore: self.commit, p.Onboard: self.onboard,
+            p.Barrier: self.barrier, p.Evict: self.evict, p.Reindex: self.reindex,
+        }
+
+    def admit(self, msg: Any) -> WorkerSession | None:
+        """The session a request comes from (None: Register, or a monitor); raises Handled when refused."""
+        worker = None
+        if not isinstance(msg, p.Register):
+            worker = self.sessions.workers.get(msg.token)
+            # Monitors (kvbm status, health checks) may read stats, and Ping without a token, unregistered. A
+            # Ping with an unknown token still gets E_UNREGISTERED: that worker's lease ran out, it must register.
+            monitor = isinstance(msg, p.Stats) or (isinstance(msg, p.Ping) and not msg.token)
+            if worker is None and not monitor:
+                raise Handled(p.E_UNREGISTERED, self.sessions.unknown_token(msg))
+            if worker is not None:
+                worker.last_seen = time.monotonic()
+        denied = authorize(msg, worker, self.admin_token)
+        if denied:
+            raise Handled(p.E_FORBIDDEN, denied)
+        return worker
+
+    @property
+    def generation(self) -> str:
+        return getattr(g2_of(self.manager), "generation", "")
+
+    def _check_generation(self, msg: p._SlotReq) -> None:
+        if msg.generation != self.generation:
+            raise Handled(p.E_STALE, f"G2 pool generation {msg.generation!r} is not this daemon's "
+                                     f"({self.generation!r}): register again and map the new pool")
+
+    def drop_worker(self, w: WorkerSession, why: str, *, quarantine: bool = True) -> int:
+        """Forget a worker: release its pins and abort its unfinished stores (its slots quarantined
+        unless it said it is done: Unregister, or the daemon is shutting down)."""
+        pins = self.sessions.drop(w, quarantine=quarantine, why=why)
+        logj("worker.dropped", worker=w.worker_id, why=why, pins=pins)
+        return pins
+
+    # -- sessions --------------------------------------------------------------------------------------
+    async def register(self, msg: p.Register, _w: None) -> p.Registered:
+        g2 = g2_of(self.manager)
+        layout = msg.layout
+        if layout.block_nbytes > g2.slot_bytes:
+            raise Handled(p.E_BAD_REQUEST, f"layout blocks are {layout.block_nbytes} B; G2 slots {g2.slot_bytes} B")
+        if not 0 <= msg.tp_rank < max(msg.tp_size, 1):
+            raise Handled(p.E_BAD_REQUEST, f"tp_rank {msg.tp_rank} outside [0, {msg.tp_size})")
+        for name in ("model", "backend", "revision", "dtype"):
+            if len(getattr(layout, name)) > p.MAX_STR:
+                raise Handled(p.E_LIMIT, f"layout.{name} is longer than {p.MAX_STR} characters")
+        await self.indexer.index_namespace(layout.namespace)
+        for old in self.sessions.by_worker_id(msg.worker_id):
+            self.drop_worker(old, "re-registered")
+        token = secrets.token_hex(16)
+        admin = bool(msg.admin_token)  # checked by authorize
+        self.sessions.add(token, msg, admin=admin)
+        self.stats.registered += 1
+        logj("worker.registered", worker=msg.worker_id, engine=msg.engine_id, rank=msg.tp_rank,
+             namespace=layout.namespace, admin=admin)
+        return p.Registered(
+            token=token, namespace=layout.namespace, shm_name=getattr(g2, "shm_name", ""), generation=self.generation,
+            slot_bytes=g2.slot_bytes, num_slots=g2.num_slots, capacity_bytes=g2.capacity_bytes,
+            block_nbytes=layout.block_nbytes,
+        )
+
+    def unregister(self, _msg: p.Unregister, w: WorkerSession) -> p.Released:
+        return p.Released(count=self.drop_worker(w, "unregistered", quarantine=False))
+
+    def ping(self, _msg: p.Ping, _w: WorkerSession | None) -> p.Pong:
+        return p.Pong()
+
+    def stats_reply(self, msg: p.Stats, _w: WorkerSession | None) -> p.StatsReply:
+        return p.StatsReply(stats=self._snapshot(msg.resident))
+
+    async def barrier(self, msg: p.Barrier, w: WorkerSession) -> p.BarrierReply:
+        return await self.barriers.arrive(msg, msg.world_size or w.tp_size)
+
+    # -- blocks ----------------------------------------------------------------------------------------
+    async def lookup(self, msg: p.Lookup, _w: WorkerSession) -> p.LookupReply:
+        """The fastest tier of each block of the leading run held anywhere. A run that ends short of the request
+        while G4 is enabled starts a bucket probe of the next blocks (another node may have stored them); the
+        reply waits for it up to ``probe_budget_ms``: a probe done by then is in this reply, a slower one fills
+        the index for the next lookup (and starts the prefetch of what it found)."""
+        t0 = time.perf_counter()
+        keys = msg.keys()
+        tiers = self.manager.lookup(keys)
+        if len(tiers) < len(keys) and self.probe is not None:
+            probe = self.probe.start(keys[len(tiers) :])
+            if probe is not None:
+                if self.dc.probe_budget_ms > 0:
+                    await asyncio.wait({probe}, timeout=self.dc.probe_budget_ms / 1000)
+                if probe.done():
+                    tiers = self.manager.relookup(keys, tiers)
+                else:
+                    self.probe.stats.late += 1
+                    if self.dc.prefetch:
+                        probe.add_done_callback(lambda _t: self.prefetcher.after_probe(keys))
+        self.stats.lookup_seconds += time.perf_counter() - t0
+        self.metrics.lookup.labels(tier=self.metrics.slowest(tiers)).observe(time.perf_counter() - t0)
+        if self.dc.prefetch:
+            self.prefetcher.after_lookup(keys, tiers)
+        return p.LookupReply(matched=len(tiers), tiers=tiers)
+
+    async def prepare(self, msg: p.PrepareStore, w: WorkerSession) -> p.Slots:
+        check_store(msg, w)
+        self._check_generation(msg)
+        slot_bytes = g2_of(self.manager).slot_bytes
+        if not 0 < msg.nbytes <= slot_bytes:
+            raise Handled(p.E_BAD_REQUEST, f"nbytes {msg.nbytes} outside (0, {slot_bytes}]")
+        t0 = time.perf_counter()
+        keys = msg.keys()
+        try:
+            slots = await self.manager.prepare_store(keys, msg.nbytes, TierName.G2)
+        finally:
+            self.stats.offload_seconds += time.perf_counter() - t0
+            self.metrics.store.labels(op="prepare").observe(time.perf_counter() - t0)
+        if not self.sessions.alive(w):  # dropped while we waited (nothing copied yet): give the slots back
+            self.manager.complete_store([k for k, s in zip(keys, slots, strict=True) if s is not None], ok=False)
+            raise Handled(p.E_UNREGISTERED, "worker left")
+        self.sessions.prepared(w, keys, slots)
+        return p.Slots(slots=slots)
+
+    async def commit(self, msg: p.CommitStore, w: WorkerSession) -> p.Ack:
+        check_store(msg, w)
+        self._check_generation(msg)
+        t0 = time.perf_counter()
+        keys = msg.keys()
+        mine = self.sessions.take_prepared(w, keys)
+        stored = self.manager.complete_store(mine, msg.ok, cascade=not msg.durable)
+        durable = 0
+        try:
+            if msg.ok and msg.durable:
+                held = [k for k in keys if self.manager.where(k)]
+                durable = await self.manager.offload(held, durable=True)
+        finally:
+            self.stats.offload_seconds += time.perf_counter() - t0
+            op = "commit_durable" if msg.ok and msg.durable else "commit"
+            self.metrics.store.labels(op=op).observe(time.perf_counter() - t0)
+        return p.Ack(stored=stored, durable=durable)
+
+    async def onboard(self, msg: p.Onboard, w: WorkerSession) -> p.Onboarded:
+        self._check_generation(msg)
+        t0 = time.perf_counter()
+        keys = msg.keys()
+        reg = self.manager.registry
+        reg.pin(keys)  # before the await, so nothing we bring up is evicted before the worker reads it
+        source = self.metrics.slowest(reg.match_prefix(keys))  # the tier the onboard's latency comes from
+        try:
+            n = await self.manager.onboard(keys, to=TierName.G2)
+        except BaseException:
+            reg.unpin(keys)
+            raise
+        g2 = g2_of(self.manager)
+        held: list[tuple[BlockKey, int]] = []
+        nbytes: list[int] = []
+        for k in keys[:n]:
+            got = g2.acquire(k)  # the worker's reference on this very slot, until it releases it
+            if got is None:
+                break
+            held.append((k, got[0]))
+            nbytes.append(got[1])
+        n = len(held)
+        reg.unpin(keys[n:])
+        if self.sessions.alive(w):
+            self.sessions.pin(w, held)
+        else:
+            reg.unpin(keys[:n])
+            for _k, slot in held:
+                g2.unref(slot)
+            n, held, nbytes = 0, [], []
+        self.stats.onboard_seconds += time.perf_counter() - t0
+        self.metrics.onboard.labels(tier=source).observe(time.perf_counter() - t0)
+        if n:
+            self.publisher.publish(p.BlocksOnboarded(namespace=msg.namespace, hashes=msg.hashes[:n],
+                                                     worker_id=w.worker_id))
+        return p.Onboarded(count=n, slots=[slot for _k, slot in held], nbytes=nbytes)
+
+    def release(self, msg: p.Release, w: WorkerSession) -> p.Released:
+        self._check_generation(msg)
+        return p.Released(count=self.sessions.release(w, msg.keys()))
+
+    # -- admin -----------------------------------------------------------------------------------------
+    async def evict(self, msg: p.Evict, _w: WorkerSession) -> p.Evicted:
+        names = [t.name for t in self.manager.tiers]
+        tiers = msg.tiers or names
+        bad = [t for t in tiers if t not in names]
+        if bad:
+            raise Handled(p.E_BAD_REQUEST, f"unknown tiers {bad}; have {names}")
+        reg = self.manager.registry
+        if msg.hashes is not None:
+            keys = [BlockKey(msg.namespace, h) for h in msg.hashes]
+        else:
+            seen: dict[BlockKey, None] = {}
+            for t in tiers:
+                seen.update((k, None) for k in reg.keys(t) if k.namespace == msg.namespace)
+            keys = list(seen)
+        free = [k for k in keys if not reg.is_pinned(k)]
+        present = [k for k in free if any(reg.holds(t, k) for t in tiers)]
+        removed = await self.manager.delete(present, tiers) if present else 0
+        return p.Evicted(removed=removed, skipped=len(keys) - len(free))
+
+    async def reindex(self, msg: p.Reindex, _w: WorkerSession) -> p.Reindexed:
+        names = msg.tiers or [t.name for t in self.manager.tiers if t.kind in PERSISTENT]
+        unknown = [n for n in names if n not in self.manager.by_name]
+        if unknown:
+            raise Handled(p.E_BAD_REQUEST, f"no tier {unknown[0]!r} here")
+        reg = self.manager.registry
+        blocks = added = 0
+        for name in names:
+            before = reg.count(name)
+            blocks += await self.manager.index_tier(name, msg.namespace or None, refresh=True)
+            added += reg.count(name) - before
+        return p.Reindexed(blocks=blocks, added=added)

@@ -1,0 +1,212 @@
+"""The request socket: bind (CURVE, client allow-list), framing, admission, the receive loop and replies.
+
+Request logic lives in :mod:`kvbm.daemon.service`; this module only moves frames. Admission: with
+``max_queue`` PrepareStore/CommitStore requests in flight a new PrepareStore is answered
+:class:`~kvbm.protocol.Shed`; with ``max_inflight`` requests of any kind in flight the loop stops reading
+(ZeroMQ queues, then the clients time out). Bad frames get an Error reply (or are dropped) and are counted;
+none stops the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from kvbm import protocol as p
+from kvbm.config import DaemonConfig
+from kvbm.daemon.logs import logj
+from kvbm.daemon.stats import DaemonStats
+from kvbm.errors import KvbmError, TierFullError
+from kvbm.sessions import WorkerSession
+
+log = logging.getLogger("kvbm.daemon")
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+
+class Handled(Exception):
+    """Raised by request logic to answer with an Error reply of ``code``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RequestService(Protocol):
+    """What the transport needs of the request logic (:class:`kvbm.daemon.service.Service`)."""
+
+    inline: dict[type, Callable[[Any, Any], Any]]
+    handlers: dict[type, Callable[[Any, Any], Coroutine[Any, Any, Any]]]
+
+    def admit(self, msg: Any) -> WorkerSession | None: ...
+
+
+def curve_server(sock: zmq.asyncio.Socket, public: str, secret: str) -> None:
+    if secret:
+        sock.curve_server = True
+        sock.curve_secretkey = secret.encode()
+        sock.curve_publickey = public.encode()
+
+
+def prepare_ipc(endpoint: str) -> None:
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        if path and not path.startswith("@"):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+class Transport:
+    """The ROUTER socket: one request in, one reply out, each handled in its own task unless it is quick."""
+
+    def __init__(self, dc: DaemonConfig, ctx: zmq.asyncio.Context, stats: DaemonStats, spawn: Spawn) -> None:
+        self.dc = dc
+        self.stats = stats
+        self.endpoint = dc.endpoint
+        self.inflight = 0  # requests of any kind in flight
+        self.offloads = 0  # PrepareStore/CommitStore in flight (the queue depth)
+        self._ctx = ctx
+        self._spawn = spawn
+        self._router: zmq.asyncio.Socket | None = None
+        self._auth: Any = None
+        self._slot_free = asyncio.Event()
+
+    @property
+    def curve(self) -> bool:
+        return self._router is not None and bool(self._router.curve_server)
+
+    def bind(self, public: str, secret: str) -> None:
+        dc = self.dc
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # libzmq drops the connection of a peer that sends more than this; between max_message_bytes
+        # and it, the daemon still answers with an Error.
+        router.setsockopt(zmq.MAXMSGSIZE, 4 * dc.max_message_bytes + 1024)
+        if secret:
+            if not zmq.has("curve"):
+                raise KvbmError("daemon CURVE keys are set but libzmq has no CURVE support")
+            if dc.curve_clients_dir:  # the ZAP handler covers every socket of this context: ROUTER and PUB
+                from zmq.auth.asyncio import AsyncioAuthenticator
+
+                self._auth = AsyncioAuthenticator(self._ctx)
+                self._auth.start()
+                self._auth.configure_curve(domain="*", location=dc.curve_clients_dir)
+        curve_server(router, public, secret)
+        prepare_ipc(dc.endpoint)
+        router.bind(dc.endpoint)
+        self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._router = router
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+        if self._router is not None:
+            self._router.close(0)
+
+    async def serve(self, service: RequestService) -> None:
+        """Receive and dispatch until cancelled."""
+        assert self._router is not None
+        while True:
+            while self.inflight >= self.dc.max_inflight:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+            frames = await self._router.recv_multipart()
+            try:
+                self.dispatch(frames, service)
+            except Exception:  # never let one request take the daemon down
+                log.exception("dispatch failed")
+                self.stats.dropped += 1
+
+    def dispatch(self, frames: list[bytes], service: RequestService) -> None:
+        self.stats.requests += 1
+        if len(frames) == 2:
+            ident, envelope, payload = frames[0], [], frames[1]
+        elif len(frames) == 3 and frames[1] == b"":
+            ident, envelope, payload = frames[0], [b""], frames[2]
+        else:
+            self.stats.dropped += 1
+            self.count_error("frames")
+            return
+        route = [ident, *envelope]
+        try:
+            msg = p.decode_request(payload, self.dc.max_message_bytes)
+        except p.ProtocolError as e:
+            self._error(route, e.rid, e.code, e.message)
+            return
+        try:
+            worker = service.admit(msg)
+        except Handled as e:
+            self._error(route, msg.rid, e.code, str(e))
+            return
+        inline = service.inline.get(type(msg))
+        if inline is not None:
+            try:
+                reply = inline(msg, worker)
+            except Exception as e:
+                self._fail(route, msg, e)
+            else:
+                reply.rid = msg.rid
+                self._send(route, reply)
+            return
+        offload = isinstance(msg, (p.PrepareStore, p.CommitStore))
+        if isinstance(msg, p.PrepareStore) and self.offloads >= self.dc.max_queue:
+            self.stats.shed += 1
+            self._send(route, p.Shed(rid=msg.rid))
+            return
+        self.inflight += 1
+        self.offloads += offload
+        task = self._spawn(self._handle(route, msg, worker, service.handlers[type(msg)]))
+        task.add_done_callback(lambda _t: self._done(offload))
+
+    def _done(self, offload: bool) -> None:
+        self.inflight -= 1
+        self.offloads -= offload
+        self._slot_free.set()
+
+    async def _handle(self, route: list[bytes], msg: Any, worker: WorkerSession | None, handler: Any) -> None:
+        try:
+            reply = await handler(msg, worker)
+        except Exception as e:
+            self._fail(route, msg, e)
+            return
+        reply.rid = msg.rid
+        self._send(route, reply)
+
+    def _fail(self, route: list[bytes], msg: Any, e: Exception) -> None:
+        if isinstance(e, Handled):
+            code = e.code
+        elif isinstance(e, TierFullError):
+            code = p.E_FULL
+        elif isinstance(e, (KvbmError, ValueError)):
+            code = p.E_BAD_REQUEST
+        else:
+            log.exception("%s failed", type(msg).__name__, exc_info=e)
+            code = p.E_INTERNAL
+        self._error(route, msg.rid, code, str(e) if code != p.E_INTERNAL else f"{type(e).__name__}: {e}")
+
+    def _send(self, route: list[bytes], msg: Any) -> None:
+        assert self._router is not None
+        try:
+            buf = p.encode(msg, self.dc.max_message_bytes)
+        except p.ProtocolError as e:
+            buf = p.encode(p.Error(rid=msg.rid, code=e.code, message=e.message))
+        try:
+            self._router.send_multipart([*route, buf], flags=zmq.NOBLOCK)
+            self.stats.replies += 1
+        except zmq.ZMQError as e:  # peer gone / HWM: the reply is lost, the client times out
+            self.stats.dropped += 1
+            log.debug("reply dropped: %s", e)
+
+    def _error(self, route: list[bytes], rid: int, code: str, message: str) -> None:
+        self.count_error(code)
+        logj("request.error", code=code, rid=rid, message=message[:200], level=logging.DEBUG)
+        self._send(route, p.Error(rid=rid, code=code, message=message))
+
+    def count_error(self, code: str) -> None:
+        self.stats.errors[code] = self.stats.errors.get(code, 0) + 1
