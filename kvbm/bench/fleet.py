@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -30,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbm.bench.common import CpuMeter, delete_prefix, machine, s3_server, summary, temp_dir
+from kvbm.bench.common import CpuMeter, DaemonProc, delete_prefix, machine, s3_server, summary, temp_dir
 
 LIST_NS = "bench-list-0123456789abcdef"
 
@@ -52,43 +48,6 @@ class FleetOptions:
     s3_access_key: str = ""
     s3_secret_key: str = ""
     s3_bucket: str = "kvbm-bench"
-
-
-class _Daemon:
-    """``python -m kvbm.cli.serve`` in a subprocess, started with a config file, stopped with SIGTERM."""
-
-    def __init__(self, root: Path, name: str, cfg: dict[str, Any]) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.cfg_path = root / "kvbm.yaml"
-        self.cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
-        self.log_path = root / "daemon.log"
-        self.endpoint = cfg["daemon"]["endpoint"]
-        self.name = name
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_", "AWS_"))}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvbm.cli.serve", "--config", str(self.cfg_path)],
-                                         stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if b'"daemon.started"' in self.log_path.read_bytes():
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon {self.name} exited: {self.log_path.read_text()[-2000:]}")
-            time.sleep(0.05)
-        raise RuntimeError(f"daemon {self.name} did not start: {self.log_path.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 def _daemon_cfg(root: Path, srv: dict[str, Any], prefix: str, block_bytes: int, i: int) -> dict[str, Any]:
@@ -114,7 +73,7 @@ def _fleet(opts: FleetOptions, srv: dict[str, Any], root: Path, say: Callable[[s
     layout = KVLayout(model="bench-fleet", num_layers=1, num_kv_heads=1, head_size=opts.block_bytes // 2,
                       dtype="uint8", kv_factor=2, tokens_per_block=1, block_bytes=opts.block_bytes)
     prefix = f"{srv['prefix']}-fleet"
-    daemons = [_Daemon(root / f"d{i}", f"d{i}", _daemon_cfg(root, srv, prefix, opts.block_bytes, i))
+    daemons = [DaemonProc(root / f"d{i}", _daemon_cfg(root, srv, prefix, opts.block_bytes, i), f"d{i}")
                for i in range(max(2, opts.daemons))]
     out: dict[str, Any] = {"daemons": len(daemons), "blocks": opts.blocks, "hit_timeout_s": opts.hit_timeout_s}
     clients: list[WorkerClient] = []

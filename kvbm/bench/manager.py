@@ -17,13 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import mmap
 import os
 import secrets
-import signal
-import subprocess
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -38,6 +34,7 @@ import numpy as np
 from kvbm.bench.common import (
     MB,
     CpuMeter,
+    DaemonProc,
     boto3_client,
     delete_prefix,
     load_avg,
@@ -221,56 +218,16 @@ def daemon_available() -> bool:
     return True
 
 
-class _DaemonProc:
-    """``python -m kvbm.cli.serve`` on an ipc socket in ``tmp`` with a G2-only stack."""
-
-    def __init__(self, tmp: Path, slot: int, host_bytes: int) -> None:
-        self.tmp = tmp
-        self.endpoint = f"ipc://{tmp}/kvbm.sock"
-        cfg = {
-            "block_bytes": slot, "device": {"enabled": False}, "host": {"capacity": host_bytes, "pin": False},
-            "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
-            "transfer": {"backend": "plain"},
-            "daemon": {"endpoint": self.endpoint, "events_endpoint": f"ipc://{tmp}/events.sock",
-                       "metrics_port": 0, "max_inflight": 4096, "max_queue": 4096, "log_format": "json"},
-        }
-        self.cfg_path = tmp / "kvbm.yaml"
-        self.cfg_path.write_text(json.dumps(cfg))
-        self.log = tmp / "daemon.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 60.0) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvbm.cli.serve", "--config", str(self.cfg_path),
-                                          "--log-level", "warning"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        sock = self.tmp / "kvbm.sock"
-        while time.monotonic() < deadline:
-            if sock.exists():
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.log.read_text()[-2000:]}")
-            time.sleep(0.05)
-        raise RuntimeError(f"daemon did not start: {self.log.read_text()[-2000:]}")
-
-    def cpu(self) -> float:
-        from kvbm.bench.common import proc_cpu_seconds
-
-        return proc_cpu_seconds(self.proc.pid) if self.proc else 0.0
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        for f in Path("/dev/shm").glob(f"kvbm-g2-{self.proc.pid}-*"):
-            with contextlib.suppress(OSError):
-                f.unlink()
+def _daemon(tmp: Path, slot: int, host_bytes: int) -> DaemonProc:
+    """A G2-only daemon on an ipc socket in ``tmp``, logging warnings only (no log I/O while measured)."""
+    cfg = {
+        "block_bytes": slot, "device": {"enabled": False}, "host": {"capacity": host_bytes, "pin": False},
+        "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
+        "transfer": {"backend": "plain"},
+        "daemon": {"endpoint": f"ipc://{tmp}/kvbm.sock", "events_endpoint": f"ipc://{tmp}/events.sock",
+                   "metrics_port": 0, "max_inflight": 4096, "max_queue": 4096, "log_format": "json"},
+    }
+    return DaemonProc(tmp, cfg, args=("--log-level", "warning"))
 
 
 def bench_daemon(opts: ManagerOptions, rows: list[dict[str, Any]], work: Path, echo: Callable[[str], None]) -> None:
@@ -285,8 +242,8 @@ def bench_daemon(opts: ManagerOptions, rows: list[dict[str, Any]], work: Path, e
     total = max(n, opts.daemon_registered or opts.registered)
     reps = max(1, opts.onboard_repeats)
     # G2 holds every block (1 KiB each), so the daemon's registry ends up with ``total`` blocks.
-    d = _DaemonProc(work, slot, (total + opts.prefix_blocks + 64) * slot)
-    d.start()
+    d = _daemon(work, slot, (total + opts.prefix_blocks + 64) * slot)
+    d.start(ready=(work / "kvbm.sock").exists)
     try:
         with WorkerClient(d.endpoint, timeout_s=60.0) as c:
             c.register(layout, worker_id=f"bench-{os.getpid()}")
