@@ -14,8 +14,8 @@ import click
 from kvbm.cli.common import config_option, human_bytes, load, one_line_errors
 from kvbm.config import Config, parse_size
 from kvbm.errors import KvbmError
-from kvbm.maintenance import DaemonLink, Selector, daemon_reachable, iso, iter_bucket, iter_disk, open_bucket, summarize
 from kvbm.metrics import breaker_state
+from kvbm.ops import DaemonLink, Selector, daemon_reachable, iso, iter_bucket, iter_disk, open_bucket, summarize
 
 F = TypeVar("F", bound=Callable[..., Any])
 
