@@ -68,6 +68,12 @@ class DeleteResult:
     done: list[Entry] = field(default_factory=list)
     interrupted: str = ""  # why the run stopped early ("" when it finished)
 
+    def record(self, e: Entry) -> None:
+        """Count ``e`` as deleted."""
+        self.deleted += 1
+        self.bytes += e.size
+        self.done.append(e)
+
     def merge(self, other: DeleteResult) -> None:
         self.deleted += other.deleted
         self.bytes += other.bytes
@@ -102,9 +108,7 @@ async def delete_bucket(tier: Any, entries: Sequence[Entry], progress: Callable[
             if e.ref in failed:
                 res.errors.append((e.ref, failed[e.ref]))
             else:
-                res.deleted += 1
-                res.bytes += e.size
-                res.done.append(e)
+                res.record(e)
         if progress:
             progress(len(chunk))
     return res
@@ -135,9 +139,7 @@ def delete_disk(root: str | os.PathLike[str], entries: Sequence[Entry],
             except OSError as err:
                 res.errors.append((e.ref, err.strerror or str(err)))
                 continue
-            res.deleted += 1
-            res.bytes += e.size
-            res.done.append(e)
+            res.record(e)
         if progress:
             progress(len(chunk))
     return res
