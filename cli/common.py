@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: config loading and one-line errors instead of tracebacks."""
+"""Shared CLI plumbing: config loading, one-line errors instead of tracebacks, and the daemon options of
+``status``, ``purge`` and ``prewarm``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import click
 
 from kvbm.config import Config, load_config
 from kvbm.errors import KvbmError
+from kvbm.ops.link import DaemonLink, daemon_reachable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,3 +46,37 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+# -- daemon options: shared by status, purge and prewarm -----------------------------------------------
+def daemon_options(fn: F) -> F:
+    """``--daemon``, ``--direct`` and ``--timeout``."""
+    fn = click.option("--timeout", "daemon_timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+                      help="Seconds to wait for the daemon's answer.")(fn)
+    fn = click.option("--direct", is_flag=True,
+                      help="Do not talk to a daemon; work on the disk directory and the bucket directly.")(fn)
+    fn = click.option("--daemon", "daemon_endpoint", metavar="ENDPOINT", envvar="KVBM_DAEMON", default=None,
+                      help="Daemon endpoint (e.g. tcp://127.0.0.1:5557, ipc:///run/kvbm.sock); $KVBM_DAEMON. "
+                           "Given explicitly, an unreachable daemon is an error; otherwise daemon.endpoint of "
+                           "the config is tried quickly and the command works directly when nothing answers.")(fn)
+    return fn
+
+
+def find_daemon(cfg: Config, endpoint: str | None, direct: bool, timeout_s: float) -> tuple[DaemonLink | None, str]:
+    """A registered link to the daemon, or (None, why not). An explicit ``endpoint`` that does not answer
+    raises ClickException; the configured default falls back quietly."""
+    if direct:  # wins over --daemon / $KVBM_DAEMON
+        return None, "--direct"
+    explicit = bool(endpoint)
+    ep = endpoint or cfg.daemon.endpoint
+    ok, why = daemon_reachable(ep)
+    if ok:
+        try:
+            return DaemonLink.for_config(cfg, ep, timeout_s).open(), ""
+        except KvbmError as e:
+            why = f"daemon at {ep} did not answer: {' '.join(str(e).split())[:200]}"
+    elif not why.startswith("bad"):
+        why = f"no daemon at {ep}: {why}"
+    if explicit:
+        raise click.ClickException(why)
+    return None, why

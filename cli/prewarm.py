@@ -11,11 +11,10 @@ from typing import Any
 import click
 
 from kvbm.blocks import BlockKey
-from kvbm.cli.common import config_option, human_bytes, load, one_line_errors
-from kvbm.cli.status import daemon_options, find_daemon
+from kvbm.cli.common import config_option, daemon_options, find_daemon, human_bytes, load, one_line_errors
 from kvbm.config import parse_size
 from kvbm.errors import ConfigError
-from kvbm.maintenance import (
+from kvbm.ops import (
     PrewarmReport,
     Selector,
     check_namespace,

@@ -10,10 +10,9 @@ from typing import Any
 
 import click
 
-from kvbm.cli.common import config_option, human_bytes, load, one_line_errors
-from kvbm.cli.status import daemon_options, find_daemon
+from kvbm.cli.common import config_option, daemon_options, find_daemon, human_bytes, load, one_line_errors
 from kvbm.errors import ConfigError, KvbmError
-from kvbm.maintenance import (
+from kvbm.ops import (
     DeleteResult,
     Entry,
     Selector,

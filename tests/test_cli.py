@@ -15,14 +15,14 @@ import pytest
 from click.testing import CliRunner
 from serve_proc import ServeProc
 
-from kvbm import maintenance
+from kvbm import ops
 from kvbm.blocks import BlockKey
 from kvbm.cli.main import main
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.hashing import prefix_hashes
-from kvbm.maintenance import Entry, Selector, parse_duration, plan_purge
 from kvbm.manager import BlockManager
+from kvbm.ops import Entry, Selector, parse_duration, plan_purge
 from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.s3 import S3Tier, make_s3_tier
 
@@ -329,7 +329,7 @@ def test_interrupted_purge_rerun_finishes(s3_server, s3_prefix, tmp_path, monkey
     foreign = foreign_keys(s3_prefix)
     asyncio.run(put_s3(s3_server, s3_prefix, keys, foreign=foreign))
     env = cli_env(s3_server, s3_prefix, tmp_path)
-    monkeypatch.setattr(maintenance, "DELETE_BATCH", 5)
+    monkeypatch.setattr(ops.purge, "DELETE_BATCH", 5)
     calls: list[int] = []
     real = S3Tier.delete_many
 
@@ -482,12 +482,12 @@ def test_tokens_file_hashing_matches_manager(tmp_path):
     toks = list(range(1, 20))
     (tmp_path / "p.jsonl").write_text(json.dumps(toks) + "\n")
     for scheme, vbs in (("kvbm", None), ("vllm", 2)):
-        chains = maintenance.keys_from_tokens_file(str(tmp_path / "p.jsonl"), NS, 4, scheme, vbs)
+        chains = ops.keys_from_tokens_file(str(tmp_path / "p.jsonl"), NS, 4, scheme, vbs)
         assert chains == [[BlockKey(NS, h) for h in prefix_hashes(toks, 4, scheme=scheme, vllm_block_size=vbs)]]
         assert len(chains[0]) == 4
     (tmp_path / "bad.jsonl").write_text("[1, 99999999999]\n")
     with pytest.raises(ConfigError, match=r"bad\.jsonl:1: token ids must fit"):
-        maintenance.keys_from_tokens_file(str(tmp_path / "bad.jsonl"), NS, 2)
+        ops.keys_from_tokens_file(str(tmp_path / "bad.jsonl"), NS, 2)
     (tmp_path / "h.txt").write_text("abcd\nxyz\n")
     with pytest.raises(ConfigError, match=r"h\.txt:2"):
-        maintenance.keys_from_hashes_file(str(tmp_path / "h.txt"), NS)
+        ops.keys_from_hashes_file(str(tmp_path / "h.txt"), NS)

@@ -228,7 +228,7 @@ def test_serve_with_prewarm_hottest_is_ready_once_the_hottest_blocks_are_on_disk
 
 
 def test_plan_purge_ranks_by_last_use_and_falls_back_to_write_time():
-    from kvbm.maintenance import Entry, Selector, plan_log_purge, plan_purge, rank_hottest, with_access
+    from kvbm.ops import Entry, Selector, plan_log_purge, plan_purge, rank_hottest, with_access
     from kvbm.recency import AccessLog
 
     now = 10_000.0

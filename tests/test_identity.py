@@ -21,7 +21,7 @@ from kvbm.errors import ConfigError
 from kvbm.hashing import prefix_hashes, root_hash
 from kvbm.keys import check_namespace, is_namespace, model_slug
 from kvbm.layout import KVLayout
-from kvbm.maintenance import Selector, iter_disk
+from kvbm.ops import Selector, iter_disk
 from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.s3 import make_s3_tier
 

@@ -64,7 +64,7 @@ class Daemon(ServeProc):
 
     def resident(self, engine: str) -> set:
         """The engine's GPU-resident block hashes as the daemon knows them from its KV events."""
-        from kvbm.maintenance import DaemonLink
+        from kvbm.ops import DaemonLink
 
         with DaemonLink(self.endpoint, 5, admin_token=self.admin_token()) as link:  # an admin session
             return set(link.client.stats(resident=True)["engines"][engine]["resident"])

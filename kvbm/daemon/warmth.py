@@ -41,7 +41,7 @@ class Warmth:
             self._spawn(self._prewarm_hottest(s3.name))
 
     async def _prewarm_hottest(self, s3_name: str) -> None:
-        from kvbm.maintenance import prewarm_manager
+        from kvbm.ops.prewarm import prewarm_manager
 
         t0 = time.perf_counter()
         try:
