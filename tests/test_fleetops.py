@@ -14,7 +14,7 @@ from serve_proc import ServeProc
 from test_cli import cli_env, data_for, put_s3, run, tier_for
 from test_ops import get
 
-import kvbm.tiers.s3 as s3mod
+import kvbm.tiers.s3.tier as s3mod
 from kvbm.blocks import BlockKey
 from kvbm.layout import KVLayout
 from kvbm.recency import AccessRecorder, access_prefix, read_access_times

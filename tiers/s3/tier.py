@@ -23,12 +23,12 @@ counted in ``stats.corrupt`` and is deleted.
 Data paths (``s3.client``)
 --------------------------
 * ``aiobotocore``: one shared client, at most ``max_concurrency`` requests in flight.
-* ``http``: :mod:`kvbm.tiers.s3_http`, plain keep-alive HTTP(S) connections in worker threads that read
+* ``http``: :mod:`kvbm.tiers.s3.http`, plain keep-alive HTTP(S) connections in worker threads that read
   straight into the caller's buffer and send the payload from it (no body copy), checksumming there.
 * ``nixl``: the NIXL OBJ backend (aws-sdk-cpp) moves block bodies; its blocking calls run in a private
   thread pool.
 
-``http`` and ``nixl`` are :class:`~kvbm.tiers.s3_http.BodyBackend` implementations (``self._body``); control
+``http`` and ``nixl`` are :class:`~kvbm.tiers.s3.http.BodyBackend` implementations (``self._body``); control
 calls (bucket checks, HEAD, LIST, DELETE) always use aiobotocore.
 
 Failure handling
@@ -79,7 +79,7 @@ from kvbm.errors import ConfigError, CorruptBlockError, TierFullError, TierUnava
 from kvbm.keys import is_namespace, object_relkey, parse_object_relkey
 from kvbm.metrics import no_observe
 from kvbm.tiers.base import StoredBlock, Tier, TierStats
-from kvbm.tiers.s3_http import BodyBackend, HttpBodyClient
+from kvbm.tiers.s3.http import BodyBackend, HttpBodyClient
 
 log = logging.getLogger("kvbm.tiers.s3")
 
