@@ -29,7 +29,7 @@ import ssl
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 from kvbm.blocks import MIN_HEADER_LEN, BlockKey, pack_header, unpack_header, verify
@@ -43,19 +43,6 @@ _RETRY_CODES = {"SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalE
                 "Throttling", "ThrottlingException"}
 _CODE_RE = re.compile(rb"<Code>([^<]{1,100})</Code>")
 _MSG_RE = re.compile(rb"<Message>([^<]{0,300})</Message>")
-
-
-class BodyBackend(Protocol):
-    """Moves block bodies for the S3 tier; control calls stay on aiobotocore."""
-
-    async def put(self, okey: str, key: BlockKey, payload: memoryview, meta: dict[str, str]) -> None:
-        """Store ``header || payload`` as ``okey``; raises on any failure (the write did not happen)."""
-
-    async def get_into(self, okey: str, key: BlockKey, view: memoryview) -> int | None:
-        """Verified payload of ``okey`` into ``view``: its length, None if there is no such object.
-        Raises CorruptBlockError for a corrupt or truncated object, ValueError if ``view`` is too small."""
-
-    def close(self) -> None: ...
 
 
 class S3HttpError(Exception):
