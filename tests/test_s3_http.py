@@ -1,4 +1,4 @@
-"""The ``http`` S3 body client (kvbm.tiers.s3_http) against a real SeaweedFS: byte-exact round trips,
+"""The ``http`` S3 body client (kvbm.tiers.s3.http) against a real SeaweedFS: byte-exact round trips,
 metadata, corrupt/truncated/missing objects as misses, checksums off the event loop, cancellation that
 never leaves a worker writing into the caller's buffer."""
 
@@ -193,7 +193,7 @@ def test_signer_sends_unsigned_payload_unless_asked(s3_server, s3_prefix, monkey
     """The server accepts both forms; with ``sign_payload`` the body's SHA-256 is what is signed."""
     import hashlib
 
-    from kvbm.tiers import s3_http
+    from kvbm.tiers.s3 import http as s3_http
 
     seen: list[str] = []
     real = s3_http.HttpBodyClient._sign

@@ -1,0 +1,187 @@
+"""The ``nixl`` body backend: block bodies through the NIXL OBJ backend (aws-sdk-cpp), whose blocking calls
+run in a private thread pool."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from kvbm.blocks import BlockKey
+from kvbm.config import S3Config
+from kvbm.errors import ConfigError, TierUnavailableError
+from kvbm.tiers.s3.codes import _CRED_CODES, _one_line
+
+if TYPE_CHECKING:
+    from kvbm.tiers.s3.session import S3Session
+    from kvbm.tiers.s3.tier import S3Tier
+
+
+async def start_nixl(tier: S3Session, session: Any) -> None:
+    """Start the NIXL OBJ backend for ``tier`` and prove its credentials with a real write + read."""
+    ak, sk, tok = tier._access_key, tier._secret_key, tier._session_token
+    if not (ak and sk):
+        creds = await session.get_credentials()
+        if creds is None:
+            raise ConfigError(f"no S3 credentials for the NIXL OBJ backend ({tier.endpoint_name})")
+        frozen = await creds.get_frozen_credentials()
+        ak, sk, tok = frozen.access_key, frozen.secret_key, frozen.token
+    tier._nixl = _NixlObj(tier.cfg, tier.endpoint, tier.bucket, ak, sk, tok)
+    await tier._nixl.start()
+    # create_backend accepts any secret; prove the credentials with a real write + read.
+    probe = f"{tier._base()}.kvbm-probe/{uuid.uuid4().hex}"
+    body = b"kvbm-nixl-probe"
+    try:
+        await tier._nixl.write(probe, body)
+        back = bytearray(len(body))
+        await tier._nixl.read(probe, memoryview(back))
+        if bytes(back) != body:
+            raise TierUnavailableError("NIXL OBJ probe read back different bytes")
+    except TierUnavailableError as e:
+        code = await tier._diagnose()
+        if code in _CRED_CODES:
+            raise ConfigError(f"S3 credentials rejected by {tier.endpoint_name} ({code}, NIXL OBJ)") from None
+        raise TierUnavailableError(f"NIXL OBJ backend cannot use {tier.endpoint_name}: {e}") from None
+    finally:
+        with contextlib.suppress(Exception):
+            await tier._s3.delete_object(Bucket=tier.bucket, Key=probe)
+
+
+class _NixlBody:
+    """:class:`BodyBackend` over NIXL OBJ: bodies are staged in a buffer (NIXL registers whole regions)."""
+
+    def __init__(self, tier: S3Tier) -> None:
+        self.tier = tier
+
+    async def put(self, okey: str, key: BlockKey, payload: memoryview, meta: dict[str, str]) -> None:
+        t = self.tier
+        assert t._nixl is not None
+        buf = await t._encode(key, payload)
+        try:
+            await t._nixl.write(okey, buf)
+        finally:
+            t._release_body(buf)
+
+    async def get_into(self, okey: str, key: BlockKey, view: memoryview) -> int | None:
+        body = await self.tier._fetch(key, okey)
+        return None if body is None else self.tier._copy_payload(key, body, view)
+
+    def close(self) -> None:
+        pass  # the tier closes its _NixlObj
+
+
+class _NixlObj:
+    """The NIXL OBJ backend, driven from a private thread pool (its calls block)."""
+
+    _agent_ids = itertools.count()
+
+    def __init__(self, cfg: S3Config, endpoint: str | None, bucket: str, ak: str, sk: str, tok: str | None):
+        self.cfg = cfg
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self._ak, self._sk, self._tok = ak, sk, tok
+        self._agent: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._dev_ids = itertools.count(1)
+
+    def _params(self) -> dict[str, str]:
+        p = {
+            "bucket": self.bucket,
+            "create_bucket": "false",
+            "region": self.cfg.region,
+            "access_key": self._ak,
+            "secret_key": self._sk,
+            "use_virtual_addressing": "true" if self.cfg.addressing == "virtual" else "false",
+            "req_checksum": "supported",
+            "num_threads": str(max(2, self.cfg.max_concurrency)),
+        }
+        if self._tok:
+            p["session_token"] = self._tok
+        if self.endpoint:
+            scheme, _, host = self.endpoint.partition("://")
+            p["scheme"] = scheme or "http"
+            p["endpoint_override"] = host.rstrip("/")
+        return p
+
+    async def start(self) -> None:
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        except ImportError as e:
+            raise ConfigError(f"s3.client is 'nixl' but NIXL cannot be imported: {e}") from None
+
+        def make() -> Any:
+            conf = nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            agent = nixl_agent(f"kvbm-s3-{os.getpid()}-{next(self._agent_ids)}", conf)
+            agent.create_backend("OBJ", self._params())
+            return agent
+
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.max_concurrency), thread_name_prefix="kvbm-nixl")
+        try:
+            self._agent = await asyncio.get_running_loop().run_in_executor(self._pool, make)
+        except Exception as e:
+            self.close()
+            # Never echo the parameters: they hold the secret.
+            raise TierUnavailableError(f"NIXL OBJ backend did not start: {type(e).__name__}") from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            # Do not wait for a transfer stuck in aws-sdk-cpp's retries (~25 s on a dead endpoint); the
+            # thread keeps its own references to the agent and buffer and ends by itself.
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._agent = None
+
+    def _xfer(self, op: str, okey: str, buf: memoryview) -> None:
+        import numpy as np
+
+        agent = self._agent
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        addr, n = int(arr.ctypes.data), int(arr.size)
+        dev = next(self._dev_ids) % (1 << 30)
+        local = agent.register_memory([(addr, n, 0, "")], "DRAM")
+        try:
+            remote = agent.register_memory([(0, n, dev, okey)], "OBJ")
+            try:
+                handle = agent.initialize_xfer(
+                    op, agent.get_xfer_descs([(addr, n, 0)], "DRAM"), agent.get_xfer_descs([(0, n, dev)], "OBJ"),
+                    agent.name,
+                )
+                try:
+                    state = agent.transfer(handle)
+                    delay = 0.0002
+                    while state == "PROC":
+                        time.sleep(delay)
+                        delay = min(delay * 2, 0.005)
+                        state = agent.check_xfer_state(handle)
+                    if state != "DONE":
+                        raise RuntimeError(f"transfer state {state}")
+                finally:
+                    agent.release_xfer_handle(handle)
+            finally:
+                agent.deregister_memory(remote)
+        finally:
+            agent.deregister_memory(local)
+
+    async def _run(self, op: str, okey: str, buf: memoryview) -> None:
+        if self._agent is None or self._pool is None:
+            raise TierUnavailableError("NIXL OBJ backend is closed")
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._xfer, op, okey, buf)
+        try:
+            # On timeout the worker thread finishes on its own; it holds its own reference to ``buf``.
+            await asyncio.wait_for(fut, self.cfg.nixl_timeout_s)
+        except asyncio.TimeoutError:
+            raise TierUnavailableError(f"NIXL OBJ {op} {okey}: no answer in {self.cfg.nixl_timeout_s:g}s") from None
+        except Exception as e:
+            raise TierUnavailableError(f"NIXL OBJ {op} {okey}: {type(e).__name__}: {_one_line(e)}") from None
+
+    async def write(self, okey: str, body: bytes | bytearray) -> None:
+        # NIXL registers memory by address; bytes are immutable but readable, which is all WRITE needs.
+        await self._run("WRITE", okey, memoryview(body))
+
+    async def read(self, okey: str, out: memoryview) -> None:
+        await self._run("READ", okey, out)
