@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvbm.blocks import BlockKey
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
-from kvbm.tiers.s3.codes import _CRED_CODES, _one_line
+from kvbm.tiers.s3.codes import _one_line, probe_failure
 
 if TYPE_CHECKING:
     from kvbm.tiers.s3.session import S3Session
@@ -43,10 +43,7 @@ async def start_nixl(tier: S3Session, session: Any) -> None:
         if bytes(back) != body:
             raise TierUnavailableError("NIXL OBJ probe read back different bytes")
     except TierUnavailableError as e:
-        code = await tier._diagnose()
-        if code in _CRED_CODES:
-            raise ConfigError(f"S3 credentials rejected by {tier.endpoint_name} ({code}, NIXL OBJ)") from None
-        raise TierUnavailableError(f"NIXL OBJ backend cannot use {tier.endpoint_name}: {e}") from None
+        raise probe_failure(tier.endpoint_name, "NIXL OBJ backend", await tier._diagnose(), e) from None
     finally:
         with contextlib.suppress(Exception):
             await tier._s3.delete_object(Bucket=tier.bucket, Key=probe)

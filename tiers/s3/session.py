@@ -18,7 +18,7 @@ from kvbm.metrics import no_observe
 from kvbm.tiers.base import Tier, TierStats
 from kvbm.tiers.s3.bodies import BodyBackend
 from kvbm.tiers.s3.breaker import CircuitBreaker
-from kvbm.tiers.s3.codes import _CRED_CODES, _err_code, _one_line
+from kvbm.tiers.s3.codes import _CRED_CODES, _err_code, _one_line, probe_failure
 from kvbm.tiers.s3.fastlist import _fast_list_contents, _fast_timestamp
 from kvbm.tiers.s3.http import HttpBodyClient
 from kvbm.tiers.s3.nixl import _NixlBody, _NixlObj, start_nixl
@@ -366,10 +366,7 @@ async def start_http(tier: S3Session, session: Any) -> None:
             raise TierUnavailableError("probe read back different bytes")
     except Exception as e:
         client.close()
-        code = _err_code(e)
-        if code in _CRED_CODES:
-            raise ConfigError(f"S3 credentials rejected by {tier.endpoint_name} ({code}, http client)") from None
-        raise TierUnavailableError(f"S3 http client cannot use {tier.endpoint_name}: {_one_line(e)}") from None
+        raise probe_failure(tier.endpoint_name, "S3 http client", _err_code(e), e) from None
     finally:
         with contextlib.suppress(Exception):
             await tier._s3.delete_object(Bucket=tier.bucket, Key=probe)
