@@ -227,6 +227,20 @@ def test_signer_sends_unsigned_payload_unless_asked(s3_server, s3_prefix, monkey
     assert seen[-1] == hashlib.sha256(stored).hexdigest()
 
 
+async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, first: bytes = b"") -> None:
+    """Copy ``first`` then everything from ``r`` to ``w`` until EOF (one direction of a test proxy)."""
+    try:
+        if first:
+            w.write(first)
+        while data := await r.read(1 << 20):
+            w.write(data)
+            await w.drain()
+    except Exception:
+        pass
+    finally:
+        w.close()
+
+
 class _TlsProxy:
     """A TLS terminator in front of the plain-http SeaweedFS (a real TLS endpoint; bytes pass unchanged)."""
 
@@ -248,16 +262,6 @@ class _TlsProxy:
         asyncio.set_event_loop(self.loop)
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(self.cert, self.keyfile)
-
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            try:
-                while data := await r.read(1 << 20):
-                    w.write(data)
-                    await w.drain()
-            except Exception:
-                pass
-            finally:
-                w.close()
 
         async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             self.accepted += 1
@@ -333,18 +337,6 @@ class _SlowDownProxy:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, first: bytes = b"") -> None:
-            try:
-                if first:
-                    w.write(first)
-                while data := await r.read(1 << 20):
-                    w.write(data)
-                    await w.drain()
-            except Exception:
-                pass
-            finally:
-                w.close()
 
         async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             head = await r.readuntil(b"\r\n\r\n")
