@@ -87,3 +87,14 @@ class ServeProc:
         if admin:
             kw["admin_token"] = self.admin_token()
         return WorkerClient(self.endpoint, timeout_s=kw.pop("timeout_s", 10.0), **kw)
+
+
+def wait_until(pred: Any, timeout: float = 60.0, step: float = 0.05) -> Any:
+    """Call ``pred`` until it returns something truthy or ``timeout`` passes; its last result. A generous
+    deadline for waiting on daemons, never a timing assertion."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(step)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from serve_proc import ServeProc
+from serve_proc import ServeProc, wait_until
 
 from kvbm.blocks import BlockKey
 from kvbm.config import S3Config, TransferConfig
@@ -390,15 +390,6 @@ def g4_of(stats: dict) -> dict:
     return next(t for t in stats["tiers"] if t["tier"] == "G4")
 
 
-def wait_for(pred, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got or time.monotonic() > deadline:
-            return got
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("mode", ["background", "start", "lazy"])
 def test_serve_starts_during_s3_outage_and_brings_g4_in_later(weed_binary, tmp_path, mode):
     """``kvbm serve`` with its S3 endpoint down at start serves G2/G3, reports the bucket unindexed and the
@@ -440,10 +431,10 @@ def test_serve_starts_during_s3_outage_and_brings_g4_in_later(weed_binary, tmp_p
             restart(srv)
             assert srv.port == port
             if mode == "lazy":  # only registered namespaces are ever listed
-                assert wait_for(lambda: c.stats()["daemon"]["namespaces_indexed"] == 1)
+                assert wait_until(lambda: c.stats()["daemon"]["namespaces_indexed"] == 1)
                 assert c.stats()["daemon"]["bucket_indexed"] is False
             else:
-                assert wait_for(lambda: c.stats()["daemon"]["bucket_indexed"])
+                assert wait_until(lambda: c.stats()["daemon"]["bucket_indexed"])
             st = c.stats()
             assert g4_of(st)["online"] is True and g4_of(st)["breaker"]["state"] == "closed"
             assert not st["daemon"]["bucket_index_error"]

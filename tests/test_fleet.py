@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ import zmq
 import zmq.asyncio
 from click.testing import CliRunner
 from needs import needs
-from serve_proc import ServeProc
+from serve_proc import ServeProc, wait_until
 
 from kvbm.blocks import BlockKey
 from kvbm.cli.main import main
@@ -98,12 +97,7 @@ def loads_exact(c: WorkerClient, keys: list[BlockKey]) -> int:
 
 
 def poll(pred, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got or time.monotonic() > deadline:
-            return got
-        time.sleep(0.05)
+    return wait_until(pred, timeout)
 
 
 def g4(c: WorkerClient) -> dict:
