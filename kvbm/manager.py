@@ -156,6 +156,14 @@ class BlockManager:
         self.stats.lookup_hit_blocks += len(found)
         return found
 
+    def lookup_hashes(self, namespace: str, hashes: Sequence[bytes]) -> list[str]:
+        """:meth:`lookup` straight from a request's hashes (no BlockKey per block on the hot path)."""
+        found = self.registry.match_hashes(namespace, hashes)
+        self.stats.lookups += 1
+        self.stats.lookup_blocks += len(hashes)
+        self.stats.lookup_hit_blocks += len(found)
+        return found
+
     def relookup(self, keys: Sequence[BlockKey], before: Sequence[str]) -> list[str]:
         """:meth:`lookup` again after the index learned more (a bucket probe): counts only the added hits."""
         found = self.registry.match_prefix(keys)

@@ -31,7 +31,7 @@ from kvbm.fleet import BucketProbe
 from kvbm.manager import PERSISTENT, BlockManager
 from kvbm.metrics import Metrics
 from kvbm.sessions import Sessions, WorkerSession
-from kvbm.tiers.names import TierName
+from kvbm.tiers.names import FAST, TierName
 from kvbm.tiers.pool import SlotPoolTier
 
 
@@ -150,9 +150,11 @@ class Service:
         reply waits for it up to ``probe_budget_ms``: a probe done by then is in this reply, a slower one fills
         the index for the next lookup (and starts the prefetch of what it found)."""
         t0 = time.perf_counter()
-        keys = msg.keys()
-        tiers = self.manager.lookup(keys)
-        if len(tiers) < len(keys) and self.probe is not None:
+        # Matched straight from the request's hashes; BlockKeys only where a probe or a prefetch needs them.
+        tiers = self.manager.lookup_hashes(msg.namespace, msg.hashes)
+        keys: list[BlockKey] = []
+        if len(tiers) < len(msg.hashes) and self.probe is not None:
+            keys = msg.keys()
             probe = self.probe.start(keys[len(tiers) :])
             if probe is not None:
                 if self.dc.probe_budget_ms > 0:
@@ -165,8 +167,8 @@ class Service:
                         probe.add_done_callback(lambda _t: self.prefetcher.after_probe(keys))
         self.stats.lookup_seconds += time.perf_counter() - t0
         self.metrics.lookup.labels(tier=self.metrics.slowest(tiers)).observe(time.perf_counter() - t0)
-        if self.dc.prefetch:
-            self.prefetcher.after_lookup(keys, tiers)
+        if self.dc.prefetch and any(t not in FAST for t in tiers):
+            self.prefetcher.after_lookup(keys or msg.keys(), tiers)
         return p.LookupReply(matched=len(tiers), tiers=tiers)
 
     async def prepare(self, msg: p.PrepareStore, w: WorkerSession) -> p.Slots:
