@@ -25,7 +25,7 @@ KiB, MiB = 1 << 10, 1 << 20
 NS = "m-0123456789abcdef"
 BLOCK = 256 * KiB
 HAVE_NIXL = nixl_available()[0]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def k(i: int, ns: str = NS) -> BlockKey:

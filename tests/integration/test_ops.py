@@ -164,7 +164,7 @@ def test_grafana_dashboard_only_uses_metrics_the_daemon_exports(s3_daemon):
     import re
     from pathlib import Path
 
-    dash = json.loads((Path(__file__).parent.parent / "scripts/grafana/kvbm-dashboard.json").read_text())
+    dash = json.loads((Path(__file__).parents[2] / "scripts/grafana/kvbm-dashboard.json").read_text())
     exprs = [t["expr"] for panel in dash["panels"] for t in panel["targets"]]
     used = {re.sub(r"_(bucket|total|count|sum)$", "", m) for e in exprs
             for m in re.findall(r"\b((?:kvbm|process)_[a-z0-9_]+)", e)}

@@ -1,5 +1,5 @@
 """The connector's zero-tuning parts, fast: vLLM's plugin loader finds it by name, and it reads the block
-geometry from a real daemon (``kvbm serve`` in a subprocess). tests/test_vllm_e2e.py runs them in vLLM."""
+geometry from a real daemon (``kvbm serve`` in a subprocess). tests/integration/test_vllm_e2e.py runs them in vLLM."""
 
 from __future__ import annotations
 

@@ -85,10 +85,10 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
 def test_every_shipped_config_loads():
     from pathlib import Path
 
-    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    configs = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
     assert len(configs) >= 2
     for path in configs:
         cfg = load_config(path, environ={})
         assert cfg.block_nbytes > 0, path
-    remote = load_config(Path(__file__).parent.parent / "configs" / "remote-s3.yaml", environ={})
+    remote = load_config(Path(__file__).parents[2] / "configs" / "remote-s3.yaml", environ={})
     assert remote.s3.endpoint.startswith("https://") and not remote.embedded_s3.enabled

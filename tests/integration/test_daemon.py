@@ -133,7 +133,7 @@ def test_errors_are_typed(daemon):
 def test_curve_encryption_requires_the_server_key(tmp_path):
     pub, sec = zmq.curve_keypair()
     d = DaemonProc(tmp_path, curve_public_key=pub.decode(), curve_secret_key=sec.decode(),
-                   curve_allow_any_client=True).start()  # encryption only (tests/test_security.py: allow-list)
+                   curve_allow_any_client=True).start()  # encryption only (allow-list: test_security.py)
     try:
         with WorkerClient(d.endpoint, timeout_s=5, curve_server_key=pub.decode()) as c:
             c.register(LAYOUT, worker_id="curve")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent.parent  # tests/, where needs.py lives
 
 CONFTEST = """
 from needs import (pytest_configure, pytest_make_collect_report, pytest_runtest_makereport,

@@ -28,7 +28,7 @@ SLOT = 64 * 1024
 LAYOUT_A = KVLayout(model="tenant-a", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=SLOT)
 LAYOUT_B = KVLayout(model="tenant-b", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=SLOT)
 NB = LAYOUT_A.block_nbytes
-FORBIDDEN, LIMIT = "forbidden", "limit"  # p.E_FORBIDDEN, p.E_LIMIT (tests/test_protocol.py checks they agree)
+FORBIDDEN, LIMIT = "forbidden", "limit"  # p.E_FORBIDDEN, p.E_LIMIT (tests/unit/test_protocol.py checks they agree)
 curve = needs("curve", zmq.has("curve"), "libzmq without CURVE")
 
 

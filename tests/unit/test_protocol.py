@@ -113,7 +113,7 @@ def test_event_batches_round_trip():
 
 def test_every_field_is_bounded_with_a_typed_error():
     V = p.PROTOCOL_VERSION
-    assert (p.E_LIMIT, p.E_FORBIDDEN) == ("limit", "forbidden")  # the codes tests/test_security.py asserts
+    assert (p.E_LIMIT, p.E_FORBIDDEN) == ("limit", "forbidden")  # the codes tests/integration/test_security.py asserts
 
     def lookup(**kw):
         return msgspec.msgpack.encode({"type": "Lookup", "v": V, "rid": 7, "namespace": "ns", "hashes": [], **kw})

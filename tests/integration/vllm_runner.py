@@ -1,4 +1,4 @@
-"""Runs a real vLLM (CPU build) for tests/test_vllm_e2e.py; one JSON spec in, one JSON result out.
+"""Runs a real vLLM (CPU build) for tests/integration/test_vllm_e2e.py; one JSON spec in, one JSON result out.
 
 Not a test module: the end-to-end test starts it in a fresh process per engine (vLLM spawns its
 Worker processes, hence the __main__ guard). The connector is named ``KvbmConnector`` with no module

@@ -15,7 +15,7 @@ from kvbm.errors import TierUnavailableError
 from kvbm.s3server import STATE_FILE, EmbeddedS3, _pid_alive, pick_ports, port_free, stop_dir
 
 pytestmark = pytest.mark.s3
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pick_ports_are_free_with_grpc_pairs():
