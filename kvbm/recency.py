@@ -14,6 +14,12 @@ line per node. :func:`read_access_times` merges the logs of a namespace into ``{
 ``kvbm purge`` evicts by that (least recently used first, write time where no access is recorded) and
 deletes logs older than its retention; ``kvbm prewarm --hottest`` fetches the most recently used.
 
+Compaction: a daemon keeps at most ``compact_at`` (48) of its own logs per namespace. Past that it merges
+them into its newest log, rewritten as a merged log (one ``hash epoch`` line per block, its last access),
+then deletes the others: the merged PUT comes first, so a crash leaves duplicates, never a lost hit, and the
+merge is a max, so readers see the same times during it. Hits older than ``keep_s`` (30 days, purge's
+default log retention) are dropped from a merged log. Only the writer compacts its own node's logs.
+
 ``_access`` is not a namespace (namespaces start with a letter or digit), so block listings never
 mistake a log for a block, and the maintenance inventory does not count logs as foreign objects.
 """
@@ -37,13 +43,16 @@ log = logging.getLogger("kvbm.recency")
 
 ACCESS_DIR = "_access"
 LOG_SUFFIX = ".log"
-LOG_MAGIC = b"kvbm-access-v1\n"
+LOG_MAGIC = b"kvbm-access-v1\n"  # one hex hash per line; every access at the key's epoch
+MERGED_MAGIC = b"kvbm-access-v2\n"  # "hex epoch" per line: a compacted log
+COMPACT_AT = 48  # own logs per namespace before they are merged into one
+KEEP_S = 30 * 86400.0  # hits older than this are dropped when logs are merged (purge's default retention)
 MAX_PENDING = 1_000_000  # distinct hashes kept per interval; beyond it hits are dropped (counted)
 _NODE_RE = re.compile(r"[^a-z0-9._-]+")
 
 __all__ = [
-    "ACCESS_DIR", "AccessLog", "AccessRecorder", "access_prefix", "decode_log", "encode_log", "is_access_key",
-    "log_key", "node_name", "parse_log_key", "read_access_times",
+    "ACCESS_DIR", "AccessLog", "AccessRecorder", "access_prefix", "decode_entries", "decode_log", "encode_log",
+    "encode_merged", "is_access_key", "log_key", "node_name", "parse_log_key", "read_access_times",
 ]
 
 
@@ -103,16 +112,29 @@ def encode_log(hashes: Iterable[bytes]) -> bytes:
     return LOG_MAGIC + b"".join(h.hex().encode() + b"\n" for h in hashes)
 
 
-def decode_log(body: bytes) -> list[bytes]:
-    """The block hashes of a log body; an unknown format or a bad line yields nothing for it."""
-    if not body.startswith(LOG_MAGIC):
+def encode_merged(times: dict[bytes, int]) -> bytes:
+    return MERGED_MAGIC + b"".join(b"%s %d\n" % (h.hex().encode(), e) for h, e in times.items())
+
+
+def decode_entries(body: bytes, epoch: int) -> list[tuple[bytes, int]]:
+    """``(hash, last access)`` of a log body written at ``epoch`` (a plain log's lines all carry it; a merged
+    log's lines carry their own, never later than it). An unknown format or a bad line yields nothing for it."""
+    merged = body.startswith(MERGED_MAGIC)
+    if not merged and not body.startswith(LOG_MAGIC):
         return []
     out = []
     for line in body[len(LOG_MAGIC) :].split(b"\n"):
-        s = line.strip().decode("ascii", "replace")
-        if s and is_hash_hex(s):
-            out.append(bytes.fromhex(s))
+        parts = line.decode("ascii", "replace").split()
+        if merged and len(parts) == 2 and is_hash_hex(parts[0]) and parts[1].isdigit():
+            out.append((bytes.fromhex(parts[0]), min(int(parts[1]), epoch)))
+        elif not merged and len(parts) == 1 and is_hash_hex(parts[0]):
+            out.append((bytes.fromhex(parts[0]), epoch))
     return out
+
+
+def decode_log(body: bytes) -> list[bytes]:
+    """The block hashes of a log body (plain or merged)."""
+    return [h for h, _e in decode_entries(body, 0)]
 
 
 class AccessRecorder:
@@ -123,7 +145,8 @@ class AccessRecorder:
     ``interval_s`` in the background. A failed write keeps the hashes for the next try, up to
     ``MAX_PENDING``."""
 
-    def __init__(self, tier: Any, node: str, interval_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, tier: Any, node: str, interval_s: float, clock: Callable[[], float] = time.time, *,
+                 compact_at: int = COMPACT_AT, keep_s: float = KEEP_S) -> None:
         self.tier = tier
         self.node = node_name(node)
         self.interval_s = max(1.0, float(interval_s))
@@ -132,6 +155,11 @@ class AccessRecorder:
         self.written = 0  # logs written
         self.dropped = 0  # hits beyond MAX_PENDING
         self.failed = 0  # writes that failed (their hashes were kept)
+        self.compact_at = max(2, compact_at)
+        self.keep_s = keep_s
+        self.compacted = 0  # logs merged into a newer one and deleted
+        self.compact_failed = 0
+        self._own: dict[str, int] = {}  # namespace -> this node's logs in the bucket (listed once, then counted)
         self._count = 0
         self._last_epoch = 0
         self._lock = asyncio.Lock()
@@ -156,20 +184,60 @@ class AccessRecorder:
                 return 0
             # Rounded up: an upper bound of every hit in the log (LastModified is truncated to the second, so
             # a block hit right after it was written still ranks as used after the write). One key per flush.
+            batch, self.pending, self._count = self.pending, {}, 0
+            try:  # this node's earlier logs (also from before a restart): counted, and never overwritten
+                for ns in batch:
+                    if ns not in self._own:
+                        mine = await self._own_logs(ns)
+                        self._own[ns] = len(mine)
+                        self._last_epoch = max([self._last_epoch, *(lg.epoch for lg in mine)])
+            except Exception as e:
+                self.failed += 1
+                log.warning("access log listing failed (%s); hits kept for the next try", e)
+                for ns, hashes in batch.items():
+                    self.record(BlockKey(ns, h) for h in hashes)
+                return 0
             epoch = max(math.ceil(self.clock()), self._last_epoch + 1)
             self._last_epoch = epoch
-            batch, self.pending, self._count = self.pending, {}, 0
             n = 0
             for ns, hashes in batch.items():
                 try:
                     await self.tier.put_aux(log_key(self.tier.prefix, ns, self.node, epoch), encode_log(hashes))
                     n += 1
+                    self._own[ns] += 1
                 except Exception as e:  # an outage: keep the hashes for the next interval
                     self.failed += 1
                     log.warning("access log write failed (%s); kept for the next try", e)
                     self.record(BlockKey(ns, h) for h in hashes)
+                    continue
+                if self._own[ns] >= self.compact_at:
+                    await self._compact(ns)
             self.written += n
             return n
+
+    async def _own_logs(self, ns: str) -> list[AccessLog]:
+        return [lg for lg in await list_logs(self.tier, [ns]) if lg.node == self.node]
+
+    async def _compact(self, ns: str) -> None:
+        """Merge this node's logs of ``ns`` into its newest one; a failure leaves them all in place."""
+        try:
+            logs = sorted(await self._own_logs(ns), key=lambda lg: lg.epoch)
+            if len(logs) < 2:
+                self._own[ns] = len(logs)
+                return
+            newest = logs[-1]
+            horizon = self.clock() - self.keep_s
+            times: dict[bytes, int] = {}
+            for h, e in await _read_entries(self.tier, logs):
+                if e >= horizon and times.get(h, -1) < e:
+                    times[h] = e
+            await self.tier.put_aux(newest.key, encode_merged(times))
+            _deleted, errors = await self.tier.delete_many([lg.key for lg in logs[:-1]])
+            self.compacted += len(logs) - 1 - len(errors)
+            self._own[ns] = 1 + len(errors)
+        except Exception as e:  # the logs stay as they were: nothing is lost, the next flush tries again
+            self.compact_failed += 1
+            log.warning("access log compaction of %s failed (%s); logs left as they are", ns, e)
 
     async def run(self) -> None:
         while True:
@@ -178,7 +246,8 @@ class AccessRecorder:
 
     def describe(self) -> dict[str, object]:
         return {"node": self.node, "interval_s": self.interval_s, "logs_written": self.written,
-                "pending": self._count, "dropped": self.dropped, "failed": self.failed}
+                "pending": self._count, "dropped": self.dropped, "failed": self.failed,
+                "logs_compacted": self.compacted, "compact_failed": self.compact_failed}
 
 
 async def list_logs(tier: Any, namespaces: Iterable[str] | None = None) -> list[AccessLog]:
@@ -200,15 +269,26 @@ async def read_access_times(tier: Any, namespaces: Iterable[str] | None = None, 
     also returns every log found (old ones included, for the purge of logs)."""
     logs = await list_logs(tier, list(namespaces) if namespaces else None)
     times: dict[BlockKey, float] = {}
+    for lg, entries in await _read_logs(tier, [lg for lg in logs if lg.epoch >= since], concurrency):
+        for h, e in entries:
+            k = BlockKey(lg.namespace, h)
+            if e >= since and times.get(k, 0.0) < e:
+                times[k] = float(e)
+    return times, logs
+
+
+async def _read_logs(tier: Any, logs: list[AccessLog],
+                     concurrency: int = 16) -> list[tuple[AccessLog, list[tuple[bytes, int]]]]:
+    """Each log with its ``(hash, last access)`` entries; a log gone meanwhile has none."""
     sem = asyncio.Semaphore(max(1, concurrency))
 
-    async def one(lg: AccessLog) -> None:
+    async def one(lg: AccessLog) -> tuple[AccessLog, list[tuple[bytes, int]]]:
         async with sem:
             body = await tier.get_aux(lg.key)
-        for h in decode_log(body or b""):
-            k = BlockKey(lg.namespace, h)
-            if times.get(k, 0.0) < lg.epoch:
-                times[k] = float(lg.epoch)
+        return lg, decode_entries(body or b"", lg.epoch)
 
-    await asyncio.gather(*(one(lg) for lg in logs if lg.epoch >= since))
-    return times, logs
+    return list(await asyncio.gather(*(one(lg) for lg in logs)))
+
+
+async def _read_entries(tier: Any, logs: list[AccessLog]) -> list[tuple[bytes, int]]:
+    return [x for _lg, entries in await _read_logs(tier, logs) for x in entries]

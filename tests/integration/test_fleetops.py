@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 
 import numpy as np
@@ -109,6 +110,49 @@ def test_access_logs_are_neither_blocks_nor_foreign_and_old_ones_are_purged(s3_s
     assert out["deleted"] == 0 and out["access_logs_deleted"] == 1, out
     left = [k for k in asyncio.run(_raw_keys(s3_server, s3_prefix)) if "/_access/" in k]
     assert len(left) == 1 and left[0].startswith(access_prefix(s3_prefix, NS) + "n1/")
+
+
+def test_a_nodes_access_logs_are_compacted_and_keep_every_last_access(s3_server, s3_prefix):
+    """A daemon flushing every interval leaves at most ``compact_at`` logs per namespace: older ones are merged
+    into its newest (per-line access times), and the merged view is the same as before. Another node's logs
+    are never touched; a hit older than the recorder's horizon is dropped from the merged log."""
+
+    async def go() -> None:
+        t = tier_for(s3_server, s3_prefix)
+        await t.start()
+        try:
+            now = [time.time() - 10_000]
+            other = AccessRecorder(t, "n2", 60, clock=lambda: now[0])
+            other.record([bkey(NS, 999)])
+            assert await other.flush() == 1
+            rec = AccessRecorder(t, "n1", 60, clock=lambda: now[0], compact_at=8, keep_s=5000)
+            rec.record([bkey(NS, 1000)])  # hit at t0: beyond the horizon by the end
+            await rec.flush()
+            now[0] += 10_000  # that hit is now past the 5,000 s horizon; every hit below stays within it
+            expect: dict[BlockKey, float] = {}
+            for i in range(30):
+                now[0] += 100
+                rec.record([bkey(NS, i), bkey(NS, i % 3)])
+                rec.record([bkey(NS2, i)])
+                await rec.flush()
+                for k in (bkey(NS, i), bkey(NS, i % 3), bkey(NS2, i)):
+                    expect[k] = float(math.ceil(now[0]))
+            keys = [k async for _b, k, _s, _m in t.list_objects(key_prefix="_access/")]
+            mine = [k for k in keys if "/n1/" in k]
+            for ns in (NS, NS2):
+                n = sum(1 for k in mine if k.startswith(access_prefix(s3_prefix, ns)))
+                assert 1 <= n <= 8, (ns, n, mine)
+            assert sum(1 for k in keys if "/n2/" in k) == 1
+            assert rec.describe()["logs_compacted"] > 0
+            times, _logs = await read_access_times(t, [NS, NS2])
+            assert bkey(NS, 999) in times  # the other node's hit
+            assert bkey(NS, 1000) not in times  # older than the horizon
+            for k, e in expect.items():
+                assert times.get(k) == e, (k, times.get(k), e)
+        finally:
+            await t.close()
+
+    asyncio.run(go())
 
 
 # -- prewarm --hottest -------------------------------------------------------------------------------------
