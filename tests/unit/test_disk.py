@@ -238,7 +238,7 @@ def test_crash_mid_write_leaves_no_torn_block(tmp_path):
         from kvbm.tiers.disk import DiskTier
         from kvbm.transfer import PlainFileIO
         from kvbm.blocks import BlockKey
-        import kvbm.transfer as t
+        import kvbm.transfer.fileio as t
 
         real = t._pwrite_all
         def slow(fd, bufs, offset):
@@ -286,7 +286,7 @@ def test_capacity_full_raises(tmp_path):
 
 
 def test_enospc_monkeypatched_raises_tier_full_and_cleans_up(tmp_path, monkeypatch):
-    import kvbm.transfer as t
+    import kvbm.transfer.fileio as t
 
     async def main():
         tier = await started(tmp_path)

