@@ -43,29 +43,82 @@ def daemon_1mib(tmp_path_factory):
 
 
 def test_k_is_derived_from_the_daemons_block_bytes(daemon_1mib):
-    from kvbm.integrations.vllm import _daemon_block_bytes, _Geometry
+    from kvbm.integrations.vllm import Geometry, daemon_block_bytes
 
     with daemon_1mib.client() as c:
-        slot = _daemon_block_bytes(c)  # read before (and without) registering
+        slot = daemon_block_bytes(c)  # read before (and without) registering
     assert slot == MiB
-    g = _Geometry(16, 16 * 16 * 1024, None)  # 16-token vLLM blocks of a 16 KiB/token model: 256 KiB
+    g = Geometry(16, 16 * 16 * 1024, None)  # 16-token vLLM blocks of a 16 KiB/token model: 256 KiB
     assert g.resolve(slot) == 4 and g.k == 4
     assert g.resolve(slot) == 4  # fixed once resolved
-    assert _Geometry(16, 16 * 16 * 1024, 2).resolve(slot) == 2  # an explicit k that fits is kept
+    assert Geometry(16, 16 * 16 * 1024, 2).resolve(slot) == 2  # an explicit k that fits is kept
 
 
 def test_a_vllm_block_bigger_than_the_daemons_is_a_clear_error(daemon_1mib):
-    from kvbm.integrations.vllm import MisconfiguredError, _daemon_block_bytes, _Geometry
+    from kvbm.integrations.vllm import Geometry, MisconfiguredError, daemon_block_bytes
 
     with daemon_1mib.client() as c:
-        slot = _daemon_block_bytes(c)
+        slot = daemon_block_bytes(c)
     # The issue's case: 16 KiB/token, vLLM's 128-token blocks (2 MiB) against a 1 MiB daemon.
     with pytest.raises(MisconfiguredError) as e:
-        _Geometry(128, 128 * 16 * 1024, None).resolve(slot)
+        Geometry(128, 128 * 16 * 1024, None).resolve(slot)
     msg = str(e.value)
     assert "2097152 B" in msg and "1048576 B" in msg, msg
     assert "block_bytes" in msg and "--block-size to at most 64 tokens" in msg, msg
     assert "unavailable" not in msg
     # An explicit k too big for the daemon names that setting too.
     with pytest.raises(MisconfiguredError, match="vllm_blocks_per_kvbm_block"):
-        _Geometry(16, 16 * 16 * 1024, 8).resolve(slot)
+        Geometry(16, 16 * 16 * 1024, 8).resolve(slot)
+
+
+def scheduler_connector(model: str, extra: dict):
+    """The connector as vLLM builds it in the EngineCore process, from a real vLLM config."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvbm.integrations.vllm import KvbmConnector
+
+    ktc = KVTransferConfig(kv_connector="KvbmConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    cfg = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=4096, block_size=16,
+                     kv_transfer_config=ktc).create_engine_config()
+    return KvbmConnector(cfg, KVConnectorRole.SCHEDULER), cfg
+
+
+@pytest.mark.parametrize("extra,error", [
+    ({"vllm_blocks_per_kvbm_blok": 2},
+     "kv_connector_extra_config.vllm_blocks_per_kvbm_blok: unknown key; did you mean vllm_blocks_per_kvbm_block?"),
+    ({"vllm_blocks_per_kvbm_block": "2"},
+     "kv_connector_extra_config.vllm_blocks_per_kvbm_block: expected int, got str"),
+    ({"vllm_blocks_per_kvbm_block": 0}, "kv_connector_extra_config.vllm_blocks_per_kvbm_block: expected int >= 1"),
+    ({"save": "false"}, "kv_connector_extra_config.save: expected bool, got str"),  # bool("false") was True
+    ({"timeout_s": "5"}, "kv_connector_extra_config.timeout_s: expected float, got str"),
+    ({"load_failure_policy": "recompte"},  # anything but "recompute" silently meant "fail"
+     "kv_connector_extra_config.load_failure_policy: invalid enum value 'recompte'"),
+    ({"version": 2}, "kv_connector_extra_config.version: invalid enum value 2"),
+])
+def test_extra_config_errors_name_the_field(tiny_model, daemon_1mib, extra, error):
+    from kvbm.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, **extra})
+    assert str(e.value) == error
+
+
+def test_extra_config_reaches_the_scheduler_side(tiny_model, daemon_1mib):
+    conn, cfg = scheduler_connector(tiny_model, {"version": 1, "daemon": daemon_1mib.endpoint, "model_name": "m1",
+                                                 "vllm_blocks_per_kvbm_block": 2, "timeout_s": 10,
+                                                 "load_failure_policy": "fail"})
+    try:
+        (lay,) = conn.layouts()  # registered with the daemon at start-up, one layout per TP rank
+        assert lay.model == "m1" and lay.tokens_per_block == 2 * 16 and lay.tp_rank == 0
+        assert cfg.kv_transfer_config.kv_load_failure_policy != "recompute"  # "fail" leaves vLLM's policy
+    finally:
+        conn.shutdown()
+    conn, cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint})
+    try:
+        (lay,) = conn.layouts()
+        assert lay.tokens_per_block % 16 == 0 and lay.tokens_per_block > 16  # k derived from 1 MiB blocks
+        assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
+    finally:
+        conn.shutdown()

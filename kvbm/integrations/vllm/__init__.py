@@ -1,0 +1,44 @@
+"""KvbmConnector: kvbm embedded in vLLM (v1 KV-connector API) as an offload/onboard connector.
+
+kvbm registers it with vLLM through the ``vllm.general_plugins`` entry point, so once kvbm is installed
+next to vLLM it loads by name::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvbmConnector", "kv_role": "kv_both"}'
+
+``kv_connector_extra_config`` is parsed once into :class:`ConnectorConfig` (``config``; unknown keys and
+wrong types are errors naming the field). The parts, one module each:
+
+* ``connector``: the class vLLM instantiates; it builds one side by role and delegates every hook to it.
+* ``scheduler`` (EngineCore process): asks the daemon for the longest stored prefix of each new request,
+  hands the worker side the vLLM block ids to fill (loads) and the full blocks to save (``metadata``), and
+  reports the connector's health in ``kv_transfer_params`` when a request finishes.
+* ``worker`` (one per TP rank): runs those loads and saves, async on their own threads by default;
+  ``paged`` copies whole vLLM blocks of every layer between the paged KV cache and the daemon's G2 slots
+  (shared memory) as the engine stores them; the daemon cascades them to disk and S3.
+* ``geometry``: a kvbm block spans ``k`` vLLM blocks and is keyed by vLLM's own hash of its last vLLM block.
+  ``k`` is read from the daemon when the connector first reaches it (its G2 slot size); a vLLM block bigger
+  than the daemon's blocks is reported in ``kv_transfer_params`` and logged once with what to change.
+* ``fingerprint``: the layout of each TP rank (cache dtype, attention backend / CPU ISA, block size), whose
+  fingerprint is in the namespace.
+* ``link``: the daemon sessions. Every kvbm failure (daemon down, a checksum miss, S3 down) turns into a
+  miss or a load error that vLLM recomputes (``kv_load_failure_policy`` becomes ``recompute`` unless the
+  config asks for ``fail``); it is logged once and never raises into the engine.
+"""
+
+from kvbm.integrations.vllm.config import ConnectorConfig, curve_options
+from kvbm.integrations.vllm.connector import KvbmConnector
+from kvbm.integrations.vllm.fingerprint import kv_backend, kv_cache_dtype, layout_for
+from kvbm.integrations.vllm.geometry import Geometry, MisconfiguredError, daemon_block_bytes
+from kvbm.integrations.vllm.link import Link, Links
+from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
+from kvbm.integrations.vllm.scheduler import SchedulerSide
+from kvbm.integrations.vllm.worker import WorkerSide
+
+# The names this module had as a single file.
+_Link, _Geometry, _daemon_block_bytes = Link, Geometry, daemon_block_bytes
+
+__all__ = [
+    "BlockTransfer", "ConnectorConfig", "Geometry", "KvbmConnector", "KvbmConnectorMetadata", "Link", "Links",
+    "MisconfiguredError", "SchedulerSide", "WorkerSide", "curve_options", "daemon_block_bytes", "kv_backend",
+    "kv_cache_dtype", "layout_for",
+]

@@ -1,0 +1,76 @@
+"""The connector's ``kv_connector_extra_config``: parsed once into :class:`ConnectorConfig`, field-named errors."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from kvbm.config import _closest
+from kvbm.errors import ConfigError
+
+PREFIX = "kv_connector_extra_config"
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+
+
+class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What ``kv_connector_extra_config`` may set; every field is optional."""
+
+    version: Literal[1] = 1  # bumped when a field changes meaning, so an old config is refused, not misread
+    daemon: str | None = None  # the daemon's endpoint; else $KVBM_DAEMON, else tcp://127.0.0.1:5557
+    model_name: str | None = None  # else vLLM's served model name
+    vllm_blocks_per_kvbm_block: Annotated[int, msgspec.Meta(ge=1)] | None = None  # None: derived from the daemon
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    save: bool = True
+    load: bool = True
+    async_load: bool = True
+    async_save: bool = True
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    curve_server_key: str | None = None  # the daemon's CURVE public key (Z85)
+    curve_server_key_file: str | None = None  # ... or its .key file
+    curve_client_key_file: str | None = None  # this engine's .key_secret file
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """``extra`` as a config; unknown keys and wrong types are ConfigErrors naming the field."""
+        data = dict(extra or {})
+        names = cls.__struct_fields__
+        for key in data:
+            if key not in names:
+                raise ConfigError(f"{PREFIX}.{key}: unknown key{_closest(str(key), names)}")
+        try:
+            cfg = msgspec.convert(data, cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(_field_message(e)) from None
+        if cfg.curve_client_key_file and not (cfg.curve_server_key or cfg.curve_server_key_file):
+            raise ConfigError(f"{PREFIX}.curve_client_key_file needs curve_server_key(_file) too")
+        return cfg
+
+    def endpoint(self) -> str:
+        return (self.daemon or os.environ.get("KVBM_DAEMON") or os.environ.get("KVBM_DAEMON_ENDPOINT")
+                or DEFAULT_ENDPOINT)
+
+
+def _field_message(e: msgspec.ValidationError) -> str:
+    # msgspec says "Expected `int | null`, got `str` - at `$.k`"; put the field first, and leave out
+    # "null": it means unset, the default.
+    msg = str(e)
+    m = re.search(r" - at `\$\.?(.*)`$", msg)
+    field, msg = (m.group(1), msg[: m.start()]) if m else ("", msg)
+    msg = msg.replace("`", "").replace(" | null", "")
+    return f"{PREFIX}.{field}: {msg[:1].lower()}{msg[1:]}" if field else f"{PREFIX}: {msg}"
+
+
+def curve_options(extra: ConnectorConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """WorkerClient keyword arguments for the CURVE keys the config names (reads their key files)."""
+    from kvbm.security import load_keypair, load_public_key
+
+    cfg = extra if isinstance(extra, ConnectorConfig) else ConnectorConfig.parse(extra)
+    server = cfg.curve_server_key or ""
+    if not server and cfg.curve_server_key_file:
+        server = load_public_key(cfg.curve_server_key_file).decode()
+    key_file = cfg.curve_client_key_file
+    return {"curve_server_key": server, "curve_keypair": load_keypair(key_file) if key_file else None}

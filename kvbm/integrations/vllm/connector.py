@@ -1,0 +1,116 @@
+"""KvbmConnector: vLLM's KV-connector class; it builds the scheduler or worker side by role and delegates."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvbm.integrations.vllm.config import ConnectorConfig, curve_options
+from kvbm.integrations.vllm.fingerprint import layout_for
+from kvbm.integrations.vllm.geometry import Geometry
+from kvbm.integrations.vllm.link import Links
+from kvbm.integrations.vllm.scheduler import SchedulerSide
+from kvbm.integrations.vllm.worker import WorkerSide
+from kvbm.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+class KvbmConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector backed by the kvbm daemon: a scheduler side or a worker side, by role."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.config = cfg = ConnectorConfig.parse(ktc.kv_connector_extra_config)
+        if cfg.load_failure_policy == "recompute":
+            # kvbm is a cache: a block that cannot be loaded is recomputed, never an error.
+            ktc.kv_load_failure_policy = "recompute"
+        model_name = str(cfg.model_name or vllm_config.model_config.served_model_name or vllm_config.model_config.model)
+        bs = vllm_config.cache_config.block_size
+        # Layout arithmetic, identical on the scheduler and every rank, so all derive the same k.
+        vblock = layout_for(vllm_config, 0, bs, model_name).block_nbytes
+        geometry = Geometry(bs, vblock, cfg.vllm_blocks_per_kvbm_block)
+        links = Links(cfg.endpoint(), geometry, str(ktc.engine_id or "vllm"), cfg.timeout_s,
+                      lambda rank, k: layout_for(vllm_config, rank, k * bs, model_name), curve_options(cfg))
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(cfg, links, vllm_config.parallel_config.tensor_parallel_size)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(cfg, links, get_tensor_model_parallel_rank(),
+                                      getattr(self._kv_cache_config, "num_blocks", None))
+
+    @property
+    def scheduler(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("kvbm: a scheduler-side hook was called on a worker-side connector")
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("kvbm: a worker-side hook was called on the scheduler-side connector")
+        return self._worker
+
+    # Scheduler side (EngineCore process).
+    def layouts(self) -> list[KVLayout]:
+        """The layout (and so the namespace) of each TP rank; empty until the daemon was reached."""
+        return self.scheduler.layouts()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # Worker side (one per TP rank); the metadata is the one vLLM bound for this step.
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        self.worker.handle_preemptions()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                side.shutdown()

@@ -1,0 +1,111 @@
+"""The connector's daemon sessions: connect lazily, resolve the block geometry, degrade instead of failing."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbm import protocol as p
+from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
+from kvbm.integrations.vllm.geometry import K_SETTING, Geometry, MisconfiguredError, daemon_block_bytes, warn_once
+from kvbm.layout import KVLayout
+
+log = logging.getLogger("kvbm.vllm")
+
+RETRY_AFTER_S = 5.0
+MAX_RETRY_AFTER_S = 60.0
+# What a session with the daemon can fail with; each marks the link down (a miss or a recompute, never a raise).
+LINK_ERRORS = (DaemonUnavailable, DaemonError, OSError)
+
+
+class Link:
+    """A daemon client that degrades instead of failing: errors mark it down for a few seconds.
+
+    On connecting it resolves the block geometry against the daemon, then registers ``layout_of(k)``."""
+
+    def __init__(self, endpoint: str, geometry: Geometry, layout_of: Callable[[int], KVLayout], engine_id: str,
+                 worker_id: str, timeout_s: float, client_kw: dict[str, Any] | None = None):
+        self.endpoint, self.engine_id, self.worker_id = endpoint, engine_id, worker_id
+        self.client_kw = client_kw or {}
+        self.geometry, self.layout_of = geometry, layout_of
+        self.layout: KVLayout | None = None
+        self.timeout_s = timeout_s
+        self.client: WorkerClient | None = None
+        self.down_until = 0.0
+        self.degraded_reason = ""
+        self.misconfigured = False
+        self.warned = False
+        self.failures = 0
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.degraded_reason)
+
+    def get(self) -> WorkerClient | None:
+        if self.client is not None:
+            return self.client
+        if time.monotonic() < self.down_until:
+            return None
+        client = WorkerClient(self.endpoint, timeout_s=self.timeout_s, **self.client_kw)
+        try:
+            layout = self.layout_of(self.geometry.resolve(daemon_block_bytes(client)))
+            try:
+                client.register(layout, worker_id=self.worker_id, engine_id=self.engine_id)
+            except DaemonError as e:
+                if e.code != p.E_BAD_REQUEST:
+                    raise
+                raise MisconfiguredError(f"kvbm: the daemon refused this engine's KV layout ({e.message}); "
+                                         f"check the daemon's block_bytes and {K_SETTING}") from e
+        except (MisconfiguredError, *LINK_ERRORS) as e:
+            client.close()
+            self.fail(e)
+            return None
+        self.client, self.layout = client, layout
+        if self.degraded_reason:
+            log.warning("kvbm: daemon %s is back", self.endpoint)
+        self.degraded_reason = ""
+        self.misconfigured = False
+        self.warned = False
+        self.failures = 0
+        return client
+
+    def fail(self, e: BaseException) -> None:
+        self.degraded_reason = f"{type(e).__name__}: {e}"
+        # Back off (5 s, 10 s, ... 60 s) so a dead daemon costs the engine one timeout now and then.
+        self.failures += 1
+        self.down_until = time.monotonic() + min(MAX_RETRY_AFTER_S, RETRY_AFTER_S * 2 ** (self.failures - 1))
+        self.misconfigured = isinstance(e, MisconfiguredError)
+        if self.misconfigured:
+            # Not an outage: retried (the daemon may be reconfigured), but said once and as it is.
+            self.degraded_reason = str(e)
+            warn_once(str(e))
+        elif not self.warned:
+            log.warning("kvbm: daemon %s unavailable, recomputing instead (%s)", self.endpoint, e)
+            self.warned = True
+        if self.client is not None:
+            self.client._reset()  # drop the socket so a late reply is never read as the next one
+            self.client = None
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+@dataclass(frozen=True)
+class Links:
+    """What every link of one engine shares; :meth:`open` makes the link of one TP rank and role."""
+
+    endpoint: str
+    geometry: Geometry
+    engine_id: str
+    timeout_s: float
+    layout_of: Callable[[int, int], KVLayout]  # (tp_rank, k) -> that rank's layout for kvbm blocks of k
+    client_kw: dict[str, Any] = field(default_factory=dict)
+
+    def open(self, tp_rank: int, worker_id: str) -> Link:
+        return Link(self.endpoint, self.geometry, lambda k: self.layout_of(tp_rank, k), self.engine_id,
+                    f"{self.engine_id}-{worker_id}", self.timeout_s, self.client_kw)

@@ -1,0 +1,23 @@
+"""What the scheduler side hands the worker side each step: the blocks to load and to save."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class BlockTransfer:
+    """kvbm blocks of one request and, for each, the ``k`` vLLM block ids it covers."""
+
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[list[int]]
+
+
+@dataclass
+class KvbmConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+    k: int = 0  # the scheduler's vLLM blocks per kvbm block; workers refuse transfers planned with another

@@ -1,0 +1,168 @@
+"""The connector's scheduler side (EngineCore process): prefix lookups, what to load and save, health."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvbm.blocks import BlockKey
+from kvbm.integrations.vllm.config import ConnectorConfig
+from kvbm.integrations.vllm.geometry import K_SETTING
+from kvbm.integrations.vllm.link import LINK_ERRORS, Links
+from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
+from kvbm.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class ReqState:
+    hashes: list[bytes]  # one per kvbm block (vLLM hash of the last vLLM block in it)
+    num_tokens: int
+    local_tokens: int = 0  # vLLM's own prefix-cache hit when the request was admitted
+    block_ids: list[int] = field(default_factory=list)
+    load: BlockTransfer | None = None
+    saved_blocks: int = 0  # kvbm blocks of this request already handed to the worker to save
+
+    def transfer(self, req_id: str, idx: range, k: int) -> BlockTransfer:
+        """The kvbm blocks ``idx`` of this request with the ``k`` vLLM block ids each covers."""
+        return BlockTransfer(req_id, [self.hashes[i] for i in idx], [self.block_ids[i * k : (i + 1) * k] for i in idx])
+
+
+class SchedulerSide:
+    """Asks the daemon for each new request's stored prefix, plans loads and saves, reports health."""
+
+    def __init__(self, cfg: ConnectorConfig, links: Links, tp_size: int) -> None:
+        self.cfg, self.endpoint, self.geometry = cfg, links.endpoint, links.geometry
+        # One scheduler serves all TP ranks: a prefix counts only if every rank stored it.
+        self._links = [links.open(r, f"scheduler-r{r}") for r in range(tp_size)]
+        self._reqs: dict[str, ReqState] = {}
+        self._stats = {"lookups": 0, "hit_blocks": 0, "loads": 0, "saves": 0}
+        # Requests whose blocks the worker may still be reading (async saves) or writing (async loads).
+        # vLLM must not free those blocks at request_finished; the worker reports them as finished
+        # sending / receiving instead. Both sides derive this from the same metadata, so they agree.
+        self._save_pending: set[str] = set()
+        self._load_pending: set[str] = set()
+        self._connect()  # at startup: a configuration error shows now, not at the first request
+
+    def _connect(self) -> bool:
+        """Register every rank's link now if it is not (each stops at its first failure)."""
+        return all(link.get() is not None for link in self._links)
+
+    def layouts(self) -> list[KVLayout]:
+        """The layout (and so the namespace) of each TP rank; empty until the daemon was reached."""
+        return [link.layout for link in self._links if link.layout is not None]
+
+    def _kvbm_hashes(self, request: Request) -> list[bytes]:
+        if not self.geometry.k and not self._connect():
+            return []  # geometry unknown (daemon never reached): no loads, no saves for this request
+        k = self.geometry.known_k
+        return [bytes(h) for h in request.block_hashes[k - 1 :: k]]
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        hashes = self._kvbm_hashes(request)
+        self._reqs[request.request_id] = ReqState(hashes=hashes, num_tokens=request.num_tokens,
+                                                  local_tokens=num_computed_tokens)
+        block_tokens = self.geometry.block_tokens
+        if not self.cfg.load or not hashes or num_computed_tokens % block_tokens:
+            return 0, False
+        # Leave at least one token to compute: vLLM needs logits for the last prompt token.
+        max_blocks = (request.num_tokens - 1) // block_tokens
+        matched = self._lookup(hashes[:max_blocks])
+        self._stats["lookups"] += 1
+        self._stats["hit_blocks"] += matched
+        ext = matched * block_tokens - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        return ext, self.cfg.async_load
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        matched = len(hashes)
+        for link in self._links:
+            client = link.get()
+            if client is None:
+                return 0
+            try:
+                matched = min(matched, client.lookup([BlockKey(client.namespace, h) for h in hashes]).matched)
+            except LINK_ERRORS as e:
+                link.fail(e)
+                return 0
+        return matched
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        st.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens <= 0:
+            return
+        # External tokens follow the local prefix-cache hit (request.num_computed_tokens is still 0 here).
+        local_blocks = st.local_tokens // self.geometry.block_tokens
+        n = num_external_tokens // self.geometry.block_tokens
+        st.load = st.transfer(request.request_id, range(local_blocks, local_blocks + n), self.geometry.known_k)
+        st.saved_blocks = local_blocks + n  # loaded blocks are already stored
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmConnectorMetadata:
+        meta = KvbmConnectorMetadata(k=self.geometry.known_k)
+        for st in self._reqs.values():
+            if st.load is not None:
+                meta.loads.append(st.load)
+                if self.cfg.async_load:
+                    self._load_pending.add(st.load.req_id)
+                self._stats["loads"] += len(st.load.hashes)
+                st.load = None
+        if self.cfg.save:
+            for new in scheduler_output.scheduled_new_reqs:
+                self._plan_save(meta, new.req_id, new.num_computed_tokens,
+                                scheduler_output.num_scheduled_tokens.get(new.req_id, 0), None)
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                new_ids = cached.new_block_ids[i] if cached.new_block_ids else None
+                self._plan_save(meta, req_id, cached.num_computed_tokens[i],
+                                scheduler_output.num_scheduled_tokens.get(req_id, 0), new_ids)
+        return meta
+
+    def _plan_save(self, meta: KvbmConnectorMetadata, req_id: str, computed: int, scheduled: int,
+                   new_block_ids: Any) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        if new_block_ids:
+            st.block_ids.extend(new_block_ids[0])
+        if not st.hashes:
+            return
+        # Blocks whose every token is computed by the end of this step, prompt and output alike.
+        k = self.geometry.known_k
+        done = min(len(st.hashes), (computed + scheduled) // self.geometry.block_tokens, len(st.block_ids) // k)
+        if done > st.saved_blocks:
+            meta.saves.append(st.transfer(req_id, range(st.saved_blocks, done), k))
+            self._stats["saves"] += done - st.saved_blocks
+            st.saved_blocks = done
+            if self.cfg.async_save:
+                self._save_pending.add(req_id)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._load_pending.discard(rid)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._reqs.pop(rid, None)
+        # Blocks the worker may still be copying stay allocated until it reports the request: as finished
+        # sending (async saves) or finished receiving (an async load of a request aborted while waiting).
+        delay_free = rid in self._save_pending or rid in self._load_pending
+        self._save_pending.discard(rid)
+        degraded = [link for link in self._links if link.degraded]
+        params: dict[str, Any] = {"kvbm": {
+            "degraded": bool(degraded), "misconfigured": any(link.misconfigured for link in degraded),
+            "endpoint": self.endpoint, K_SETTING: self.geometry.known_k, **self._stats}}
+        if degraded:
+            params["kvbm"]["reason"] = degraded[0].degraded_reason
+        return delay_free, params
+
+    def shutdown(self) -> None:
+        for link in self._links:
+            link.close()
