@@ -1,29 +1,69 @@
-"""Shared CLI plumbing: config loading, one-line errors instead of tracebacks, and the daemon options of
+"""Shared CLI plumbing: the state the ``kvbm`` group hands its commands (:class:`CliState` in ``ctx.obj``, the
+config loaded once on first use), one-line errors instead of tracebacks, and the daemon options of
 ``status``, ``purge`` and ``prewarm``."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
-from kvbm.config import Config, load_config
+from kvbm.config import Config, Source, load_config_sources
 from kvbm.errors import KvbmError
 from kvbm.ops.link import DaemonLink, daemon_reachable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-config_option = click.option(
-    "--config", "config_path", type=click.Path(dir_okay=False), default=None, envvar="KVBM_CONFIG",
-    help="YAML config file (default: the packaged configs/default.yaml). KVBM_* env vars override fields.",
-)
+class CliState:
+    """What the ``kvbm`` group hands its commands: the config file named by ``--config`` (before or after the
+    command; the command's wins) and the config, loaded once, when a command first asks for it, so
+    ``kvbm --help`` and ``kvbm keys generate`` never read one."""
+
+    def __init__(self, config_path: str | None = None) -> None:
+        self.config_path = config_path  # None: $KVBM_CONFIG, else the packaged default
+        self._loaded: tuple[Config, dict[str, Source]] | None = None
+
+    def use_config(self, path: str) -> None:
+        self.config_path = path
+        self._loaded = None
+
+    @property
+    def config_file(self) -> str | None:
+        """The file the config comes from (None: the packaged default)."""
+        return self.config_path or os.environ.get("KVBM_CONFIG") or None
+
+    @property
+    def config(self) -> Config:
+        """The validated config (ConfigError naming the field otherwise)."""
+        return self.config_sources[0]
+
+    @property
+    def config_sources(self) -> tuple[Config, dict[str, Source]]:
+        """The config and where each field set came from (``kvbm config show``)."""
+        if self._loaded is None:
+            self._loaded = load_config_sources(self.config_file)
+        return self._loaded
 
 
-def load(config_path: str | None) -> Config:
-    return load_config(config_path)
+pass_state = click.make_pass_decorator(CliState, ensure=True)
+
+
+def _command_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.ensure_object(CliState).use_config(value)
+
+
+_CONFIG_HELP = "YAML config file (default: $KVBM_CONFIG, else the packaged configs/default.yaml). KVBM_* env " \
+               "vars override fields."
+# On the group (``kvbm --config FILE CMD``) and, as ever, on each command that reads a config.
+group_config_option = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                                   help=_CONFIG_HELP)
+config_option = click.option("--config", type=click.Path(dir_okay=False), default=None, expose_value=False,
+                             callback=_command_config, help=_CONFIG_HELP)
 
 
 def one_line_errors(fn: F) -> F:

@@ -8,8 +8,8 @@ from typing import Any
 import click
 import msgspec
 
-from kvbm.cli.common import config_option, one_line_errors
-from kvbm.config import Config, load_config_sources
+from kvbm.cli.common import CliState, config_option, one_line_errors, pass_state
+from kvbm.config import Config
 from kvbm.redact import is_secret_name
 
 REDACTED = "<redacted>"
@@ -43,7 +43,8 @@ def config() -> None:
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @one_line_errors
-def show(config_path: str | None, as_json: bool) -> None:
+@pass_state
+def show(state: CliState, as_json: bool) -> None:
     """Print the effective config: every field, its value and where it came from (default, file, or env with
     the variable's name). Credentials (access/secret keys, session token, CURVE secret) print as <redacted>.
 
@@ -52,12 +53,11 @@ def show(config_path: str | None, as_json: bool) -> None:
       kvbm config show
       KVBM_S3_BUCKET=kv kvbm config show --config my.yaml --json
     """
-    cfg, sources = load_config_sources(config_path)
-    rows = effective_fields(cfg, sources)
+    rows = effective_fields(*state.config_sources)
     if as_json:
-        click.echo(json.dumps({"config_file": config_path, "fields": rows}, indent=2, default=str))
+        click.echo(json.dumps({"config_file": state.config_file, "fields": rows}, indent=2, default=str))
         return
-    click.echo(f"# config file: {config_path or 'configs/default.yaml (packaged)'}")
+    click.echo(f"# config file: {state.config_file or 'configs/default.yaml (packaged)'}")
     width = max(len(r["field"]) for r in rows)
     vwidth = min(48, max(len(json.dumps(r["value"], default=str)) for r in rows))
     for r in rows:

@@ -12,7 +12,7 @@ import click
 import numpy as np
 
 from kvbm.blocks import BlockKey
-from kvbm.cli.common import config_option, human_bytes, load, one_line_errors
+from kvbm.cli.common import CliState, config_option, human_bytes, one_line_errors, pass_state
 from kvbm.hashing import prefix_hashes
 from kvbm.layout import KVLayout
 
@@ -86,7 +86,8 @@ async def run_demo(cfg: Any, blocks: int, keep: bool, echo: Any = print) -> dict
 @click.option("--keep", is_flag=True, help="Leave the demo blocks in the tiers afterwards.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the report as JSON here.")
 @one_line_errors
-def demo(config_path: str | None, blocks: int, keep: bool, json_path: str | None) -> None:
+@pass_state
+def demo(state: CliState, blocks: int, keep: bool, json_path: str | None) -> None:
     """Store a synthetic long prompt's KV blocks and onboard them back from G1, G2, G3 and G4.
 
     Uses the embedded default (a local SeaweedFS that kvbm starts on 127.0.0.1, a disk tier under
@@ -95,7 +96,7 @@ def demo(config_path: str | None, blocks: int, keep: bool, json_path: str | None
     """
     if blocks < 1:
         raise click.BadParameter("must be >= 1", param_hint="--blocks")
-    cfg = load(config_path)
+    cfg = state.config
     report = asyncio.run(run_demo(cfg, blocks, keep, click.echo))
     if json_path:
         with open(json_path, "w") as f:

@@ -8,6 +8,7 @@ import os
 import click
 
 from kvbm.cli.bench import bench
+from kvbm.cli.common import CliState, group_config_option
 from kvbm.cli.config_cmd import config
 from kvbm.cli.demo import demo
 from kvbm.cli.keys import keys
@@ -22,8 +23,14 @@ from kvbm.cli.status import status
 @click.group()
 @click.version_option(package_name="kvbm")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
-def main(verbose: int) -> None:
-    """kvbm: tiered KV-cache block manager (G1 GPU -> G2 host -> G3 disk -> G4 S3)."""
+@group_config_option
+@click.pass_context
+def main(ctx: click.Context, verbose: int, config_path: str | None) -> None:
+    """kvbm: tiered KV-cache block manager (G1 GPU -> G2 host -> G3 disk -> G4 S3).
+
+    The config (--config here or on the command) is read once, when a command first needs it.
+    """
+    ctx.obj = CliState(config_path)
     level = os.environ.get("KVBM_LOG_LEVEL") or ("DEBUG" if verbose > 1 else "INFO" if verbose else "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from kvbm.blocks import ALIGNED_HEADER_LEN, MIN_HEADER_LEN
-from kvbm.cli.common import config_option, human_bytes, load, one_line_errors
+from kvbm.cli.common import CliState, config_option, human_bytes, one_line_errors, pass_state
 from kvbm.config import parse_size
 from kvbm.errors import ConfigError
 from kvbm.layout import DTYPE_BYTES, KVLayout
@@ -107,8 +107,9 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @one_line_errors
-def plan_cmd(model_config: str, tp: int, dtype: str | None, block_bytes: int | None, device: int | None,
-             host: int | None, disk: int | None, s3: int | None, config_path: str | None, as_json: bool) -> None:
+@pass_state
+def plan_cmd(state: CliState, model_config: str, tp: int, dtype: str | None, block_bytes: int | None,
+             device: int | None, host: int | None, disk: int | None, s3: int | None, as_json: bool) -> None:
     """Size the tiers for a model: bytes per token, tokens per block, blocks per tier and how many tokens of
     context each tier holds. Capacities default to the config's (tiers it disables are left out unless
     given here).
@@ -117,7 +118,7 @@ def plan_cmd(model_config: str, tp: int, dtype: str | None, block_bytes: int | N
     Example:
       kvbm plan --model-config Llama-3.1-8B/config.json --tp 4 --host 64GiB --disk 2TiB
     """
-    cfg = load(config_path)
+    cfg = state.config
     try:
         hf = json.loads(Path(model_config).read_text())
     except json.JSONDecodeError as e:

@@ -11,7 +11,15 @@ from typing import Any
 import click
 
 from kvbm.blocks import BlockKey
-from kvbm.cli.common import config_option, daemon_options, find_daemon, human_bytes, load, one_line_errors
+from kvbm.cli.common import (
+    CliState,
+    config_option,
+    daemon_options,
+    find_daemon,
+    human_bytes,
+    one_line_errors,
+    pass_state,
+)
 from kvbm.config import parse_size
 from kvbm.errors import ConfigError
 from kvbm.ops import (
@@ -93,7 +101,8 @@ async def _available(tier: Any, namespace: str, keys: list[BlockKey] | None) -> 
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @daemon_options
 @one_line_errors
-def prewarm(config_path: str | None, namespace: str, hashes_file: str | None, tokens_file: str | None,
+@pass_state
+def prewarm(state: CliState, namespace: str, hashes_file: str | None, tokens_file: str | None,
             block_tokens: int | None, hash_scheme: str | None, vllm_block_size: int | None, salt: str | None,
             lora: str | None, hottest: int | None, hottest_bytes: str | None, to: str, concurrency: int,
             as_json: bool, daemon_endpoint: str | None, direct: bool, daemon_timeout: float) -> None:
@@ -137,7 +146,7 @@ def prewarm(config_path: str | None, namespace: str, hashes_file: str | None, to
         raise click.UsageError("--tokens needs --block-tokens (tokens per kvbm block)")
     if (block_tokens or vllm_block_size or hash_scheme or salt or lora) and not tokens_file:
         raise click.UsageError("--block-tokens/--hash-scheme/--vllm-block-size/--salt/--lora only apply to --tokens")
-    cfg = load(config_path)
+    cfg = state.config
     if not cfg.s3.enabled:
         raise click.ClickException("the S3 tier is disabled in this config: nothing to prewarm from")
     if to == "disk" and not cfg.disk.enabled:

@@ -10,7 +10,15 @@ from typing import Any
 
 import click
 
-from kvbm.cli.common import config_option, daemon_options, find_daemon, human_bytes, load, one_line_errors
+from kvbm.cli.common import (
+    CliState,
+    config_option,
+    daemon_options,
+    find_daemon,
+    human_bytes,
+    one_line_errors,
+    pass_state,
+)
 from kvbm.errors import ConfigError, KvbmError
 from kvbm.ops import (
     DeleteResult,
@@ -88,7 +96,8 @@ def _plan_lines(plan: list[Entry]) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @daemon_options
 @one_line_errors
-def purge(config_path: str | None, older_than: float | None, namespaces: tuple[str, ...], model: str | None,
+@pass_state
+def purge(state: CliState, older_than: float | None, namespaces: tuple[str, ...], model: str | None,
           prefix: str | None, all_: bool, max_bytes: int | None, by: str, log_keep: float, from_: str,
           dry_run: bool, yes: bool, as_json: bool, daemon_endpoint: str | None, direct: bool,
           daemon_timeout: float) -> None:
@@ -114,7 +123,7 @@ def purge(config_path: str | None, older_than: float | None, namespaces: tuple[s
     """
     if namespaces and model:
         raise click.UsageError("give --namespace or --model, not both")
-    cfg = load(config_path)
+    cfg = state.config
     base = cfg.s3.prefix.strip("/")
     if prefix and base and prefix.lstrip("/").startswith(base + "/"):
         prefix = prefix.lstrip("/")[len(base) + 1 :]  # a full object key was given: make it relative

@@ -6,12 +6,12 @@ import json
 
 import click
 
-from kvbm.cli.common import config_option, load, one_line_errors
-from kvbm.config import default_cache_dir
+from kvbm.cli.common import CliState, config_option, one_line_errors, pass_state
+from kvbm.config import Config, default_cache_dir
 
 
-def _dir(cfg: object) -> str:
-    return cfg.embedded_s3.dir or str(default_cache_dir() / "seaweedfs")  # type: ignore[attr-defined]
+def _dir(cfg: Config) -> str:
+    return cfg.embedded_s3.dir or str(default_cache_dir() / "seaweedfs")
 
 
 @click.group("s3")
@@ -26,12 +26,12 @@ def s3() -> None:
 @s3.command()
 @config_option
 @one_line_errors
-def start(config_path: str | None) -> None:
+@pass_state
+def start(state: CliState) -> None:
     """Start the embedded server (or find the one already running) and print its endpoint."""
     from kvbm.stack import start_embedded_s3
 
-    cfg = load(config_path)
-    srv = start_embedded_s3(cfg)
+    srv = start_embedded_s3(state.config)
     click.echo(json.dumps({"status": "reused" if srv.reused else "started", "endpoint": srv.endpoint,
                            "pid": srv.pid, "bucket": srv.bucket, "dir": str(srv.dir)}))
 
@@ -40,22 +40,24 @@ def start(config_path: str | None) -> None:
 @config_option
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds before SIGKILL.")
 @one_line_errors
-def stop(config_path: str | None, timeout: float) -> None:
+@pass_state
+def stop(state: CliState, timeout: float) -> None:
     """Stop the embedded server (its data stays in its directory)."""
     from kvbm.s3server import stop_dir
 
-    was = stop_dir(_dir(load(config_path)), stop_timeout_s=timeout)
+    was = stop_dir(_dir(state.config), stop_timeout_s=timeout)
     click.echo("stopped" if was else "not running")
 
 
 @s3.command()
 @config_option
 @one_line_errors
-def status(config_path: str | None) -> None:
+@pass_state
+def status(state: CliState) -> None:
     """Whether the embedded server runs, where, and with which pid (exit 3 when it does not)."""
     from kvbm.s3server import EmbeddedS3
 
-    st = EmbeddedS3(_dir(load(config_path))).status()
+    st = EmbeddedS3(_dir(state.config)).status()
     click.echo(json.dumps(st))
     if not st.get("running"):
         raise SystemExit(3)

@@ -10,7 +10,8 @@ import sys
 import click
 import msgspec
 
-from kvbm.config import Config, load_config
+from kvbm.cli.common import CliState, config_option, pass_state
+from kvbm.config import Config
 from kvbm.errors import KvbmError
 
 
@@ -28,19 +29,18 @@ async def run_daemon(cfg: Config) -> None:
 
 
 @click.command("serve")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="YAML config (default: $KVBM_CONFIG or the packaged default).")
+@config_option
 @click.option("--endpoint", default=None, help="Request endpoint, e.g. ipc:///run/kvbm.sock or tcp://127.0.0.1:5557.")
 @click.option("--metrics-port", type=int, default=None, help="Prometheus port (0 disables, -1 picks a free one).")
 @click.option("--foreground/--background", default=True, show_default=True,
               help="Run in this process, or detach into the background and print its pid.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
-def serve(config_path: str | None, endpoint: str | None, metrics_port: int | None, foreground: bool,
-          log_level: str) -> None:
+@pass_state
+def serve(state: CliState, endpoint: str | None, metrics_port: int | None, foreground: bool, log_level: str) -> None:
     """Run the kvbm daemon (workers connect to its endpoint)."""
     try:
-        cfg = load_config(config_path)
+        cfg = state.config
     except KvbmError as e:
         raise click.ClickException(str(e)) from None
     changes: dict[str, object] = {}
@@ -52,7 +52,7 @@ def serve(config_path: str | None, endpoint: str | None, metrics_port: int | Non
         cfg = msgspec.structs.replace(cfg, daemon=msgspec.structs.replace(cfg.daemon, **changes))
     if not foreground:
         args = [sys.executable, "-m", "kvbm.cli.serve", "--foreground", "--log-level", log_level]
-        for opt, val in (("--config", config_path), ("--endpoint", endpoint), ("--metrics-port", metrics_port)):
+        for opt, val in (("--config", state.config_path), ("--endpoint", endpoint), ("--metrics-port", metrics_port)):
             if val is not None:
                 args += [opt, str(val)]
         proc = subprocess.Popen(args, start_new_session=True, stdin=subprocess.DEVNULL,

@@ -10,7 +10,15 @@ from typing import Any
 
 import click
 
-from kvbm.cli.common import config_option, daemon_options, find_daemon, human_bytes, load, one_line_errors
+from kvbm.cli.common import (
+    CliState,
+    config_option,
+    daemon_options,
+    find_daemon,
+    human_bytes,
+    one_line_errors,
+    pass_state,
+)
 from kvbm.config import Config, parse_size
 from kvbm.metrics import breaker_state
 from kvbm.ops import DaemonLink, Selector, iso, iter_bucket, iter_disk, open_bucket, summarize
@@ -190,7 +198,8 @@ def watch_daemon(link: DaemonLink, interval: float, count: int, as_json: bool) -
               help="Refresh the daemon's view every SECONDS until Ctrl-C (with --json: one object per line).")
 @click.option("--count", type=click.IntRange(min=0), default=0, help="With --watch: stop after COUNT views.")
 @one_line_errors
-def status(config_path: str | None, daemon_endpoint: str | None, direct: bool, daemon_timeout: float,
+@pass_state
+def status(state: CliState, daemon_endpoint: str | None, direct: bool, daemon_timeout: float,
            as_json: bool, watch: float | None, count: int) -> None:
     """Show what the cache holds.
 
@@ -209,7 +218,7 @@ def status(config_path: str | None, daemon_endpoint: str | None, direct: bool, d
     Exits non-zero with a one-line reason when an explicitly named daemon does not answer, or when the
     bucket is unreachable, missing, or refuses the credentials.
     """
-    cfg = load(config_path)
+    cfg = state.config
     link, why = find_daemon(cfg, daemon_endpoint, direct, daemon_timeout)
     if watch is not None:
         if link is None:

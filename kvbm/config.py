@@ -147,6 +147,9 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     vllm_events_mode: Literal["auto", "bind", "connect"] = "auto"  # auto: bind tcp (vLLM connects), connect ipc
     metrics_host: str = "127.0.0.1"
     worker_timeout_s: float = 60.0  # a silent worker's pins and unfinished stores are released after this
+    # How long the G2 slots of a worker whose lease expired stay quarantined at most (it may still be copying).
+    quarantine_grace_s: float | None = None  # None: max(30 s, 2 x worker_timeout_s)
+    max_workers: int = 1024  # registered workers at most (admin sessions aside); beyond it Register gets `limit`
     barrier_timeout_s: float = 30.0
     max_inflight: int = 1024  # requests handled at once; beyond it the daemon stops reading (ZMQ backpressure)
     # CURVE (encryption + client authentication) on the request and events sockets; see kvbm.security.
@@ -326,6 +329,10 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("s3.shard_chars: must be between 0 and 4")
     if len(cfg.s3.bucket) < 3:
         raise ConfigError(f"s3.bucket: {cfg.s3.bucket!r} is shorter than 3 characters")
+    if cfg.daemon.quarantine_grace_s is not None and cfg.daemon.quarantine_grace_s < 0:
+        raise ConfigError("daemon.quarantine_grace_s: must be >= 0")
+    if cfg.daemon.max_workers < 1:
+        raise ConfigError("daemon.max_workers: must be >= 1")
     return cfg
 
 

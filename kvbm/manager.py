@@ -35,6 +35,7 @@ from kvbm.cascade import WriteThrough
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
 from kvbm.external import ExternalStores
 from kvbm.failures import FAILURE_LOG_EVERY_S, FailureLog
+from kvbm.knowledge import IndexSync
 from kvbm.metrics import no_observe
 from kvbm.moves import Moves, forget_if_gone
 from kvbm.owed import CATCH_UP_EVERY_S
@@ -44,12 +45,10 @@ from kvbm.room import Room
 from kvbm.tiers.base import Tier
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
-from kvbm.tiers.s3 import S3Tier
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CATCH_UP_EVERY_S", "FAILURE_LOG_EVERY_S", "PERSISTENT", "BlockManager", "FailureLog", "ManagerStats"]
-
 
 
 class ManagerStats(msgspec.Struct):
@@ -104,6 +103,7 @@ class BlockManager:
         self.room = Room(self, lambda key, dst: self.moves.move(key, dst))  # reservations and eviction
         self.moves = Moves(self, self.room)  # coalesced copies between tiers
         self.external = ExternalStores(self, self.room, self.write_through.schedule)  # worker-filled G2 slots
+        self.index = IndexSync(self.registry, self.by_name, self.stats)  # blocks found elsewhere (kvbm.knowledge)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, *, index: bool | tuple[str, ...] = True) -> None:
@@ -122,20 +122,8 @@ class BlockManager:
                     await self.index_tier(tier.name)
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
-        """Load what tier ``name`` holds into the registry (restart recovery); returns blocks found.
-
-        With ``refresh`` the tier first re-reads its backing store for blocks other processes wrote.
-        Raises TierUnavailableError when the tier cannot be listed (e.g. S3 is down): the index is then
-        incomplete, and the caller decides whether to retry (blocks listed before the failure stay).
-        """
-        tier = self.by_name[name]
-        n = 0
-        if refresh:
-            await tier.refresh(namespace)
-        async for sb in tier.scan(namespace):
-            self.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes))
-            n += 1
-        return n
+        """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`)."""
+        return await self.index.index_tier(name, namespace, refresh=refresh)
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""
@@ -165,40 +153,8 @@ class BlockManager:
         return found
 
     def relookup(self, keys: Sequence[BlockKey], before: Sequence[str]) -> list[str]:
-        """:meth:`lookup` again after the index learned more (a bucket probe): counts only the added hits."""
-        found = self.registry.match_prefix(keys)
-        self.stats.lookup_hit_blocks += max(0, len(found) - len(before))
-        return found
-
-    # -- what other nodes did to a shared tier --------------------------------------------------------
-    def _shared(self, name: str) -> S3Tier:
-        tier = self.by_name[name]
-        if not isinstance(tier, S3Tier):
-            raise KvbmError(f"{name} is not a shared (S3) tier")
-        return tier
-
-    def learn(self, name: str, found: dict[BlockKey, int]) -> int:
-        """Index blocks another node stored in shared tier ``name`` (``{key: payload bytes}``, from its event or a
-        bucket probe), without I/O; returns how many were new here."""
-        tier = self._shared(name)
-        n = 0
-        for key, nbytes in found.items():
-            if self.registry.holds(name, key):
-                continue  # already known: leave its LRU position alone
-            tier.remember(key, nbytes)
-            self.registry.add(name, key, tier.footprint(nbytes))
-            n += 1
-        return n
-
-    def forget(self, name: str, keys: Sequence[BlockKey]) -> int:
-        """Drop blocks another node deleted from shared tier ``name`` from the index (no I/O); returns how many
-        were indexed. A read of one in flight ends as a miss (404), never with wrong bytes."""
-        tier = self._shared(name)
-        n = 0
-        for key in keys:
-            tier.forget(key)
-            n += self.registry.remove(name, key)
-        return n
+        """:meth:`lookup` again after a bucket probe (see :meth:`IndexSync.relookup`)."""
+        return self.index.relookup(keys, before)
 
     def where(self, key: BlockKey) -> list[str]:
         return self.registry.where(key)

@@ -74,6 +74,29 @@ _DAEMON = (
     ("inflight", "gauge", "Requests in flight."),
     ("workers", "gauge", "Registered workers."),
     ("pins", "gauge", "Blocks pinned for workers."),
+    ("quarantined_slots", "gauge", "G2 slots of expired workers held until they finish or their grace ends."),
+    ("refused_workers", "counter", "Registrations refused because daemon.max_workers were registered."),
+)
+# The fleet (kvbm.fleet): the bucket probe's counters (ProbeStats key, metric name, help) and each peer's.
+_PROBE = (
+    ("probes", "kvbm_fleet_probes", "Bucket probes started by lookups that missed."),
+    ("joined", "kvbm_fleet_probe_joined", "Lookups that joined a probe already in flight."),
+    ("probed", "kvbm_fleet_probe_blocks", "Blocks probed (one HEAD each)."),
+    ("found", "kvbm_fleet_probe_hits", "Probed blocks the bucket held (now indexed)."),
+    ("missed", "kvbm_fleet_probe_misses", "Probed blocks the bucket lacked (now negative-cached)."),
+    ("negative_hits", "kvbm_fleet_probe_negative_hits", "Lookups whose next block was known missing: no HEAD."),
+    ("failed", "kvbm_fleet_probe_failed", "Probes that could not ask (S3 unreachable, breaker open)."),
+    ("late", "kvbm_fleet_probe_late", "Lookups answered before their probe finished."),
+)
+_PEER = (
+    ("connects", "Times the connection to the peer (re)started."),
+    ("batches", "Event batches received from the peer."),
+    ("stored", "Shared-tier blocks learned from the peer's events."),
+    ("removed", "Shared-tier blocks dropped because of the peer's events."),
+    ("gaps", "Jumps in the peer's sequence numbers (messages lost)."),
+    ("lost", "Batches lost in those jumps."),
+    ("resets", "Sequence numbers that started again (the peer restarted)."),
+    ("bad", "Messages from the peer that did not decode."),
 )
 
 
@@ -130,8 +153,31 @@ class _SnapshotCollector:
         for code, n in sorted((d.get("errors") or {}).items()):
             errs.add_metric([code], n)
         out.append(errs)
+        out += self._fleet(d.get("fleet") or {})
         out += self._engines(snap.get("engines", {}) or {})
         return out
+
+    @staticmethod
+    def _fleet(fleet: dict[str, Any]) -> list[Metric]:
+        probe = fleet.get("probe") or {}  # None: no shared tier, or probes off
+        out: list[Metric] = [CounterMetricFamily(name, help_, value=probe.get(key, 0)) for key, name, help_ in _PROBE]
+        out.append(GaugeMetricFamily("kvbm_fleet_probe_negative_cache", "Blocks known missing from the bucket (not "
+                                     "probed again until their entry expires).", value=probe.get("negative_cache", 0)))
+        out.append(GaugeMetricFamily("kvbm_fleet_probe_in_flight", "Blocks being probed.",
+                                     value=probe.get("in_flight", 0)))
+        peers = fleet.get("peers") or []
+        out.append(GaugeMetricFamily("kvbm_fleet_peers", "Peers followed (daemon.peers).", value=len(peers)))
+        out.append(GaugeMetricFamily("kvbm_fleet_peers_connected", "Peers whose event stream is connected.",
+                                     value=sum(1 for peer in peers if peer.get("connected"))))
+        connected = GaugeMetricFamily("kvbm_fleet_peer_connected", "1 while the peer's event stream is connected.",
+                                      labels=["peer"])
+        counters = {k: CounterMetricFamily(f"kvbm_fleet_peer_{k}", h, labels=["peer"]) for k, h in _PEER}
+        for peer in peers:
+            ep = str(peer.get("endpoint", ""))
+            connected.add_metric([ep], 1.0 if peer.get("connected") else 0.0)
+            for k, fam in counters.items():
+                fam.add_metric([ep], peer.get(k, 0))
+        return [*out, connected, *counters.values()]
 
     @staticmethod
     def _tiers(tiers: list[dict[str, Any]]) -> list[Metric]:

@@ -10,8 +10,14 @@ released at once. On lease expiry or a re-registration under the same ``worker_i
 still be copying (a stalled process): its prepared stores are aborted (the keys may be stored again by
 others) and its pins leave the registry, but every slot it was handed stays referenced, in quarantine,
 until that worker's token shows up again naming those keys (its CommitStore is refused with a clear
-"lease expired" error, its Release just releases) or a grace period (``grace_s``) passes. A slot is
-thus reused only when no worker can still read or write it.
+"lease expired" error, its Release just releases) or a grace period (``grace_s``,
+``daemon.quarantine_grace_s``) passes. A slot is thus reused only when no worker can still read or write it.
+
+Registrations are capped (``max_workers``, ``daemon.max_workers``) so a Register flood cannot grow the
+daemon without bound: :meth:`Sessions.refusal` says why one more is refused (counted in ``refused``). A
+re-registration under a ``worker_id`` that holds a place replaces it, and admin sessions (the operator's
+CLI) are not counted, so an operator can still look into a full daemon. Expired and unregistered workers
+free their places.
 """
 
 from __future__ import annotations
@@ -61,10 +67,12 @@ class _Quarantine:
 class Sessions:
     """Every worker session and every G2 slot reference held for a worker."""
 
-    def __init__(self, manager: BlockManager, store_tier: str, grace_s: float) -> None:
+    def __init__(self, manager: BlockManager, store_tier: str, grace_s: float, max_workers: int = 1024) -> None:
         self.manager = manager
         self.store_tier = store_tier
         self.grace_s = grace_s
+        self.max_workers = max_workers
+        self.refused = 0  # registrations refused because max_workers were registered
         self.workers: dict[str, WorkerSession] = {}
         self._quarantine: dict[str, _Quarantine] = {}
 
@@ -79,6 +87,17 @@ class Sessions:
         w = WorkerSession(token, msg, admin=admin)
         self.workers[token] = w
         return w
+
+    def refusal(self, msg: p.Register, *, admin: bool = False) -> str:
+        """Why ``msg`` may not register (counted), or "" when it may: ``max_workers`` workers hold a place
+        and it would not replace one of them (same ``worker_id``). Admin sessions never count."""
+        if admin:
+            return ""
+        held = sum(1 for w in self.workers.values() if not w.admin and w.worker_id != msg.worker_id)
+        if held < self.max_workers:
+            return ""
+        self.refused += 1
+        return f"{held} workers are registered (daemon.max_workers); retry once one unregisters or expires"
 
     def get(self, token: str) -> WorkerSession | None:
         return self.workers.get(token)

@@ -34,10 +34,10 @@ from kvbm.tiers.pool import SlotPoolTier
 STORE_TIER = TierName.G2  # where workers store and onboard: the shared slot pool
 
 
-def quarantine_grace_s(worker_timeout_s: float) -> float:
-    """How long an expired worker's slots stay quarantined at most: it was already silent a whole
-    lease; give it two more (and at least 30 s) to finish a copy it may have been stalled in."""
-    return max(30.0, 2 * worker_timeout_s)
+def quarantine_grace_s(worker_timeout_s: float, configured: float | None = None) -> float:
+    """How long an expired worker's slots stay quarantined at most: ``daemon.quarantine_grace_s``, else (it was
+    already silent a whole lease) two more leases and at least 30 s to finish a copy it may have been stalled in."""
+    return max(30.0, 2 * worker_timeout_s) if configured is None else configured
 
 
 class Daemon:
@@ -48,7 +48,8 @@ class Daemon:
         self.dc = dc = cfg.daemon
         self.manager = manager
         self.stats = DaemonStats()
-        self.sessions = Sessions(manager, STORE_TIER, quarantine_grace_s(dc.worker_timeout_s))
+        self.sessions = Sessions(manager, STORE_TIER, quarantine_grace_s(dc.worker_timeout_s, dc.quarantine_grace_s),
+                                 dc.max_workers)
         self.workers: dict[str, WorkerSession] = self.sessions.workers
         self.metrics_port: int | None = None
         self.ready = asyncio.Event()
@@ -191,6 +192,7 @@ class Daemon:
             bucket_indexed=self.indexer.indexed.is_set(), bucket_index_error=self.indexer.error,
             namespaces_indexed=len(self.indexer.namespaces), prewarm=self.warmth.prewarm,
             pins=self.sessions.pin_total(), quarantined_slots=self.sessions.quarantined_slots(),
+            refused_workers=self.sessions.refused,
         )
         d["fleet"] = self.fleet()
         snap["daemon"] = d

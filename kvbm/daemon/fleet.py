@@ -55,7 +55,7 @@ class FleetMember:
 
     def _learn_probed(self, found: dict[BlockKey, int]) -> None:
         with self.publisher.learned():
-            self.manager.learn(self.shared, found)
+            self.manager.index.learn(self.shared, found)
 
     def _apply_peer(self, peer: PeerFollower, batch: p.EventBatch) -> None:
         """A peer's G4 stores and removals are this daemon's too (same bucket, same keys); the rest is its own."""
@@ -71,10 +71,10 @@ class FleetMember:
                         for k in keys:
                             self.probe.negative.discard(k)
                     if ev.nbytes > 0:  # else (a peer that does not say) the next lookup's probe finds them
-                        self.manager.learn(self.shared, dict.fromkeys(keys, ev.nbytes))
+                        self.manager.index.learn(self.shared, dict.fromkeys(keys, ev.nbytes))
                     peer.stats.stored += len(keys)
                 else:
-                    self.manager.forget(self.shared, keys)
+                    self.manager.index.forget(self.shared, keys)
                     peer.stats.removed += len(keys)
 
     def _peer_gap(self, _peer: PeerFollower) -> None:

@@ -117,6 +117,8 @@ class Service:
             if len(getattr(layout, name)) > p.MAX_STR:
                 raise Handled(p.E_LIMIT, f"layout.{name} is longer than {p.MAX_STR} characters")
         await self.indexer.index_namespace(layout.namespace)
+        if why := self.sessions.refusal(msg, admin=bool(msg.admin_token)):  # no await from here to add
+            raise Handled(p.E_LIMIT, why)
         for old in self.sessions.by_worker_id(msg.worker_id):
             self.drop_worker(old, "re-registered")
         token = secrets.token_hex(16)

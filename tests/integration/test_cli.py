@@ -491,3 +491,30 @@ def test_tokens_file_hashing_matches_manager(tmp_path):
     (tmp_path / "h.txt").write_text("abcd\nxyz\n")
     with pytest.raises(ConfigError, match=r"h\.txt:2"):
         ops.keys_from_hashes_file(str(tmp_path / "h.txt"), NS)
+
+
+def test_group_config_loads_lazily_once_for_every_command_and_commands_keep_their_own(tmp_path):
+    """``kvbm --config FILE CMD`` and ``kvbm CMD --config FILE`` (the command's wins); a command that needs no
+    config (``keys generate``, ``--help``) runs whatever the group was given; a bad one names the field."""
+    good, missing, bad = tmp_path / "good.yaml", tmp_path / "missing.yaml", tmp_path / "bad.yaml"
+    good.write_text(json.dumps({
+        "s3": {"enabled": False}, "embedded_s3": {"enabled": False}, "disk": {"dir": str(tmp_path / "disk")},
+        "daemon": {"endpoint": f"ipc://{tmp_path}/no-daemon.sock"},
+    }))
+    bad.write_text("daemon: {max_workers: 0}\n")
+    env = {"KVBM_CONFIG": None, "KVBM_DAEMON": None}
+    for args in (["--config", str(good), "status"], ["status", "--config", str(good)],
+                 ["--config", str(missing), "status", "--config", str(good)]):
+        rep = json.loads(run(env, *args, "--direct", "--json").output)
+        assert rep["disk"]["dir"] == str(tmp_path / "disk") and "bucket" not in rep, args
+    shown = json.loads(run(env, "--config", str(good), "config", "show", "--json").output)
+    assert shown["config_file"] == str(good)
+    assert json.loads(run({**env, "KVBM_CONFIG": str(good)}, "config", "show", "--json").output)["config_file"] == \
+        str(good)
+    run(env, "--config", str(missing), "keys", "generate", "--dir", str(tmp_path / "keys"))
+    assert (tmp_path / "keys" / "client.key").exists()
+    assert "Usage" in run(env, "--config", str(missing), "--help").output
+    assert "cannot read config file" in one_line_error(run(env, "--config", str(missing), "status", ok=False))
+    for cmd in (["status", "--direct"], ["config", "show"], ["s3", "status"], ["demo"]):
+        line = one_line_error(run(env, "--config", str(bad), *cmd, ok=False))
+        assert "daemon.max_workers: must be >= 1" in line, (cmd, line)

@@ -1,0 +1,83 @@
+"""What the block index learns without moving bytes (owned by the manager, ``BlockManager.index``).
+
+* **Listing a tier** at start or on a rescan (restart recovery, another process's writes): every block
+  the tier holds is registered with its footprint.
+* **Another node's writes to a shared (S3) tier**, from its events or a bucket probe: ``learn`` indexes
+  them (and tells the tier their sizes), ``forget`` drops the ones it deleted; neither does I/O.
+* **A lookup asked again** after the index learned more (a probe that finished within the lookup's
+  budget): ``relookup`` counts only the hits that were added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvbm.blocks import BlockKey
+from kvbm.errors import KvbmError
+from kvbm.registry import Registry
+from kvbm.tiers.base import Tier
+from kvbm.tiers.s3 import S3Tier
+
+if TYPE_CHECKING:
+    from kvbm.manager import ManagerStats
+
+
+class IndexSync:
+    """Teaches the registry about blocks found elsewhere; the manager's lookup counters follow."""
+
+    def __init__(self, registry: Registry, by_name: Mapping[str, Tier], stats: ManagerStats) -> None:
+        self.registry = registry
+        self.by_name = by_name
+        self.stats = stats
+
+    async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
+        """Load what tier ``name`` holds into the registry; returns blocks found.
+
+        With ``refresh`` the tier first re-reads its backing store for blocks other processes wrote.
+        Raises TierUnavailableError when the tier cannot be listed (e.g. S3 is down): the index is then
+        incomplete, and the caller decides whether to retry (blocks listed before the failure stay).
+        """
+        tier = self.by_name[name]
+        n = 0
+        if refresh:
+            await tier.refresh(namespace)
+        async for sb in tier.scan(namespace):
+            self.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes))
+            n += 1
+        return n
+
+    def relookup(self, keys: Sequence[BlockKey], before: Sequence[str]) -> list[str]:
+        """A lookup again after the index learned more (a bucket probe): counts only the added hits."""
+        found = self.registry.match_prefix(keys)
+        self.stats.lookup_hit_blocks += max(0, len(found) - len(before))
+        return found
+
+    def learn(self, name: str, found: dict[BlockKey, int]) -> int:
+        """Index blocks another node stored in shared tier ``name`` (``{key: payload bytes}``, from its event or a
+        bucket probe), without I/O; returns how many were new here."""
+        tier = self._shared(name)
+        n = 0
+        for key, nbytes in found.items():
+            if self.registry.holds(name, key):
+                continue  # already known: leave its LRU position alone
+            tier.remember(key, nbytes)
+            self.registry.add(name, key, tier.footprint(nbytes))
+            n += 1
+        return n
+
+    def forget(self, name: str, keys: Sequence[BlockKey]) -> int:
+        """Drop blocks another node deleted from shared tier ``name`` from the index (no I/O); returns how many
+        were indexed. A read of one in flight ends as a miss (404), never with wrong bytes."""
+        tier = self._shared(name)
+        n = 0
+        for key in keys:
+            tier.forget(key)
+            n += self.registry.remove(name, key)
+        return n
+
+    def _shared(self, name: str) -> S3Tier:
+        tier = self.by_name[name]
+        if not isinstance(tier, S3Tier):
+            raise KvbmError(f"{name} is not a shared (S3) tier")
+        return tier
