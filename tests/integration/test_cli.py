@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -291,9 +292,10 @@ def test_purge_age_and_budget(s3_server, s3_prefix, tmp_path):
     root = tmp_path / "disk"
     put_disk(root, [bkey(NS, i, b"o") for i in range(5)], mtime=now - 10 * 86400)
     disk = put_disk(root, [bkey(NS, i, b"n") for i in range(3)], mtime=now - 3600)
-    time.sleep(2.5)  # S3 LastModified cannot be set: let the first wave age
+    time.sleep(7)  # S3 LastModified cannot be set: let the first wave age
     new = [bkey(NS, i, b"n") for i in range(3)] + [bkey(NS3, i, b"n") for i in range(3)]
     asyncio.run(put_s3(s3_server, s3_prefix, new))
+    new_at = time.time()
     env = cli_env(s3_server, s3_prefix, tmp_path)
     tier = tier_for(s3_server, s3_prefix)
 
@@ -301,7 +303,10 @@ def test_purge_age_and_budget(s3_server, s3_prefix, tmp_path):
         return set(asyncio.run(list_s3(s3_server, s3_prefix)))
 
     # Age, one namespace: only NS's first wave goes from the bucket.
-    out = json.loads(run(env, "purge", "--older-than", "2s", "--namespace", NS, "--from", "bucket", "--yes",
+    # The cut lies 4 s after the second wave (its LastModified is truncated to the second, and a loaded
+    # machine may take seconds to start the CLI) and well after the first: independent of load.
+    cut = math.ceil(time.time() - new_at) + 4
+    out = json.loads(run(env, "purge", "--older-than", f"{cut}s", "--namespace", NS, "--from", "bucket", "--yes",
                          "--json").output)
     assert out["deleted"] == 5
     assert left() == {tier.object_key(k) for k in old[5:] + new}
