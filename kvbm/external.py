@@ -41,8 +41,9 @@ class ExternalStores:
         fp = pool.footprint(nbytes)
         slots: list[int | None] = [None] * len(keys)
         todo: dict[BlockKey, int] = {}  # key -> its first index in ``keys``
+        prepared, pending = self._prepared, pool.is_pending
         for i, (key, held) in enumerate(zip(keys, self.registry.holding(tier, keys), strict=True)):
-            if not held and key not in todo and key not in self._prepared and not pool.is_pending(key):
+            if not held and key not in todo and key not in prepared and not pending(key):
                 todo[key] = i
         if not todo:
             return slots
@@ -50,14 +51,13 @@ class ExternalStores:
         unused = len(todo)  # reservations not (yet) owned by a prepared slot
         try:
             await self.room.free_a_slot(pool, len(todo))
-            ready = list(todo)
             # Re-checked after the awaits: a key may have arrived (or started arriving) while we made room.
-            for key, held in zip(ready, self.registry.holding(tier, ready), strict=True):
-                if held or pool.is_pending(key):
-                    continue
-                slots[todo[key]] = pool.allocate(key, nbytes)
-                self._prepared[key] = (tier, nbytes)
-                unused -= 1
+            ready = [k for k, held in zip(todo, self.registry.holding(tier, list(todo)), strict=True)
+                     if not held and not pending(k)]
+            for key, slot in zip(ready, pool.allocate_many(ready, nbytes), strict=True):
+                slots[todo[key]] = slot
+                prepared[key] = (tier, nbytes)
+            unused -= len(ready)
         except BaseException:
             self.complete([k for k, s in zip(keys, slots, strict=True) if s is not None], ok=False)
             raise
@@ -70,24 +70,27 @@ class ExternalStores:
 
         Committing a key that is already there is a no-op (its slot stays; readers may be using it).
         """
-        by_pool: dict[tuple[str, int], list[BlockKey]] = {}  # (tier, nbytes) -> committed keys, indexed at once
+        by_pool: dict[tuple[str, int], list[BlockKey]] = {}  # (tier, nbytes) -> its prepared keys, handled at once
+        prepared = self._prepared
         for key in keys:
-            ent = self._prepared.pop(key, None)
-            if ent is None:
-                continue
-            pool = self._pool(ent[0])
-            if ok and pool.commit(key):
+            ent = prepared.pop(key, None)
+            if ent is not None:
                 by_pool.setdefault(ent, []).append(key)
-            elif not ok:
-                pool.abort(key)
-            self.room.unreserve(pool, pool.footprint(ent[1]))
         done = 0
-        for (tier, nbytes), committed in by_pool.items():
-            self.registry.add_many(tier, committed, self._pool(tier).footprint(nbytes))
-            done += len(committed)
-            if cascade and policy.below(self.m.tiers, tier):  # nothing below: a cascade would have nothing to do
-                for key in committed:
-                    self._cascade(key)
+        for (tier, nbytes), batch in by_pool.items():
+            pool = self._pool(tier)
+            fp = pool.footprint(nbytes)
+            if ok:
+                committed = pool.commit_many(batch)
+                self.registry.add_many(tier, committed, fp)
+                done += len(committed)
+                if cascade and policy.below(self.m.tiers, tier):  # nothing below: a cascade would have nothing to do
+                    for key in committed:
+                        self._cascade(key)
+            else:
+                for key in batch:
+                    pool.abort(key)
+            self.room.unreserve(pool, fp * len(batch))
         return done
 
     def detach(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:

@@ -158,10 +158,33 @@ class Registry:
         i = self._ti[tier]
         codes = self._codes(keys)
         with self._lock:
-            new = [k for k, code in zip(keys, codes, strict=True) if self._add(i, code, footprint)]
+            if self._fp[i] == footprint and not self._odd_fp[i]:
+                new = self._add_base(i, keys, codes, footprint)
+            else:
+                new = [k for k, code in zip(keys, codes, strict=True) if self._add(i, code, footprint)]
         if new and self.listeners:
             self._emit("stored", tier, new)
         return len(new)
+
+    def _add_base(self, i: int, keys: Sequence[BlockKey], codes: list[int], footprint: int) -> list[BlockKey]:
+        """:meth:`_add` of a batch whose footprint is tier ``i``'s base one (no exceptions to keep), under the
+        lock: the common store of equal-size blocks. Returns the keys that were new there."""
+        lru = self._lru[i]
+        others = [d for j, d in enumerate(self._lru) if j != i and d]  # where a canonical int may already live
+        new: list[BlockKey] = []
+        for key, code in zip(keys, codes, strict=True):
+            c = lru.pop(code, None)
+            if c is None:
+                for d in others:
+                    c = d.get(code)
+                    if c is not None:
+                        break
+                else:
+                    c = code
+                new.append(key)
+            lru[c] = c
+        self._used[i] += footprint * len(new)  # a re-added block already counted the same base footprint
+        return new
 
     def _add(self, i: int, code: int, footprint: int) -> bool:
         """Insert (or move to the LRU end) ``code`` in tier ``i``, under the lock; whether it was new there."""

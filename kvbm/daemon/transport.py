@@ -188,22 +188,29 @@ class Transport:
             return
         self.inflight += 1
         self.offloads += offload
-        task = self._spawn(self._handle(route, msg, worker, service.handlers[type(msg)]))
-        task.add_done_callback(lambda _t: self._done(offload))
+        self._spawn(self._handle(route, msg, worker, service.handlers[type(msg)], offload))
+
+    async def _handle(self, route: list[bytes], msg: Any, worker: WorkerSession | None, handler: Any,
+                      offload: bool) -> None:
+        try:
+            reply = await handler(msg, worker)
+        except Exception as e:
+            self._done(offload)
+            self._fail(route, msg, e)
+            return
+        except BaseException:
+            self._done(offload)
+            raise
+        # Counted out before the reply leaves: a request the client sends once it has the reply (a Stats,
+        # read in the same loop turn) must not see this one still in flight.
+        self._done(offload)
+        reply.rid = msg.rid
+        self._send(route, reply)
 
     def _done(self, offload: bool) -> None:
         self.inflight -= 1
         self.offloads -= offload
         self._slot_free.set()
-
-    async def _handle(self, route: list[bytes], msg: Any, worker: WorkerSession | None, handler: Any) -> None:
-        try:
-            reply = await handler(msg, worker)
-        except Exception as e:
-            self._fail(route, msg, e)
-            return
-        reply.rid = msg.rid
-        self._send(route, reply)
 
     def _fail(self, route: list[bytes], msg: Any, e: Exception) -> None:
         if isinstance(e, Handled):
