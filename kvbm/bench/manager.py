@@ -268,19 +268,24 @@ def bench_daemon(opts: ManagerOptions, rows: list[dict[str, Any]], work: Path, e
                  f"PrepareStore+copy+CommitStore of {slot} B blocks; daemon CPU {dcpu / cnt * 1e6:.1f} us/event,"
                  f" client {m.cpu / cnt * 1e6:.1f} us/event", stored=stored)
             echo(f"  ingest via daemon, one store() per {bs}: {ev:,.0f} events/s")
-            # (b) one store() of the rest, pipelined by the client in requests of ``bs`` blocks.
-            c.store_batch = bs
-            cpu0 = d.cpu()
-            with CpuMeter() as m:
-                stored += c.store(keys[half:n], np.zeros((n - half, slot), dtype=np.uint8)).stored
-            dcpu = d.cpu() - cpu0
-            ev = (n - half) / m.wall
-            _row(rows, "block events ingested", f"daemon socket (ipc, store() pipelined in requests of {bs})", ev,
-                 "events/s", f"next PrepareStore sent before this batch's copy, <= {c.store_window} commits in flight;"
-                 f" daemon CPU {dcpu / (n - half) * 1e6:.1f} us/event, client {m.cpu / (n - half) * 1e6:.1f} us/event",
-                 stored=stored)
-            echo(f"  ingest via daemon, pipelined in requests of {bs}: {ev:,.0f} events/s ({stored:,} stored)")
-            c.store_batch = type(c).store_batch
+            # (b) one store() of many blocks, pipelined by the client in requests of ``bs`` blocks, and (c) in
+            # requests of the client's default batch (a caller that has more blocks at once, e.g. vLLM's saves).
+            plans = [(bs, half, n if bs >= WorkerClient.store_batch else half + (n - half) // 2)]
+            if bs < WorkerClient.store_batch:
+                plans.append((WorkerClient.store_batch, plans[0][2], n))
+            for step, lo, hi in plans:
+                c.store_batch = step
+                cpu0 = d.cpu()
+                with CpuMeter() as m:
+                    stored += c.store(keys[lo:hi], np.zeros((hi - lo, slot), dtype=np.uint8)).stored
+                dcpu = d.cpu() - cpu0
+                ev = (hi - lo) / m.wall
+                _row(rows, "block events ingested", f"daemon socket (ipc, store() pipelined in requests of {step})", ev,
+                     "events/s", f"{hi - lo:,} blocks in one store(): next PrepareStore sent before this batch's copy,"
+                     f" <= {c.store_window} commits in flight; daemon CPU {dcpu / (hi - lo) * 1e6:.1f} us/event,"
+                     f" client {m.cpu / (hi - lo) * 1e6:.1f} us/event", stored=stored)
+                echo(f"  ingest via daemon, pipelined in requests of {step}: {ev:,.0f} events/s ({stored:,} stored)")
+            c.store_batch = WorkerClient.store_batch
             if total > n:
                 echo(f"  filling the daemon to {total:,} blocks ...")
                 fill = 65536
