@@ -109,11 +109,31 @@ class AsyncWorkerClient(_Core):
         ns, hashes = self._ns(keys)
         return await self.request(p.Lookup(namespace=ns, hashes=hashes), p.LookupReply)
 
+    store_batch = 1024  # blocks per PrepareStore/CommitStore when a store is larger
+    store_window = 4  # batches of one store in flight at once (each prepares, copies and commits by itself)
+
     async def store(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer], *,
                     durable: bool = False) -> p.Ack:
+        """prepare -> copy into G2 slots -> commit; more than :attr:`store_batch` blocks go in batches of that
+        many, :attr:`store_window` at a time. A batch that fails raises (after the others in flight ended);
+        the batches committed before it stay."""
         ns, hashes, n = self._store_msgs(keys, bufs)
         if not hashes:
             return p.Ack(stored=0)
+        step = self.store_batch
+        spans = [(i, min(i + step, len(hashes))) for i in range(0, len(hashes), step)]
+        acks: list[p.Ack] = []
+        for w in range(0, len(spans), self.store_window):
+            got = await asyncio.gather(*(self._store_batch(ns, hashes[a:b], bufs[a:b], n, durable)
+                                         for a, b in spans[w : w + self.store_window]), return_exceptions=True)
+            for r in got:
+                if isinstance(r, BaseException):
+                    raise r
+            acks += got  # type: ignore[arg-type]
+        return p.Ack(stored=sum(a.stored for a in acks), durable=sum(a.durable for a in acks))
+
+    async def _store_batch(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int,
+                           durable: bool) -> p.Ack:
         slots = (await self.request(p.PrepareStore(namespace=ns, hashes=hashes, nbytes=n), p.Slots)).slots
         try:
             await asyncio.to_thread(self._copy_in, slots, bufs, n)

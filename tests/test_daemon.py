@@ -472,3 +472,26 @@ def test_a_store_of_more_blocks_than_one_request_may_carry_is_stored_with_an_eve
     finally:
         sub.close(0)
         d.stop()
+
+
+def test_the_async_client_splits_a_large_store_into_batches_byte_exact(daemon):
+    """AsyncWorkerClient: more than ``store_batch`` blocks go in batches (a store beyond MAX_BATCH used to be one
+    request, refused E_LIMIT); every block lands byte-exact."""
+
+    async def go():
+        c = AsyncWorkerClient(daemon.endpoint, timeout_s=20)
+        await c.register(LAYOUT, worker_id="async-batches")
+        c.store_batch = 8
+        ks = keys(20, b"abatch")
+        data = [payload(k) for k in ks]
+        before = (await c.stats())["daemon"]["requests"]
+        ack = await c.store(ks, data)
+        after = (await c.stats())["daemon"]["requests"]
+        outs = [np.zeros(NB, dtype=np.uint8) for _ in ks]
+        loaded = await c.load(ks, outs)
+        await c.close()
+        return ack, after - before - 1, loaded, outs, data
+
+    ack, requests, loaded, outs, data = asyncio.run(go())
+    assert ack.stored == 20 and requests == 2 * 3  # a PrepareStore and a CommitStore per batch of 8
+    assert loaded == 20 and all(np.array_equal(o, d) for o, d in zip(outs, data, strict=True))
