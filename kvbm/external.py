@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvbm import policy
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError
 from kvbm.room import Room
@@ -34,29 +35,34 @@ class ExternalStores:
 
     async def prepare(self, keys: Sequence[BlockKey], nbytes: int, tier: str) -> list[int | None]:
         """A reserved slot per key; None for keys already stored there or being stored right now (another
-        worker's prepared store, a prefetch or a cascade copying it in)."""
+        worker's prepared store, a prefetch or a cascade copying it in, or an earlier copy in this batch).
+        Room is made once for the whole batch (one reservation, one eviction pass), not per block."""
         pool = self._pool(tier)
-        slots: list[int | None] = []
+        fp = pool.footprint(nbytes)
+        slots: list[int | None] = [None] * len(keys)
+        todo: dict[BlockKey, int] = {}  # key -> its first index in ``keys``
+        prepared, pending = self._prepared, pool.is_pending
+        for i, (key, held) in enumerate(zip(keys, self.registry.holding(tier, keys), strict=True)):
+            if not held and key not in todo and key not in prepared and not pending(key):
+                todo[key] = i
+        if not todo:
+            return slots
+        await self.room.reserve(pool, fp * len(todo))
+        unused = len(todo)  # reservations not (yet) owned by a prepared slot
         try:
-            for key in keys:
-                if self.registry.holds(tier, key) or key in self._prepared or pool.is_pending(key):
-                    slots.append(None)
-                    continue
-                await self.room.reserve(pool, pool.footprint(nbytes))
-                await self.room.free_a_slot(pool)
-                if self.registry.holds(tier, key) or pool.is_pending(key):  # it arrived while we made room
-                    self.room.unreserve(pool, pool.footprint(nbytes))
-                    slots.append(None)
-                    continue
-                try:
-                    slots.append(pool.allocate(key, nbytes))
-                except BaseException:
-                    self.room.unreserve(pool, pool.footprint(nbytes))
-                    raise
-                self._prepared[key] = (tier, nbytes)
+            await self.room.free_a_slot(pool, len(todo))
+            # Re-checked after the awaits: a key may have arrived (or started arriving) while we made room.
+            ready = [k for k, held in zip(todo, self.registry.holding(tier, list(todo)), strict=True)
+                     if not held and not pending(k)]
+            for key, slot in zip(ready, pool.allocate_many(ready, nbytes), strict=True):
+                slots[todo[key]] = slot
+                prepared[key] = (tier, nbytes)
+            unused -= len(ready)
         except BaseException:
-            self.complete([k for k, s in zip(keys, slots, strict=False) if s is not None], ok=False)
+            self.complete([k for k, s in zip(keys, slots, strict=True) if s is not None], ok=False)
             raise
+        finally:
+            self.room.unreserve(pool, fp * unused)
         return slots
 
     def complete(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
@@ -64,21 +70,27 @@ class ExternalStores:
 
         Committing a key that is already there is a no-op (its slot stays; readers may be using it).
         """
-        done = 0
+        by_pool: dict[tuple[str, int], list[BlockKey]] = {}  # (tier, nbytes) -> its prepared keys, handled at once
+        prepared = self._prepared
         for key in keys:
-            ent = self._prepared.pop(key, None)
-            if ent is None:
-                continue
-            tier, nbytes = ent
+            ent = prepared.pop(key, None)
+            if ent is not None:
+                by_pool.setdefault(ent, []).append(key)
+        done = 0
+        for (tier, nbytes), batch in by_pool.items():
             pool = self._pool(tier)
-            if ok and pool.commit(key):
-                self.registry.add(tier, key, pool.footprint(nbytes))
-                done += 1
-                if cascade:
-                    self._cascade(key)
-            elif not ok:
-                pool.abort(key)
-            self.room.unreserve(pool, pool.footprint(nbytes))
+            fp = pool.footprint(nbytes)
+            if ok:
+                committed = pool.commit_many(batch)
+                self.registry.add_many(tier, committed, fp)
+                done += len(committed)
+                if cascade and policy.below(self.m.tiers, tier):  # nothing below: a cascade would have nothing to do
+                    for key in committed:
+                        self._cascade(key)
+            else:
+                for key in batch:
+                    pool.abort(key)
+            self.room.unreserve(pool, fp * len(batch))
         return done
 
     def detach(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:

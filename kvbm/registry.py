@@ -52,8 +52,9 @@ class Registry:
         # (tier index, code) -> count; tier None pins the block in every tier.
         self._pins: dict[tuple[int | None, int], int] = {}
         self._hits: dict[int, int] = {}
-        # Called as listener(kind, tier, key) with kind "stored" or "removed", outside the lock.
-        self.listeners: list[Callable[[str, str, BlockKey], None]] = []
+        # Called as listener(kind, tier, keys) with kind "stored" or "removed" and the blocks that changed (one
+        # call per batch: a store of 64 blocks is one call, not 64), outside the lock.
+        self.listeners: list[Callable[[str, str, list[BlockKey]], None]] = []
         # Called as hit_listener(keys) for every recorded hit, outside the lock (kvbm.recency).
         self.hit_listeners: list[Callable[[list[BlockKey]], None]] = []
 
@@ -138,36 +139,75 @@ class Registry:
             self._fp[i] = best
         self._rebase_at[i] = max(64, 2 * len(odd))
 
-    def _emit(self, kind: str, tier: str, key: BlockKey) -> None:
+    def _emit(self, kind: str, tier: str, keys: list[BlockKey]) -> None:
         for fn in self.listeners:
-            fn(kind, tier, key)
+            fn(kind, tier, keys)
 
     # -- membership ------------------------------------------------------------------------------
     def add(self, tier: str, key: BlockKey, footprint: int) -> None:
         i = self._ti[tier]
         code = self._code(key)
         with self._lock:
-            lru = self._lru[i]
-            c = lru.pop(code, None)
-            new = c is None
-            if new:
-                c = self._canonical(code)
-            else:
-                self._used[i] -= self._footprint(i, c)
-            lru[c] = c
-            base = self._fp[i]
-            if base is None:
-                self._fp[i] = base = footprint
-            odd = self._odd_fp[i]
-            if footprint != base:
-                odd[c] = footprint
-                if len(odd) >= self._rebase_at[i]:
-                    self._rebase(i)
-            elif odd:
-                odd.pop(c, None)
-            self._used[i] += footprint
+            new = self._add(i, code, footprint)
         if new and self.listeners:
-            self._emit("stored", tier, key)
+            self._emit("stored", tier, [key])
+
+    def add_many(self, tier: str, keys: Sequence[BlockKey], footprint: int) -> int:
+        """:meth:`add` of a batch of equal-footprint blocks under one lock, heard by listeners as one
+        change; returns how many were new in ``tier``."""
+        i = self._ti[tier]
+        codes = self._codes(keys)
+        with self._lock:
+            if self._fp[i] == footprint and not self._odd_fp[i]:
+                new = self._add_base(i, keys, codes, footprint)
+            else:
+                new = [k for k, code in zip(keys, codes, strict=True) if self._add(i, code, footprint)]
+        if new and self.listeners:
+            self._emit("stored", tier, new)
+        return len(new)
+
+    def _add_base(self, i: int, keys: Sequence[BlockKey], codes: list[int], footprint: int) -> list[BlockKey]:
+        """:meth:`_add` of a batch whose footprint is tier ``i``'s base one (no exceptions to keep), under the
+        lock: the common store of equal-size blocks. Returns the keys that were new there."""
+        lru = self._lru[i]
+        others = [d for j, d in enumerate(self._lru) if j != i and d]  # where a canonical int may already live
+        new: list[BlockKey] = []
+        for key, code in zip(keys, codes, strict=True):
+            c = lru.pop(code, None)
+            if c is None:
+                for d in others:
+                    c = d.get(code)
+                    if c is not None:
+                        break
+                else:
+                    c = code
+                new.append(key)
+            lru[c] = c
+        self._used[i] += footprint * len(new)  # a re-added block already counted the same base footprint
+        return new
+
+    def _add(self, i: int, code: int, footprint: int) -> bool:
+        """Insert (or move to the LRU end) ``code`` in tier ``i``, under the lock; whether it was new there."""
+        lru = self._lru[i]
+        c = lru.pop(code, None)
+        new = c is None
+        if new:
+            c = self._canonical(code)
+        else:
+            self._used[i] -= self._footprint(i, c)
+        lru[c] = c
+        base = self._fp[i]
+        if base is None:
+            self._fp[i] = base = footprint
+        odd = self._odd_fp[i]
+        if footprint != base:
+            odd[c] = footprint
+            if len(odd) >= self._rebase_at[i]:
+                self._rebase(i)
+        elif odd:
+            odd.pop(c, None)
+        self._used[i] += footprint
+        return new
 
     def remove(self, tier: str, key: BlockKey) -> bool:
         i = self._ti[tier]
@@ -181,11 +221,19 @@ class Registry:
             if self._hits and not any(code in d for d in self._lru):
                 self._hits.pop(code, None)
         if self.listeners:
-            self._emit("removed", tier, key)
+            self._emit("removed", tier, [key])
         return True
 
     def holds(self, tier: str, key: BlockKey) -> bool:
         return self._peek(key) in self._lru[self._ti[tier]]
+
+    def holding(self, tier: str, keys: Sequence[BlockKey]) -> list[bool]:
+        """:meth:`holds` for each of ``keys`` (one pass in C for a one-namespace batch)."""
+        codes = self._codes(keys, intern=False)
+        held = list(map(self._lru[self._ti[tier]].__contains__, codes))
+        if len(held) < len(keys):  # a key of a namespace never registered: none of it is held
+            held += [self.holds(tier, k) for k in keys[len(held) :]]
+        return held
 
     def where(self, key: BlockKey) -> list[str]:
         """Tiers holding ``key``, fastest first."""

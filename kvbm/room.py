@@ -78,11 +78,11 @@ class Room:
         finally:
             self.unreserve(tier, footprint)
 
-    async def free_a_slot(self, pool: SlotPoolTier) -> None:
+    async def free_a_slot(self, pool: SlotPoolTier, count: int = 1) -> None:
         """Room in the registry is not always a free slot: a removed block's slot stays taken while a
-        reader still references it. Evict further LRU blocks until a slot is free (or none can go)."""
+        reader still references it. Evict further LRU blocks until ``count`` slots are free (or none can go)."""
         for _ in range(pool.num_slots):
-            if pool.free_slots():
+            if pool.free_slots() >= count:
                 return
             used = self.registry.used(pool.name)
             try:

@@ -96,6 +96,25 @@ class SlotPoolTier(Tier):
         self._pending[key] = (slot, nbytes)
         return slot
 
+    def allocate_many(self, keys: list[BlockKey], nbytes: int) -> list[int]:
+        """:meth:`allocate` of a batch of distinct keys: all of them, or none (TierFullError, SlotBusyError)."""
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"block of {nbytes} bytes does not fit a {self.slot_bytes}-byte slot")
+        pending = self._pending
+        busy = [k for k in keys if k in pending]
+        if busy:
+            raise SlotBusyError(f"{busy[0]} already has a pending slot")
+        free = self._free
+        if len(free) < len(keys):
+            raise TierFullError(f"{self.name}: {len(keys)} slots wanted, {len(free)} of {self.num_slots} free")
+        slots = free[len(free) - len(keys) :][::-1]  # the same slots, in the same order, as allocate() one by one
+        del free[len(free) - len(keys) :]
+        refs = self._refs
+        for key, slot in zip(keys, slots, strict=True):
+            refs[slot] = 1
+            pending[key] = (slot, nbytes)
+        return slots
+
     def commit(self, key: BlockKey) -> bool:
         """Make ``key``'s pending slot its committed copy; False (and the new slot released) when the
         key is already committed, whose slot readers may be copying from."""
@@ -107,6 +126,24 @@ class SlotPoolTier(Tier):
         self.stats.puts += 1
         self.stats.bytes_in += nbytes
         return True
+
+    def commit_many(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """:meth:`commit` of a batch (one clock read); returns the keys newly committed."""
+        now = time.time()
+        pending, index = self._pending, self._index
+        done: list[BlockKey] = []
+        nbytes = 0
+        for key in keys:
+            slot, n = pending.pop(key)
+            if key in index:
+                self.unref(slot)
+                continue
+            index[key] = (slot, n, now)
+            done.append(key)
+            nbytes += n
+        self.stats.puts += len(done)
+        self.stats.bytes_in += nbytes
+        return done
 
     def abort(self, key: BlockKey) -> None:
         ent = self._pending.pop(key, None)

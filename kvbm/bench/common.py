@@ -87,7 +87,7 @@ def proc_cpu_seconds(pid: int) -> float:
     except OSError:
         pgid = None
     pids = {pid}
-    if pgid is not None:
+    if pgid is not None and pgid != os.getpgrp():  # a child in our own group: the group is us too, not its own
         for d in os.listdir("/proc"):
             if not d.isdigit():
                 continue

@@ -61,12 +61,24 @@ class EventPublisher:
         finally:
             self._learning = False
 
-    def on_registry(self, kind: str, tier: str, key: BlockKey) -> None:
+    def on_registry(self, kind: str, tier: str, keys: list[BlockKey]) -> None:
         if self._pub is None or (self._learning and tier == self.shared):
             return
-        # Stored blocks carry their size, so a peer indexes them without asking the bucket.
-        nbytes = (self.manager.by_name[tier].nbytes(key) or 0) if kind == "stored" else 0
-        self._pending.setdefault((kind, tier, key.namespace, nbytes), []).append(key.hash)
+        pending = self._pending
+        if kind == "stored":  # stored blocks carry their size, so a peer indexes them without asking the bucket
+            sizes = list(map(self.manager.by_name[tier].nbytes, keys))
+            ns = keys[0].namespace
+            if sizes.count(sizes[0]) == len(keys) and all(k.namespace == ns for k in keys):  # the usual batch
+                pending.setdefault((kind, tier, ns, sizes[0] or 0), []).extend(k.hash for k in keys)
+            else:
+                for key, size in zip(keys, sizes, strict=True):
+                    pending.setdefault((kind, tier, key.namespace, size or 0), []).append(key.hash)
+        else:
+            for key in keys:
+                pending.setdefault((kind, tier, key.namespace, 0), []).append(key.hash)
+        self._schedule()
+
+    def _schedule(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)

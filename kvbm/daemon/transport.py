@@ -75,6 +75,8 @@ class Transport:
         self._router: zmq.asyncio.Socket | None = None
         self._auth: Any = None
         self._slot_free = asyncio.Event()
+        self._sync: zmq.Socket[Any] | None = None  # the plain view of the ROUTER that serve() reads and replies on
+        self._readable = asyncio.Event()  # the ROUTER's FD signalled, or a send may have hidden a queued request
 
     @property
     def curve(self) -> bool:
@@ -110,18 +112,43 @@ class Transport:
             self._router.close(0)
 
     async def serve(self, service: RequestService) -> None:
-        """Receive and dispatch until cancelled."""
+        """Receive and dispatch until cancelled.
+
+        The socket is read through a plain (non-asyncio) view of it: every request queued when the loop
+        wakes is taken in one pass, with no future per receive. ZeroMQ's FD only signals edges, so the
+        queue is drained until empty, and after a send (which may consume the edge) :meth:`_send` re-arms.
+        """
         assert self._router is not None
-        while True:
-            while self.inflight >= self.dc.max_inflight:
-                self._slot_free.clear()
-                await self._slot_free.wait()
-            frames = await self._router.recv_multipart()
-            try:
-                self.dispatch(frames, service)
-            except Exception:  # never let one request take the daemon down
-                log.exception("dispatch failed")
-                self.stats.dropped += 1
+        sock = self._sync = zmq.Socket.shadow(self._router.underlying)
+        loop = asyncio.get_running_loop()
+        fd = sock.getsockopt(zmq.FD)
+        self._readable.set()
+        loop.add_reader(fd, self._readable.set)
+        burst = 0
+        try:
+            while True:
+                if burst >= 64:  # a steady stream of requests must not starve the handlers' tasks
+                    burst = 0
+                    await asyncio.sleep(0)
+                while self.inflight >= self.dc.max_inflight:
+                    self._slot_free.clear()
+                    await self._slot_free.wait()
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    self._readable.clear()
+                    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        await self._readable.wait()
+                    continue
+                burst += 1
+                try:
+                    self.dispatch(frames, service)
+                except Exception:  # never let one request take the daemon down
+                    log.exception("dispatch failed")
+                    self.stats.dropped += 1
+        finally:
+            loop.remove_reader(fd)
+            self._sync = None
 
     def dispatch(self, frames: list[bytes], service: RequestService) -> None:
         self.stats.requests += 1
@@ -161,22 +188,29 @@ class Transport:
             return
         self.inflight += 1
         self.offloads += offload
-        task = self._spawn(self._handle(route, msg, worker, service.handlers[type(msg)]))
-        task.add_done_callback(lambda _t: self._done(offload))
+        self._spawn(self._handle(route, msg, worker, service.handlers[type(msg)], offload))
+
+    async def _handle(self, route: list[bytes], msg: Any, worker: WorkerSession | None, handler: Any,
+                      offload: bool) -> None:
+        try:
+            reply = await handler(msg, worker)
+        except Exception as e:
+            self._done(offload)
+            self._fail(route, msg, e)
+            return
+        except BaseException:
+            self._done(offload)
+            raise
+        # Counted out before the reply leaves: a request the client sends once it has the reply (a Stats,
+        # read in the same loop turn) must not see this one still in flight.
+        self._done(offload)
+        reply.rid = msg.rid
+        self._send(route, reply)
 
     def _done(self, offload: bool) -> None:
         self.inflight -= 1
         self.offloads -= offload
         self._slot_free.set()
-
-    async def _handle(self, route: list[bytes], msg: Any, worker: WorkerSession | None, handler: Any) -> None:
-        try:
-            reply = await handler(msg, worker)
-        except Exception as e:
-            self._fail(route, msg, e)
-            return
-        reply.rid = msg.rid
-        self._send(route, reply)
 
     def _fail(self, route: list[bytes], msg: Any, e: Exception) -> None:
         if isinstance(e, Handled):
@@ -191,17 +225,19 @@ class Transport:
         self._error(route, msg.rid, code, str(e) if code != p.E_INTERNAL else f"{type(e).__name__}: {e}")
 
     def _send(self, route: list[bytes], msg: Any) -> None:
-        assert self._router is not None
+        sock = self._sync or self._router
+        assert sock is not None
         try:
             buf = p.encode(msg, self.dc.max_message_bytes)
         except p.ProtocolError as e:
             buf = p.encode(p.Error(rid=msg.rid, code=e.code, message=e.message))
         try:
-            self._router.send_multipart([*route, buf], flags=zmq.NOBLOCK)
+            sock.send_multipart([*route, buf], flags=zmq.NOBLOCK)
             self.stats.replies += 1
         except zmq.ZMQError as e:  # peer gone / HWM: the reply is lost, the client times out
             self.stats.dropped += 1
             log.debug("reply dropped: %s", e)
+        self._readable.set()  # the send may have taken the FD's edge for a request now queued: look again
 
     def _error(self, route: list[bytes], rid: int, code: str, message: str) -> None:
         self.count_error(code)

@@ -393,3 +393,105 @@ def test_daemon_follows_a_vllm_event_stream(tmp_path):
     finally:
         pub.close(0)
         d.stop()
+
+
+def _requests(c):
+    return c.stats()["daemon"]["requests"]
+
+
+def test_a_large_store_goes_in_pipelined_batches_and_a_failed_copy_loses_nothing(daemon):
+    """More than ``store_batch`` blocks go in batches of that many (the next batch prepared while this one is
+    copied); host buffers of any kind land byte-exact. A copy that fails mid-way aborts its batch and the one
+    prepared ahead: the batches committed before it stay, and no slot is left reserved for the rest."""
+    import torch
+
+    with daemon.client() as c:
+        c.register(LAYOUT, worker_id="pipe")
+        c.store_batch = 8
+        ks = keys(20, b"pipe")
+        data = [payload(k) for k in ks]
+        bufs = [d if i % 3 == 0 else torch.from_numpy(d) if i % 3 == 1 else d.tobytes() for i, d in enumerate(data)]
+        before = _requests(c)
+        assert c.store(ks, bufs).stored == 20
+        assert _requests(c) - before - 1 == 2 * 3  # a PrepareStore and a CommitStore per batch of 8 (+ the Stats)
+        outs = [np.zeros(NB, dtype=np.uint8) for _ in ks]
+        assert c.load(ks, outs) == 20
+        assert all(np.array_equal(o, d) for o, d in zip(outs, data, strict=True))
+
+        ks = keys(20, b"fail")
+        bufs = [payload(k) for k in ks]
+        bufs[12] = torch.empty(NB, dtype=torch.uint8, device="meta")  # the copy of batch 2 (blocks 8..15) fails
+        with pytest.raises(NotImplementedError):
+            c.store(ks, bufs)
+        assert c.lookup(ks).matched == 8  # batch 1 was committed before the failure; nothing after it
+        assert c.stats()["tiers"][0]["detached_slots"] == 0
+        bufs[12] = payload(ks[12])
+        assert c.store(ks, bufs).stored == 12  # nothing of blocks 8..19 was left prepared (held back as "being stored")
+
+
+def test_a_store_of_more_blocks_than_one_request_may_carry_is_stored_with_an_event_per_block(tmp_path):
+    """A store of more than MAX_BATCH blocks used to be refused (E_LIMIT on the one request it became); it is
+    split into pipelined batches, stored byte-exact from a 2-D array of rows, and every block is published once."""
+    small = KVLayout(model="tiny-rows", num_layers=1, num_kv_heads=1, head_size=16, dtype="float16",
+                     tokens_per_block=16)
+    nb = small.block_nbytes
+    n = p.MAX_BATCH + 1000
+    d = ServeProc(tmp_path, {
+        "block_bytes": nb, "device": {"enabled": False}, "host": {"capacity": (n + 64) * nb, "pin": False},
+        "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
+        "transfer": {"backend": "plain"},
+        "daemon": {"endpoint": f"ipc://{tmp_path}/kvbm.sock", "events_endpoint": f"ipc://{tmp_path}/events.sock",
+                   "metrics_port": -1},
+    }).start()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, p.EVENTS_TOPIC)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.connect(d.info["events"])
+    time.sleep(0.3)  # PUB/SUB slow joiner
+    try:
+        with d.client(timeout_s=60.0) as c:
+            c.register(small, worker_id="rows")
+            ks = [BlockKey(small.namespace, i.to_bytes(8, "big") + b"\x5a" * 8) for i in range(n)]
+            rows = np.random.default_rng(5).integers(0, 256, (n, nb), dtype=np.uint8)
+            assert c.store(ks, rows).stored == n
+            for lo in (0, p.MAX_BATCH - 3, n - 5):
+                outs = [np.zeros(nb, dtype=np.uint8) for _ in range(5)]
+                assert c.load(ks[lo : lo + 5], outs) == 5
+                assert all(np.array_equal(o, rows[lo + i]) for i, o in enumerate(outs))
+            stored: list[bytes] = []
+            deadline = time.monotonic() + 60
+            while len(stored) < n and time.monotonic() < deadline:
+                if not sub.poll(1000):
+                    continue
+                for ev in p.decode_events(sub.recv_multipart()[2]).events:
+                    if isinstance(ev, p.BlocksStored):
+                        assert ev.tier == "G2" and ev.namespace == small.namespace and ev.nbytes == nb
+                        stored += ev.hashes
+            assert len(stored) == n and set(stored) == {k.hash for k in ks}
+    finally:
+        sub.close(0)
+        d.stop()
+
+
+def test_the_async_client_splits_a_large_store_into_batches_byte_exact(daemon):
+    """AsyncWorkerClient: more than ``store_batch`` blocks go in batches (a store beyond MAX_BATCH used to be one
+    request, refused E_LIMIT); every block lands byte-exact."""
+
+    async def go():
+        c = AsyncWorkerClient(daemon.endpoint, timeout_s=20)
+        await c.register(LAYOUT, worker_id="async-batches")
+        c.store_batch = 8
+        ks = keys(20, b"abatch")
+        data = [payload(k) for k in ks]
+        before = (await c.stats())["daemon"]["requests"]
+        ack = await c.store(ks, data)
+        after = (await c.stats())["daemon"]["requests"]
+        outs = [np.zeros(NB, dtype=np.uint8) for _ in ks]
+        loaded = await c.load(ks, outs)
+        await c.close()
+        return ack, after - before - 1, loaded, outs, data
+
+    ack, requests, loaded, outs, data = asyncio.run(go())
+    assert ack.stored == 20 and requests == 2 * 3  # a PrepareStore and a CommitStore per batch of 8
+    assert loaded == 20 and all(np.array_equal(o, d) for o, d in zip(outs, data, strict=True))

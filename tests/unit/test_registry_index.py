@@ -138,7 +138,7 @@ def test_pins_per_tier_and_everywhere_and_hits_live_while_any_tier_holds():
 def test_listeners_hear_new_blocks_and_removals_once():
     r = Registry(["G2", "G3"])
     heard: list[tuple[str, str, BlockKey]] = []
-    r.listeners.append(lambda kind, tier, key: heard.append((kind, tier, key)))
+    r.listeners.append(lambda kind, tier, keys: heard.extend((kind, tier, key) for key in keys))
     r.add("G2", k(1), 1)
     r.add("G2", k(1), 1)  # re-add: not a new block in G2
     r.add("G3", k(1), 1)

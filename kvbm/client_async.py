@@ -1,0 +1,187 @@
+"""The asyncio daemon client (re-exported by :mod:`kvbm.client`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvbm import protocol as p
+from kvbm.blocks import BlockKey
+from kvbm.client_core import Buffer, DaemonError, DaemonUnavailable, R, _Core
+from kvbm.layout import KVLayout
+
+
+class AsyncWorkerClient(_Core):
+    """asyncio client; many requests may be in flight at once (replies are matched by rid)."""
+
+    def __init__(self, endpoint: str, *, ctx: zmq.asyncio.Context | None = None, **kw: Any) -> None:
+        super().__init__(endpoint, **kw)
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._setup(self._sock)
+            self._reader = asyncio.ensure_future(self._read(self._sock))
+        return self._sock
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                reply = p.decode_reply(frames[-1], self.max_message_bytes)
+            except p.ProtocolError:
+                continue
+            fut = self._pending.pop(reply.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    def _reset(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(DaemonUnavailable(f"connection to {self.endpoint} reset"))
+        self._pending.clear()
+
+    async def request(self, msg: Any, expect: type[R], timeout_s: float | None = None) -> R:
+        """Send ``msg`` and await the reply with its rid (registering again if the daemon forgot us)."""
+        reply = await self._roundtrip(msg, timeout_s)
+        if self._reregister(msg, reply):
+            self._attach(await self._roundtrip(self._reg_msg, None))
+            reply = await self._roundtrip(msg, timeout_s)
+        return self._check(reply, expect)
+
+    async def _roundtrip(self, msg: Any, timeout_s: float | None) -> Any:
+        buf = self._prep(msg)
+        sock = self._socket()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[msg.rid] = fut
+        try:
+            await sock.send(buf)
+            reply = await asyncio.wait_for(fut, self.timeout_s if timeout_s is None else timeout_s)
+        except TimeoutError:
+            self._reset()
+            raise DaemonUnavailable(f"no reply from {self.endpoint} within {self.timeout_s:g}s") from None
+        finally:
+            self._pending.pop(msg.rid, None)
+        return reply
+
+    async def register(self, layout: KVLayout, *, worker_id: str = "", engine_id: str = "",
+                       tp_rank: int | None = None, tp_size: int | None = None,
+                       g1_capacity_blocks: int = 0) -> p.Registered:
+        msg = self._register_msg(layout, worker_id, engine_id, tp_rank, tp_size, g1_capacity_blocks)
+        reg = await self.request(msg, p.Registered)
+        self._reg_msg = msg
+        self._attach(reg)
+        return reg
+
+    def start_heartbeat(self, interval_s: float) -> None:
+        """Ping every ``interval_s`` so the daemon keeps this worker's lease (and pins) alive."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await self.ping()
+                except (DaemonUnavailable, DaemonError):
+                    pass
+
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.ensure_future(beat())
+
+    async def ping(self) -> None:
+        await self.request(p.Ping(), p.Pong)
+
+    async def lookup(self, keys: Sequence[BlockKey | bytes]) -> p.LookupReply:
+        ns, hashes = self._ns(keys)
+        return await self.request(p.Lookup(namespace=ns, hashes=hashes), p.LookupReply)
+
+    store_batch = 1024  # blocks per PrepareStore/CommitStore when a store is larger
+    store_window = 4  # batches of one store in flight at once (each prepares, copies and commits by itself)
+
+    async def store(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer], *,
+                    durable: bool = False) -> p.Ack:
+        """prepare -> copy into G2 slots -> commit; more than :attr:`store_batch` blocks go in batches of that
+        many, :attr:`store_window` at a time. A batch that fails raises (after the others in flight ended);
+        the batches committed before it stay."""
+        ns, hashes, n = self._store_msgs(keys, bufs)
+        if not hashes:
+            return p.Ack(stored=0)
+        step = self.store_batch
+        spans = [(i, min(i + step, len(hashes))) for i in range(0, len(hashes), step)]
+        acks: list[p.Ack] = []
+        for w in range(0, len(spans), self.store_window):
+            got = await asyncio.gather(*(self._store_batch(ns, hashes[a:b], bufs[a:b], n, durable)
+                                         for a, b in spans[w : w + self.store_window]), return_exceptions=True)
+            for r in got:
+                if isinstance(r, BaseException):
+                    raise r
+            acks += got  # type: ignore[arg-type]
+        return p.Ack(stored=sum(a.stored for a in acks), durable=sum(a.durable for a in acks))
+
+    async def _store_batch(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int,
+                           durable: bool) -> p.Ack:
+        slots = (await self.request(p.PrepareStore(namespace=ns, hashes=hashes, nbytes=n), p.Slots)).slots
+        try:
+            await asyncio.to_thread(self._copy_in, slots, bufs, n)
+        except BaseException:
+            await self.request(p.CommitStore(namespace=ns, hashes=hashes, ok=False), p.Ack)
+            raise
+        return await self.request(p.CommitStore(namespace=ns, hashes=hashes, durable=durable), p.Ack)
+
+    async def load(self, keys: Sequence[BlockKey | bytes], outs: Sequence[Buffer]) -> int:
+        ns, hashes = self._ns(keys)
+        rep = await self.request(p.Onboard(namespace=ns, hashes=hashes), p.Onboarded)
+        try:
+            await asyncio.to_thread(self._copy_out, rep, outs)
+        finally:
+            if rep.count:
+                await self.request(p.Release(namespace=ns, hashes=hashes[: rep.count]), p.Released)
+        return rep.count
+
+    async def stats(self, *, resident: bool = False) -> dict[str, Any]:
+        return (await self.request(p.Stats(resident=resident), p.StatsReply)).stats
+
+    async def barrier(self, engine_id: str, step: int | str, rank: int, world_size: int = 0,
+                      timeout_s: float = 0.0) -> p.BarrierReply:
+        wait = (timeout_s or self.timeout_s) + self.timeout_s
+        return await self.request(p.Barrier(engine_id=engine_id, step=step, rank=rank, world_size=world_size,
+                                            timeout_s=timeout_s), p.BarrierReply, wait)
+
+    async def evict(self, keys: Sequence[BlockKey | bytes] | None = None, *, namespace: str = "",
+                    tiers: list[str] | None = None) -> p.Evicted:
+        if keys is None:
+            return await self.request(p.Evict(namespace=namespace or self.namespace, tiers=tiers), p.Evicted)
+        ns, hashes = self._ns(keys)
+        return await self.request(p.Evict(namespace=ns, hashes=hashes, tiers=tiers), p.Evicted)
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        try:
+            if self.token:
+                await self.request(p.Unregister(), p.Released, timeout_s=min(self.timeout_s, 2.0))
+        except (DaemonUnavailable, DaemonError):
+            pass
+        finally:
+            self._forget()
+
+    async def __aenter__(self) -> AsyncWorkerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
