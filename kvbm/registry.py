@@ -6,7 +6,7 @@ a few dict operations, so the lock is held for microseconds).
 
 Memory layout (about 90 bytes per block in one tier, 130 in two; see ``kvbm bench manager``): a block
 is not kept as a :class:`BlockKey` but as one Python int packing the namespace id, the hash length and
-the hash (:meth:`Registry._code`). Each tier is a plain insertion-ordered dict ``code -> code`` whose
+the hash (:mod:`kvbm.keycodes`). Each tier is a plain insertion-ordered dict ``code -> code`` whose
 order is that tier's LRU order (a touch re-inserts at the end). The value is the key itself, so a block
 held in several tiers shares one int object (adding it to a second tier looks the canonical object up
 in the first). Footprints are stored once per tier (the most common one) plus a sparse dict of the blocks
@@ -19,18 +19,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from itertools import repeat, takewhile
-from operator import attrgetter
+from itertools import takewhile
 
 from kvbm.blocks import BlockKey
-
-# code = int.from_bytes(hash || namespace id (3 bytes) || 0x01, "little"): the top byte 0x01 makes the
-# int's bit length give the hash length back, so the packing is injective for any hash length and up to
-# 2**24 namespaces. A 16-byte hash packs into a 161-bit int (48 bytes of heap, vs 64 for the bytes).
-_NS_BITS = 24
-_NS_MASK = (1 << _NS_BITS) - 1
-_hash_of = attrgetter("hash")
-_ns_of = attrgetter("namespace")
+from kvbm.footprints import Footprints
+from kvbm.keycodes import KeyCodes, Pins
 
 
 class Registry:
@@ -40,17 +33,11 @@ class Registry:
         self._ti: dict[str, int] = {t: i for i, t in enumerate(self.tiers)}
         # Per tier: code -> code (the canonical int); insertion order is LRU order (oldest first).
         self._lru: list[dict[int, int]] = [{} for _ in self.tiers]
-        self._used: list[int] = [0] * len(self.tiers)
-        # Per tier: the footprint of most blocks (re-picked as the exceptions grow) and the exceptions.
-        self._fp: list[int | None] = [None] * len(self.tiers)
-        self._odd_fp: list[dict[int, int]] = [{} for _ in self.tiers]
-        # Re-pick a tier's base footprint when its exceptions reach this many (doubles each time: amortized O(1)).
-        self._rebase_at: list[int] = [64] * len(self.tiers)
-        # namespace -> its 4-byte code suffix; namespace id -> namespace
-        self._suffix: dict[str, bytes] = {}
-        self._ns_names: list[str] = []
-        # (tier index, code) -> count; tier None pins the block in every tier.
-        self._pins: dict[tuple[int | None, int], int] = {}
+        self._sizes = [Footprints() for _ in self.tiers]
+        self._kc = KeyCodes(self._lock)
+        # The key codes' methods, bound once: they run per block on every hot path.
+        self._code, self._peek, self._key, self._codes = self._kc.code, self._kc.peek, self._kc.key, self._kc.codes
+        self._pins = Pins()
         self._hits: dict[int, int] = {}
         # Called as listener(kind, tier, keys) with kind "stored" or "removed" and the blocks that changed (one
         # call per batch: a store of 64 blocks is one call, not 64), outside the lock.
@@ -58,58 +45,7 @@ class Registry:
         # Called as hit_listener(keys) for every recorded hit, outside the lock (kvbm.recency).
         self.hit_listeners: list[Callable[[list[BlockKey]], None]] = []
 
-    # -- key packing ---------------------------------------------------------------------------------
-    def _code(self, key: BlockKey) -> int:
-        sfx = self._suffix.get(key.namespace)
-        if sfx is None:
-            sfx = self._intern(key.namespace)
-        return int.from_bytes(key.hash + sfx, "little")
-
-    def _peek(self, key: BlockKey) -> int | None:
-        """The code of ``key`` for a read, None when its namespace was never registered (reads do not
-        intern: a lookup of a stranger's namespace leaves nothing behind)."""
-        sfx = self._suffix.get(key.namespace)
-        return None if sfx is None else int.from_bytes(key.hash + sfx, "little")
-
-    def _intern(self, namespace: str) -> bytes:
-        with self._lock:
-            sfx = self._suffix.get(namespace)
-            if sfx is None:
-                ns = len(self._ns_names)
-                if ns > _NS_MASK:
-                    raise OverflowError(f"more than {_NS_MASK + 1} namespaces registered")
-                sfx = ns.to_bytes(3, "little") + b"\x01"
-                self._ns_names.append(namespace)
-                self._suffix[namespace] = sfx
-            return sfx
-
-    def _key(self, code: int) -> BlockKey:
-        n = (code.bit_length() - 1) // 8 - 3
-        bits = 8 * n
-        return BlockKey(self._ns_names[(code >> bits) & _NS_MASK], (code & ((1 << bits) - 1)).to_bytes(n, "little"))
-
-    def _codes(self, keys: Sequence[BlockKey], intern: bool = True) -> list[int]:
-        """The codes of ``keys`` in order, built in C (one pass of maps). Without ``intern`` the list
-        stops before the first key of an unknown namespace (nothing of it is held)."""
-        names = set(map(_ns_of, keys))
-        if len(names) == 1:  # the usual batch: one namespace, so one suffix for every key
-            (name,) = names
-            sfx = self._suffix.get(name)
-            if sfx is None:
-                if not intern:
-                    return []
-                sfx = self._intern(name)
-            return list(map(int.from_bytes, map(bytes.__add__, map(_hash_of, keys), repeat(sfx)), repeat("little")))
-        if intern:
-            return [self._code(k) for k in keys]
-        out: list[int] = []
-        for k in keys:
-            sfx = self._suffix.get(k.namespace)
-            if sfx is None:
-                break
-            out.append(int.from_bytes(k.hash + sfx, "little"))
-        return out
-
+    # -- tier dicts ----------------------------------------------------------------------------------
     def _canonical(self, code: int) -> int:
         """The int object already stored for ``code`` in any tier (so tiers share it), else ``code``."""
         for d in self._lru:
@@ -117,27 +53,6 @@ class Registry:
             if c is not None:
                 return c
         return code
-
-    def _footprint(self, i: int, code: int) -> int:
-        odd = self._odd_fp[i]
-        if odd:
-            fp = odd.get(code)
-            if fp is not None:
-                return fp
-        return self._fp[i] or 0
-
-    def _rebase(self, i: int) -> None:
-        """Make the most common footprint of tier ``i`` its base (the first block may have been a partial one),
-        so the exceptions dict holds only the rare ones."""
-        odd, base, lru = self._odd_fp[i], self._fp[i], self._lru[i]
-        counts: dict[int, int] = {}
-        for fp in odd.values():
-            counts[fp] = counts.get(fp, 0) + 1
-        best = max(counts, key=counts.__getitem__)
-        if counts[best] > len(lru) - len(odd):
-            self._odd_fp[i] = odd = {c: odd.get(c, base) for c in lru if odd.get(c, base) != best}  # type: ignore
-            self._fp[i] = best
-        self._rebase_at[i] = max(64, 2 * len(odd))
 
     def _emit(self, kind: str, tier: str, keys: list[BlockKey]) -> None:
         for fn in self.listeners:
@@ -158,7 +73,7 @@ class Registry:
         i = self._ti[tier]
         codes = self._codes(keys)
         with self._lock:
-            if self._fp[i] == footprint and not self._odd_fp[i]:
+            if self._sizes[i].base == footprint and not self._sizes[i].odd:
                 new = self._add_base(i, keys, codes, footprint)
             else:
                 new = [k for k, code in zip(keys, codes, strict=True) if self._add(i, code, footprint)]
@@ -183,30 +98,20 @@ class Registry:
                     c = code
                 new.append(key)
             lru[c] = c
-        self._used[i] += footprint * len(new)  # a re-added block already counted the same base footprint
+        self._sizes[i].used += footprint * len(new)  # a re-added block already counted the same base footprint
         return new
 
     def _add(self, i: int, code: int, footprint: int) -> bool:
         """Insert (or move to the LRU end) ``code`` in tier ``i``, under the lock; whether it was new there."""
-        lru = self._lru[i]
+        lru, sizes = self._lru[i], self._sizes[i]
         c = lru.pop(code, None)
         new = c is None
         if new:
             c = self._canonical(code)
         else:
-            self._used[i] -= self._footprint(i, c)
+            sizes.pop(c)
         lru[c] = c
-        base = self._fp[i]
-        if base is None:
-            self._fp[i] = base = footprint
-        odd = self._odd_fp[i]
-        if footprint != base:
-            odd[c] = footprint
-            if len(odd) >= self._rebase_at[i]:
-                self._rebase(i)
-        elif odd:
-            odd.pop(c, None)
-        self._used[i] += footprint
+        sizes.put(c, footprint, lru)
         return new
 
     def remove(self, tier: str, key: BlockKey) -> bool:
@@ -216,8 +121,7 @@ class Registry:
             c = self._lru[i].pop(code, None)
             if c is None:
                 return False
-            odd = self._odd_fp[i]
-            self._used[i] -= (odd.pop(c, None) if odd else None) or self._fp[i] or 0
+            self._sizes[i].pop(c)
             if self._hits and not any(code in d for d in self._lru):
                 self._hits.pop(code, None)
         if self.listeners:
@@ -255,10 +159,8 @@ class Registry:
 
     def match_hashes(self, namespace: str, hashes: Sequence[bytes]) -> list[str]:
         """:meth:`match_prefix` for one namespace's hashes as a request carries them (no BlockKey built)."""
-        sfx = self._suffix.get(namespace)
-        if sfx is None:
-            return []
-        return self._match(list(map(int.from_bytes, map(bytes.__add__, hashes, repeat(sfx)), repeat("little"))))
+        codes = self._kc.of_hashes(namespace, hashes)
+        return [] if codes is None else self._match(codes)
 
     def _match(self, codes: list[int]) -> list[str]:
         with self._lock:
@@ -302,26 +204,14 @@ class Registry:
 
     def pin(self, keys: Iterable[BlockKey], tier: str | None = None) -> None:
         """Keep ``keys`` from being evicted from ``tier`` (None: from every tier)."""
-        ti = self._pin_tier(tier)
-        codes = self._codes(list(keys))
+        ti, codes = self._pin_tier(tier), self._codes(list(keys))
         with self._lock:
-            pins = self._pins
-            for code in codes:
-                p = (ti, code)
-                pins[p] = pins.get(p, 0) + 1
+            self._pins.add(ti, codes)
 
     def unpin(self, keys: Iterable[BlockKey], tier: str | None = None) -> None:
-        ti = self._pin_tier(tier)
-        codes = self._codes(list(keys))
+        ti, codes = self._pin_tier(tier), self._codes(list(keys))
         with self._lock:
-            pins = self._pins
-            for code in codes:
-                p = (ti, code)
-                n = pins.get(p, 0) - 1
-                if n > 0:
-                    pins[p] = n
-                else:
-                    pins.pop(p, None)
+            self._pins.drop(ti, codes)
 
     @contextmanager
     def pinned(self, keys: Sequence[BlockKey], tier: str | None = None) -> Iterator[None]:
@@ -332,15 +222,11 @@ class Registry:
             self.unpin(keys, tier)
 
     def is_pinned(self, key: BlockKey, tier: str | None = None) -> bool:
-        pins = self._pins
-        if not pins:
-            return False
-        code = self._peek(key)
-        return (None, code) in pins or (tier is not None and (self._ti[tier], code) in pins)
+        return self._pins.holds(self._pin_tier(tier), self._peek(key))
 
     # -- capacity -------------------------------------------------------------------------------------
     def used(self, tier: str) -> int:
-        return self._used[self._ti[tier]]
+        return self._sizes[self._ti[tier]].used
 
     def count(self, tier: str) -> int:
         return len(self._lru[self._ti[tier]])
@@ -358,13 +244,13 @@ class Registry:
         """
         i = self._ti[tier]
         with self._lock:
-            excess = self._used[i] + need - capacity
+            sizes = self._sizes[i]
+            excess = sizes.used + need - capacity
             if excess <= 0:
                 return []
             out: list[int] = []
-            pins = self._pins
-            odd = self._odd_fp[i]
-            base = self._fp[i] or 0
+            pins = self._pins.counts
+            odd, base = sizes.odd, sizes.base or 0
             for c in self._lru[i]:
                 if pins and ((None, c) in pins or (i, c) in pins):
                     continue

@@ -202,4 +202,4 @@ def test_random_operations_match_a_plain_model():
     assert len(r) == len(set(model["G2"]) | set(model["G3"]))
     # Memory: the common footprint is the tier's base and the rare one the exception, whichever came first.
     g2 = r._ti["G2"]
-    assert r._fp[g2] == 100 and len(r._odd_fp[g2]) < r.count("G2") / 4
+    assert r._sizes[g2].base == 100 and len(r._sizes[g2].odd) < r.count("G2") / 4
