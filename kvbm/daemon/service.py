@@ -26,7 +26,7 @@ from kvbm.daemon.logs import logj
 from kvbm.daemon.prefetch import Prefetcher
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import Handled
-from kvbm.errors import KvbmError
+from kvbm.errors import KvbmError, TierUnavailableError
 from kvbm.fleet import BucketProbe
 from kvbm.manager import PERSISTENT, BlockManager
 from kvbm.metrics import Metrics
@@ -280,6 +280,9 @@ class Service:
         blocks = added = 0
         for name in names:
             before = reg.count(name)
-            blocks += await self.manager.index_tier(name, msg.namespace or None, refresh=True)
+            try:
+                blocks += await self.manager.index_tier(name, msg.namespace or None, refresh=True)
+            except TierUnavailableError as e:
+                raise Handled(p.E_UNAVAILABLE, f"{name} cannot be listed now: {e}") from e
             added += reg.count(name) - before
         return p.Reindexed(blocks=blocks, added=added)

@@ -22,7 +22,7 @@ from kvbm import protocol as p
 from kvbm.config import DaemonConfig
 from kvbm.daemon.logs import logj
 from kvbm.daemon.stats import DaemonStats
-from kvbm.errors import KvbmError, TierFullError
+from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
 from kvbm.sessions import WorkerSession
 
 log = logging.getLogger("kvbm.daemon")
@@ -217,6 +217,8 @@ class Transport:
             code = e.code
         elif isinstance(e, TierFullError):
             code = p.E_FULL
+        elif isinstance(e, TierUnavailableError):  # the daemon's outage, not the caller's mistake
+            code = p.E_UNAVAILABLE
         elif isinstance(e, (KvbmError, ValueError)):
             code = p.E_BAD_REQUEST
         else:

@@ -517,3 +517,38 @@ def test_write_throughs_missed_in_an_outage_reach_s3_once_it_is_back(outage_s3):
     ks = asyncio.run(go())
     for k in ks:
         assert in_bucket(srv, prefix, k) == block(k)
+
+
+def test_reindex_of_s3_in_an_outage_is_a_typed_unavailable_error(outage_s3, tmp_path):
+    """An admin Reindex of G4 while S3 is down answers ``unavailable`` naming the tier, not ``internal``; the
+    daemon keeps serving and the same Reindex works once the server is back."""
+    from kvbm import protocol as p
+    from kvbm.client import DaemonError
+
+    srv, prefix = outage_s3, "reindex"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=False)).start()
+    try:
+        with d.client(admin=True) as c:
+            c.register(LAYOUT, worker_id="admin")
+            srv.stop(force=True)
+            with pytest.raises(DaemonError) as ei:
+                c.request(p.Reindex(namespace=LAYOUT.namespace, tiers=["G4"]), p.Reindexed, timeout_s=60)
+            assert ei.value.code == p.E_UNAVAILABLE, (ei.value.code, str(ei.value))
+            assert "G4" in str(ei.value)
+            c.ping()
+            restart(srv)
+            got = wait_until(lambda: _reindex_or_none(c, p), timeout=60)
+            assert got is not None and got.blocks == 0
+    finally:
+        d.stop()
+
+
+def _reindex_or_none(c, p):
+    from kvbm.client import DaemonError
+
+    try:
+        return c.request(p.Reindex(namespace=LAYOUT.namespace, tiers=["G4"]), p.Reindexed, timeout_s=60)
+    except DaemonError as e:
+        if e.code != getattr(p, "E_UNAVAILABLE", None):
+            raise
+        return None
