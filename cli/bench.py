@@ -160,41 +160,60 @@ def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, 
 
 
 @bench.command("long-doc-qa")
-@click.option("--doc-lengths", default="1024,4096,8192", show_default=True, help="Document lengths in tokens.")
-@click.option("--docs", default=2, show_default=True, help="Documents per length.")
-@click.option("--queries", default=2, show_default=True, help="Queries per document (per source).")
+@click.option("--engine", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True,
+              help="torch: a tiny decoder in this process, kvbm's manager in-process. vllm: a real vLLM (CPU build) "
+              "with KvbmConnector against a `kvbm serve` daemon, per TP size.")
+@click.option("--doc-lengths", default=None, help="Document lengths in tokens [torch: 1024,4096,8192; vllm: 4000].")
+@click.option("--docs", default=None, type=int, help="Documents per length [torch: 2; vllm: 1].")
+@click.option("--queries", default=None, type=int,
+              help="Queries per document and source [torch: 2; vllm: 3, the median is reported].")
 @click.option("--query-tokens", default=32, show_default=True, help="Question tokens after the document.")
-@click.option("--order", type=click.Choice(["tile", "random"]), default="tile", show_default=True)
-@click.option("--inflight", default=1, show_default=True, help="Requests in flight at once.")
-@click.option("--sources", default="recompute,G2,G3,G4", show_default=True, help="Where hits come from.")
-@click.option("--layers", default=4, show_default=True)
-@click.option("--hidden", default=256, show_default=True)
-@click.option("--heads", default=4, show_default=True)
-@click.option("--vocab", default=32000, show_default=True)
-@click.option("--tokens-per-block", default=256, show_default=True)
-@click.option("--s3-client", type=click.Choice(["aiobotocore", "nixl"]), default="aiobotocore", show_default=True)
+@click.option("--order", type=click.Choice(["tile", "random"]), default="tile", show_default=True, help="torch only.")
+@click.option("--inflight", default=1, show_default=True, help="Requests in flight at once (torch only).")
+@click.option("--sources", default="recompute,G2,G3,G4", show_default=True, help="Where hits come from (torch only).")
+@click.option("--layers", default=None, type=int, help="[torch: 4; vllm: 8]")
+@click.option("--hidden", default=None, type=int, help="[torch: 256; vllm: 1024]")
+@click.option("--heads", default=None, type=int, help="Attention heads [torch: 4; vllm: 8].")
+@click.option("--kv-heads", default=4, show_default=True, help="KV heads of the vLLM model (vllm only).")
+@click.option("--intermediate", default=None, type=int, help="MLP size of the vLLM model [2.75 x hidden].")
+@click.option("--vocab", default=None, type=int, help="[torch: 32000; vllm: 8192]")
+@click.option("--tokens-per-block", default=256, show_default=True,
+              help="Tokens per kvbm block (vllm: a multiple of its 128-token blocks).")
+@click.option("--tp", default="1,2", show_default=True, help="Tensor-parallel sizes (vllm only).")
+@click.option("--s3-client", type=click.Choice(["aiobotocore", "nixl"]), default="aiobotocore", show_default=True,
+              help="torch only (the vllm engine's daemon uses its default).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
 @with_s3
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="TTFT vs length PNG.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="TTFT PNG.")
 @click.option("--markdown", is_flag=True, help="Print the table as markdown.")
-def longdoc_cmd(doc_lengths: str, docs: int, queries: int, query_tokens: int, order: str, inflight: int, sources: str,
-                layers: int, hidden: int, heads: int, vocab: int, tokens_per_block: int, s3_client: str, seed: int,
-                workdir: str | None, s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str, s3_bucket: str,
-                json_path: str | None, plot_path: str | None, markdown: bool) -> None:
+def longdoc_cmd(engine: str, doc_lengths: str | None, docs: int | None, queries: int | None, query_tokens: int,
+                order: str, inflight: int, sources: str, layers: int | None, hidden: int | None, heads: int | None,
+                kv_heads: int, intermediate: int | None, vocab: int | None, tokens_per_block: int, tp: str,
+                s3_client: str, seed: int, workdir: str | None, s3_endpoint: str | None, s3_access_key: str,
+                s3_secret_key: str, s3_bucket: str, json_path: str | None, plot_path: str | None,
+                markdown: bool) -> None:
     """TTFT of document QA: recompute vs kvbm hits from G2, G3 and G4, by document length."""
+    vllm = engine == "vllm"
+    lengths = tuple(int(x) for x in _csv(doc_lengths or ("4000" if vllm else "1024,4096,8192")))
+    docs = docs if docs is not None else (1 if vllm else 2)
+    queries = queries if queries is not None else (3 if vllm else 2)
+    if docs < 1 or queries < 1 or inflight < 1 or query_tokens < 1:
+        raise click.BadParameter("--docs, --queries, --query-tokens and --inflight must be >= 1")
+    if vllm:
+        _longdoc_vllm(lengths, docs, queries, query_tokens, layers, hidden, heads, kv_heads, intermediate, vocab,
+                      tokens_per_block, tp, seed, workdir, s3_endpoint, s3_access_key, s3_secret_key, s3_bucket,
+                      json_path, plot_path, markdown)
+        return
     from kvbm.bench.longdoc import LongDocOptions, run_longdoc
     from kvbm.bench.report import longdoc_table, plot_longdoc
 
-    lengths = tuple(int(x) for x in _csv(doc_lengths))
     if any(n < tokens_per_block for n in lengths):
         raise click.BadParameter("every document must hold at least one block", param_hint="--doc-lengths")
-    if docs < 1 or queries < 1 or inflight < 1 or query_tokens < 1:
-        raise click.BadParameter("--docs, --queries, --query-tokens and --inflight must be >= 1")
     opts = LongDocOptions(
         doc_lengths=lengths, docs=docs, queries=queries, query_tokens=query_tokens, order=order, inflight=inflight,
-        sources=_csv(sources), layers=layers, hidden=hidden, heads=heads, vocab=vocab,
+        sources=_csv(sources), layers=layers or 4, hidden=hidden or 256, heads=heads or 4, vocab=vocab or 32000,
         tokens_per_block=tokens_per_block, s3_client=s3_client, seed=seed, workdir=workdir,
         s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
     )
@@ -202,6 +221,35 @@ def longdoc_cmd(doc_lengths: str, docs: int, queries: int, query_tokens: int, or
     click.echo("")
     click.echo(longdoc_table(report, markdown))
     _emit(report, json_path, plot_path, plot_longdoc)
+
+
+def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, query_tokens: int, layers: int | None,
+                  hidden: int | None, heads: int | None, kv_heads: int, intermediate: int | None, vocab: int | None,
+                  tokens_per_block: int, tp: str, seed: int, workdir: str | None, s3_endpoint: str | None,
+                  s3_access_key: str, s3_secret_key: str, s3_bucket: str, json_path: str | None,
+                  plot_path: str | None, markdown: bool) -> None:
+    from kvbm.bench.longdoc_vllm import VLLM_BLOCK, VllmLongDocOptions, run_longdoc_vllm
+    from kvbm.bench.report import longdoc_vllm_table, plot_longdoc_vllm
+
+    if tokens_per_block % VLLM_BLOCK:
+        raise click.BadParameter(f"must be a multiple of vLLM's {VLLM_BLOCK}-token blocks",
+                                 param_hint="--tokens-per-block")
+    hidden = hidden or 1024
+    opts = VllmLongDocOptions(
+        doc_lengths=lengths, docs=docs, queries=queries, query_tokens=query_tokens, tp=tuple(int(x) for x in _csv(tp)),
+        layers=layers or 8, hidden=hidden, heads=heads or 8, kv_heads=kv_heads,
+        intermediate=intermediate or int(hidden * 2.75), vocab=vocab or 8192,
+        vllm_blocks_per_kvbm_block=tokens_per_block // VLLM_BLOCK, seed=seed, workdir=workdir,
+        s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
+    )
+    try:
+        opts.check()
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    report = asyncio.run(run_longdoc_vllm(opts, click.echo))
+    click.echo("")
+    click.echo(longdoc_vllm_table(report, markdown))
+    _emit(report, json_path, plot_path, plot_longdoc_vllm)
 
 
 @bench.command("fleet")
