@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -61,10 +62,17 @@ class VllmLongDocOptions:
     s3_access_key: str = ""
     s3_secret_key: str = ""
     s3_bucket: str = "kvbm-bench"
+    sources: tuple[str, ...] = SOURCES
     connector: dict[str, Any] = field(default_factory=dict)  # extra kv_connector_extra_config keys
+    logs: str | None = None  # copy each engine's and daemon's log here
 
     def check(self) -> None:
         _check(self)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt (document + question) in whole vLLM blocks, plus one block to spare."""
+        return (max(self.doc_lengths) + self.query_tokens + 2 * VLLM_BLOCK) // VLLM_BLOCK * VLLM_BLOCK
 
     @property
     def head_dim(self) -> int:
@@ -83,8 +91,7 @@ def write_random_llama(path: Path, o: VllmLongDocOptions) -> str:
     torch.manual_seed(o.seed)
     cfg = LlamaConfig(vocab_size=o.vocab, hidden_size=o.hidden, intermediate_size=o.intermediate,
                       num_hidden_layers=o.layers, num_attention_heads=o.heads, num_key_value_heads=o.kv_heads,
-                      max_position_embeddings=max(4096, max(o.doc_lengths) + o.query_tokens + 64),
-                      torch_dtype="bfloat16")
+                      max_position_embeddings=o.max_model_len, torch_dtype="bfloat16")
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path)
     return str(path)
@@ -103,6 +110,9 @@ def _check(o: VllmLongDocOptions) -> None:
     for tp in o.tp:
         if tp < 1 or o.kv_heads % tp:
             raise ValueError(f"TP {tp} does not divide {o.kv_heads} KV heads")
+    bad = set(o.sources) - set(SOURCES)
+    if bad:
+        raise ValueError(f"unknown sources {sorted(bad)} (the vllm engine knows {', '.join(SOURCES)})")
     bt = VLLM_BLOCK * o.vllm_blocks_per_kvbm_block
     if min(o.doc_lengths) + o.query_tokens - 1 < bt:
         raise ValueError(f"a document of {min(o.doc_lengths)} tokens holds no full kvbm block of {bt} tokens")
@@ -180,8 +190,8 @@ def _one_tp(o: VllmLongDocOptions, tp: int, model: str, srv: dict[str, Any], roo
         "model": model, "model_name": f"kvbm-bench/random-llama-{o.layers}x{o.hidden}", "tp": tp,
         "doc_lengths": list(o.doc_lengths), "query_tokens": o.query_tokens, "docs": o.docs, "queries": o.queries,
         "vocab": o.vocab, "seed": o.seed + tp, "kvbm_block_tokens": bt, "block_bytes": block_bytes,
-        "max_model_len": (max(o.doc_lengths) + o.query_tokens + 2 * VLLM_BLOCK) // VLLM_BLOCK * VLLM_BLOCK,
-        "sources": list(SOURCES), "daemon": cfg["daemon"]["endpoint"],
+        "max_model_len": o.max_model_len,
+        "sources": [s for s in SOURCES if s in o.sources], "daemon": cfg["daemon"]["endpoint"],
         "admin_token_file": cfg["daemon"]["admin_token_file"], "disk_dir": cfg["disk"]["dir"],
         "s3": {k: srv[k] for k in ("endpoint", "access_key", "secret_key", "bucket")} | {"prefix": prefix},
         "s3_threads": o.s3_threads, "disk_threads": o.disk_threads, "bw_repeats": o.bw_repeats,
@@ -219,6 +229,11 @@ def _one_tp(o: VllmLongDocOptions, tp: int, model: str, srv: dict[str, Any], roo
     finally:
         daemon.stop()
         spec_path.unlink(missing_ok=True)
+        if o.logs:
+            Path(o.logs).mkdir(parents=True, exist_ok=True)
+            for f in (log_path, daemon.log_path):
+                if f.exists():
+                    shutil.copyfile(f, Path(o.logs) / f"tp{tp}-{f.name}")
 
 
 def rows_of(tp: int, run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -239,6 +254,10 @@ def rows_of(tp: int, run: dict[str, Any]) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"tp": tp, "doc_tokens": ln["doc_tokens"], "source": source,
                                    "ttft_ms": summary([x["ttft_s"] * 1e3 for x in rs]),
                                    "prompt_tokens": rs[0]["prompt_tokens"], "cached_tokens": rs[0]["cached_tokens"]}
+            waits = [x["engine_wait_s"] for x in rs if "engine_wait_s" in x]
+            if waits:  # vLLM's own timestamps: waiting to be scheduled (a hit's async load), then the prefill step
+                row["engine_ms"] = {"wait": round(statistics.median(waits) * 1e3, 2),
+                                    "prefill": round(statistics.median(x["engine_prefill_s"] for x in rs) * 1e3, 2)}
             if "recompute" in med:
                 row["speedup"] = round(med["recompute"] / med[source], 2)
             if source in ("G2", "G3", "G4"):
@@ -260,6 +279,8 @@ def describe_row(r: dict[str, Any]) -> str:
     t = r["ttft_ms"]
     s = (f"TP={r['tp']} {r['doc_tokens']:>6} tokens {r['source']:<9} TTFT p50 {t['p50']:8.1f} ms "
          f"(n {t['n']}, min {t['min']:.1f}, max {t['max']:.1f})")
+    if "engine_ms" in r:
+        s += f"  [engine: wait {r['engine_ms']['wait']:.1f}, prefill {r['engine_ms']['prefill']:.1f}]"
     if "parts_ms" in r:
         p = r["parts_ms"]
         s += (f"  a {p['a_move']:.1f} ({r['tier_MBps']:,.0f} MB/s) + b {p['b_tail_prefill']:.1f} + c "

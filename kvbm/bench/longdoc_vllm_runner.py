@@ -196,6 +196,7 @@ class Engine:
 
         kw: dict[str, Any] = dict(
             model=spec["model"], enforce_eager=True, skip_tokenizer_init=True, seed=0, max_num_seqs=4,
+            disable_log_stats=False,  # per-request engine timestamps: queued, scheduled, first token
             # Prefix caching on, reset before every timed request: it is the G1 reference and, reset, it cannot
             # serve a hit that kvbm should.
             enable_prefix_caching=True,
@@ -229,6 +230,16 @@ class Engine:
         t = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": prompt}], self.params, use_tqdm=False)[0]
         return time.perf_counter() - t, out
+
+
+def engine_times(out: Any) -> dict[str, float]:
+    """Where the engine spent a request's TTFT: waiting to be scheduled (for a kvbm hit: the async load) and
+    from being scheduled to its first token (the prefill step), from vLLM's per-request timestamps."""
+    m = getattr(out, "metrics", None)
+    if m is None or not getattr(m, "first_token_ts", 0.0):
+        return {}
+    return {"engine_wait_s": max(0.0, m.scheduled_ts - m.queued_ts),
+            "engine_prefill_s": max(0.0, m.first_token_ts - m.scheduled_ts)}
 
 
 def measure_length(spec: dict[str, Any], eng: Engine, daemon: Daemon, doc_len: int) -> dict[str, Any]:
@@ -285,6 +296,7 @@ def measure_length(spec: dict[str, Any], eng: Engine, daemon: Daemon, doc_len: i
             after = daemon.stats()
             run: dict[str, Any] = {"query": qi, "source": source, "ttft_s": ttft, "prompt_tokens": len(prompt),
                                    "cached_tokens": out.num_cached_tokens, "tokens": list(out.outputs[0].token_ids)}
+            run.update(engine_times(out))
             if out.num_cached_tokens != expect_cached:
                 raise RuntimeError(f"{source}: {out.num_cached_tokens} cached tokens, expected {expect_cached} "
                                    f"({out.kv_transfer_params})")

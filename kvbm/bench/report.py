@@ -133,7 +133,8 @@ def plot_longdoc(report: dict[str, Any], path: str) -> None:
 
 # -- long-doc-qa, vLLM engine -------------------------------------------------------------------------
 LONGDOC_VLLM_HEADERS = ("TP", "doc tokens", "source", "n", "TTFT p50 ms", "min ms", "max ms", "speedup",
-                        "tier MB/s", "a move ms", "b tail ms", "c rest ms", "daemon onboard ms", "TTFT/(a+b)", "goal")
+                        "tier MB/s", "a move ms", "b tail ms", "c rest ms", "daemon onboard ms", "vLLM wait ms",
+                        "vLLM prefill ms", "TTFT/(a+b)", "goal")
 
 
 def longdoc_vllm_table(report: dict[str, Any], markdown: bool = False) -> str:
@@ -141,12 +142,12 @@ def longdoc_vllm_table(report: dict[str, Any], markdown: bool = False) -> str:
     prefill: the G1 row) and c (the rest), and the ratio against the goal."""
     rows = []
     for r in report.get("rows", []):
-        t, p = r["ttft_ms"], r.get("parts_ms") or {}
+        t, p, e = r["ttft_ms"], r.get("parts_ms") or {}, r.get("engine_ms") or {}
         goal = "" if "ratio" not in r else ("ok" if r.get("meets_goal") else "MISSED")
         rows.append([r["tp"], r["doc_tokens"], r["source"], t["n"], _fmt(t["p50"], 1), _fmt(t["min"], 1),
                      _fmt(t["max"], 1), _fmt(r.get("speedup"), 2), _fmt(r.get("tier_MBps")), _fmt(p.get("a_move"), 1),
                      _fmt(p.get("b_tail_prefill"), 1), _fmt(p.get("c_rest"), 1), _fmt(r.get("daemon_onboard_ms"), 1),
-                     _fmt(r.get("ratio"), 2), goal or "-"])
+                     _fmt(e.get("wait"), 1), _fmt(e.get("prefill"), 1), _fmt(r.get("ratio"), 2), goal or "-"])
     return table(LONGDOC_VLLM_HEADERS, rows, markdown)
 
 
