@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -65,6 +66,7 @@ class VllmLongDocOptions:
     sources: tuple[str, ...] = SOURCES
     connector: dict[str, Any] = field(default_factory=dict)  # extra kv_connector_extra_config keys
     logs: str | None = None  # copy each engine's and daemon's log here
+    request_timeout_s: float = 300.0  # a timed request running longer stops that engine (reported as stalled)
 
     def check(self) -> None:
         _check(self)
@@ -195,7 +197,7 @@ def _one_tp(o: VllmLongDocOptions, tp: int, model: str, srv: dict[str, Any], roo
         "admin_token_file": cfg["daemon"]["admin_token_file"], "disk_dir": cfg["disk"]["dir"],
         "s3": {k: srv[k] for k in ("endpoint", "access_key", "secret_key", "bucket")} | {"prefix": prefix},
         "s3_threads": o.s3_threads, "disk_threads": o.disk_threads, "bw_repeats": o.bw_repeats,
-        "connector": o.connector,
+        "connector": o.connector, "request_timeout_s": o.request_timeout_s,
     }
     spec_path, out_path, log_path = root / "spec.json", root / "out.json", root / "engine.log"
     echo(f"  TP={tp}: daemon block_bytes {block_bytes / MiB:g} MiB ({bt} tokens, one rank), {full} blocks per "
@@ -212,13 +214,17 @@ def _one_tp(o: VllmLongDocOptions, tp: int, model: str, srv: dict[str, Any], roo
         if tp > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
         t = time.perf_counter()
-        with open(log_path, "wb") as log:
-            proc = subprocess.run([sys.executable, "-m", "kvbm.bench.longdoc_vllm_runner", str(spec_path),
-                                   str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env, timeout=3600)
-        if proc.returncode != 0:
+        rc = _run_engine([sys.executable, "-m", "kvbm.bench.longdoc_vllm_runner", str(spec_path), str(out_path)],
+                         env, log_path)
+        run = json.loads(out_path.read_text()) if out_path.exists() else {"lengths": []}
+        if rc != 0:
             tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the vLLM engine (TP={tp}) failed (exit {proc.returncode}):\n{tail}")
-        run = json.loads(out_path.read_text())
+            if "stalled" not in run:
+                raise RuntimeError(f"the vLLM engine (TP={tp}) failed (exit {rc}):\n{tail}")
+            st = run["stalled"]
+            echo(f"    STALLED: {st['source']} query {st['query']} ({st['doc_tokens']} tokens) still running after "
+                 f"{st['after_s']}s; engine stopped (the report's runs.tp{tp}.stalled"
+                 f"{', logs in ' + o.logs if o.logs else ''})")
         run["engine_s"] = round(time.perf_counter() - t, 1)
         run["block_bytes"] = block_bytes
         run["daemon_pid"] = daemon.proc.pid
@@ -234,6 +240,19 @@ def _one_tp(o: VllmLongDocOptions, tp: int, model: str, srv: dict[str, Any], roo
             for f in (log_path, daemon.log_path):
                 if f.exists():
                     shutil.copyfile(f, Path(o.logs) / f"tp{tp}-{f.name}")
+
+
+def _run_engine(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
+    """Run the engine in a session of its own and, however this ends (an error, Ctrl-C), leave none of its
+    processes behind: vLLM's TP workers outlive a killed parent."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            return proc.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the workers of an engine that exited are gone already
+            proc.wait()
 
 
 def rows_of(tp: int, run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -272,11 +291,17 @@ def rows_of(tp: int, run: dict[str, Any]) -> list[dict[str, Any]]:
                 if "G1" in by:  # the same prompts as the G1 reference: the same first tokens
                     row["same_tokens_as_G1"] = [x["tokens"] for x in rs] == [x["tokens"] for x in by["G1"]]
             rows.append(row)
+    st = run.get("stalled")
+    if st:  # the request that never finished: no TTFT, how long it ran before the engine was stopped
+        rows.append({"tp": tp, "doc_tokens": st["doc_tokens"], "source": st["source"], "stalled_after_s": st["after_s"],
+                     "ttft_ms": None})
     return rows
 
 
 def describe_row(r: dict[str, Any]) -> str:
     t = r["ttft_ms"]
+    if t is None:
+        return f"TP={r['tp']} {r['doc_tokens']:>6} tokens {r['source']:<9} STALLED (> {r['stalled_after_s']} s)"
     s = (f"TP={r['tp']} {r['doc_tokens']:>6} tokens {r['source']:<9} TTFT p50 {t['p50']:8.1f} ms "
          f"(n {t['n']}, min {t['min']:.1f}, max {t['max']:.1f})")
     if "engine_ms" in r:

@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -242,7 +243,51 @@ def engine_times(out: Any) -> dict[str, float]:
             "engine_prefill_s": max(0.0, m.first_token_ts - m.scheduled_ts)}
 
 
-def measure_length(spec: dict[str, Any], eng: Engine, daemon: Daemon, doc_len: int) -> dict[str, Any]:
+class Watchdog:
+    """Ends the process when one timed request runs past ``limit_s``: a stalled hit must not hang the bench
+    (``generate`` cannot be interrupted). What was measured so far is already in the output file, and the
+    stall is written there too, with the daemon's stats, before exiting."""
+
+    def __init__(self, limit_s: float, out_path: str, daemon: Daemon) -> None:
+        self.limit_s, self.out_path, self.daemon = limit_s, out_path, daemon
+        self.done: list[dict[str, Any]] = []  # finished lengths
+        self.current: dict[str, Any] | None = None  # the length being measured
+        self._what: dict[str, Any] | None = None
+        self._since = 0.0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, daemon=True, name="ldqa-watchdog").start()
+
+    def save(self, stalled: dict[str, Any] | None = None) -> None:
+        body: dict[str, Any] = {"lengths": self.done + ([self.current] if self.current else [])}
+        if stalled:
+            body["stalled"] = stalled
+        tmp = Path(self.out_path + ".tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(self.out_path)
+
+    def timing(self, what: dict[str, Any] | None) -> None:
+        with self._lock:
+            self._what, self._since = what, time.monotonic()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            with self._lock:
+                what, since = self._what, self._since
+            if what is None or time.monotonic() - since < self.limit_s:
+                continue
+            stalled: dict[str, Any] = {**what, "after_s": round(time.monotonic() - since, 1)}
+            try:
+                stalled["daemon_stats"] = self.daemon.stats()
+            except Exception as e:  # the daemon itself may be what stalls
+                stalled["daemon_stats_error"] = repr(e)
+            self.save(stalled)
+            print(f"ldqa: {what} still running after {self.limit_s:.0f}s: stopping", file=sys.stderr, flush=True)
+            os._exit(3)
+
+
+def measure_length(spec: dict[str, Any], eng: Engine, daemon: Daemon, doc_len: int,
+                   dog: Watchdog) -> dict[str, Any]:
     """Warm, tier bandwidths, then every source ``queries`` times, for documents of ``doc_len`` tokens."""
     q_len, bt, tp = spec["query_tokens"], spec["kvbm_block_tokens"], spec["tp"]
     hit_tokens = (doc_len + q_len - 1) // bt * bt  # what kvbm can hold: full blocks, one token left to compute
@@ -271,6 +316,7 @@ def measure_length(spec: dict[str, Any], eng: Engine, daemon: Daemon, doc_len: i
     # One document's bytes at the bandwidth measured on all of them (the same blocks, the same concurrency).
     result: dict[str, Any] = {"doc_tokens": doc_len, "warm_s": warm_s, "hit_tokens": hit_tokens,
                               "namespaces": namespaces, "blocks_per_doc": per_doc, "bandwidth": bw, "runs": []}
+    dog.current = result
 
     # Sources interleave per query; G4 comes last, in a pass of its own: a G4 hit leaves no copy in G3.
     questions = [eng.rand(q_len) for _ in range(spec["queries"])]
@@ -292,7 +338,9 @@ def measure_length(spec: dict[str, Any], eng: Engine, daemon: Daemon, doc_len: i
                 if source == "G3":
                     drop_page_cache(files)
             before = daemon.wait_quiet()
+            dog.timing({"tp": tp, "doc_tokens": doc_len, "source": source, "query": qi})
             ttft, out = eng.generate(prompt)
+            dog.timing(None)
             after = daemon.stats()
             run: dict[str, Any] = {"query": qi, "source": source, "ttft_s": ttft, "prompt_tokens": len(prompt),
                                    "cached_tokens": out.num_cached_tokens, "tokens": list(out.outputs[0].token_ids)}
@@ -311,6 +359,7 @@ def measure_length(spec: dict[str, Any], eng: Engine, daemon: Daemon, doc_len: i
             if removed is not None:
                 run["evicted"] = removed
             result["runs"].append(run)
+            dog.save()
     # A clean slate for the next length: nothing of this one left in any tier.
     eng.reset()
     daemon.wait_quiet()
@@ -323,8 +372,11 @@ def main(spec_path: str, out_path: str) -> None:
     daemon = Daemon(spec["daemon"], spec["admin_token_file"])
     eng = Engine(spec)
     eng.generate(eng.rand(16))  # first-call costs are nobody's TTFT
-    lengths = [measure_length(spec, eng, daemon, n) for n in spec["doc_lengths"]]
-    Path(out_path).write_text(json.dumps({"lengths": lengths}))
+    dog = Watchdog(spec["request_timeout_s"], out_path, daemon)
+    for n in spec["doc_lengths"]:
+        dog.done.append(measure_length(spec, eng, daemon, n, dog))
+        dog.current = None
+    dog.save()
 
 
 if __name__ == "__main__":

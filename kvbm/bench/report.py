@@ -143,6 +143,10 @@ def longdoc_vllm_table(report: dict[str, Any], markdown: bool = False) -> str:
     rows = []
     for r in report.get("rows", []):
         t, p, e = r["ttft_ms"], r.get("parts_ms") or {}, r.get("engine_ms") or {}
+        if t is None:
+            rows.append([r["tp"], r["doc_tokens"], r["source"], "-", f"STALLED > {r['stalled_after_s']:.0f} s",
+                         *["-"] * (len(LONGDOC_VLLM_HEADERS) - 6), "MISSED"])
+            continue
         goal = "" if "ratio" not in r else ("ok" if r.get("meets_goal") else "MISSED")
         rows.append([r["tp"], r["doc_tokens"], r["source"], t["n"], _fmt(t["p50"], 1), _fmt(t["min"], 1),
                      _fmt(t["max"], 1), _fmt(r.get("speedup"), 2), _fmt(r.get("tier_MBps")), _fmt(p.get("a_move"), 1),
@@ -160,7 +164,8 @@ def plot_longdoc_vllm(report: dict[str, Any], path: str) -> None:
 
     groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in report.get("rows", []):
-        groups.setdefault((r["tp"], r["doc_tokens"]), []).append(r)
+        if r["ttft_ms"] is not None:
+            groups.setdefault((r["tp"], r["doc_tokens"]), []).append(r)
     fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.5 * max(1, len(groups)), 5), squeeze=False)
     for ax, ((tp, n), rows) in zip(axes[0], sorted(groups.items()), strict=False):
         x = list(range(len(rows)))
