@@ -204,6 +204,7 @@ def _one_tp(o: VllmLongDocOptions, tp: int, model: str, srv: dict[str, Any], roo
          f"document per rank (longest)")
     try:
         daemon.start()
+        spec["daemon_pid"] = daemon.proc.pid
         fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the S3 secret
         with os.fdopen(fd, "w") as f:
             json.dump(spec, f)

@@ -243,13 +243,30 @@ def engine_times(out: Any) -> dict[str, float]:
             "engine_prefill_s": max(0.0, m.first_token_ts - m.scheduled_ts)}
 
 
+def thread_states(pid: int) -> list[dict[str, Any]]:
+    """Name, state, CPU ticks and kernel wait channel of every thread of ``pid`` (from /proc)."""
+    out = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            stat = (task / "stat").read_text()
+            fields = stat[stat.rfind(")") + 2 :].split()
+            out.append({"tid": int(task.name), "name": (task / "comm").read_text().strip(), "state": fields[0],
+                        "cpu_ticks": int(fields[11]) + int(fields[12]),
+                        "wchan": (task / "wchan").read_text().strip()})
+        except OSError:
+            continue
+    return out
+
+
 class Watchdog:
     """Ends the process when one timed request runs past ``limit_s``: a stalled hit must not hang the bench
     (``generate`` cannot be interrupted). What was measured so far is already in the output file, and the
     stall is written there too, with the daemon's stats, before exiting."""
 
-    def __init__(self, limit_s: float, out_path: str, daemon: Daemon) -> None:
-        self.limit_s, self.out_path, self.daemon = limit_s, out_path, daemon
+    def __init__(self, limit_s: float, out_path: str, daemon: Daemon, s3: dict[str, Any] | None = None,
+                 daemon_pid: int = 0) -> None:
+        self.limit_s, self.out_path, self.daemon, self.s3 = limit_s, out_path, daemon, s3
+        self.daemon_pid = daemon_pid
         self.done: list[dict[str, Any]] = []  # finished lengths
         self.current: dict[str, Any] | None = None  # the length being measured
         self._what: dict[str, Any] | None = None
@@ -281,6 +298,16 @@ class Watchdog:
                 stalled["daemon_stats"] = self.daemon.stats()
             except Exception as e:  # the daemon itself may be what stalls
                 stalled["daemon_stats_error"] = repr(e)
+            if self.daemon_pid:  # what each of the daemon's threads is doing (state, kernel wait channel)
+                stalled["daemon_threads"] = thread_states(self.daemon_pid)
+            if self.s3 is not None:  # is it the S3 server or kvbm? One GET straight to the server, timed.
+                try:
+                    keys = s3_keys(self.s3, self.s3["prefix"] + "/")[:1]
+                    t = time.perf_counter()
+                    n = bw_s3(self.s3, keys, 1)[1] if keys else 0
+                    stalled["direct_get"] = {"bytes": n, "seconds": round(time.perf_counter() - t, 3)}
+                except Exception as e:
+                    stalled["direct_get_error"] = repr(e)
             self.save(stalled)
             print(f"ldqa: {what} still running after {self.limit_s:.0f}s: stopping", file=sys.stderr, flush=True)
             os._exit(3)
@@ -372,7 +399,7 @@ def main(spec_path: str, out_path: str) -> None:
     daemon = Daemon(spec["daemon"], spec["admin_token_file"])
     eng = Engine(spec)
     eng.generate(eng.rand(16))  # first-call costs are nobody's TTFT
-    dog = Watchdog(spec["request_timeout_s"], out_path, daemon)
+    dog = Watchdog(spec["request_timeout_s"], out_path, daemon, spec["s3"], spec.get("daemon_pid", 0))
     for n in spec["doc_lengths"]:
         dog.done.append(measure_length(spec, eng, daemon, n, dog))
         dog.current = None
