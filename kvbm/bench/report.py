@@ -196,13 +196,13 @@ def plot_longdoc_vllm(report: dict[str, Any], path: str) -> None:
 
 
 def markdown_all(results_dir: str) -> str:
-    """Markdown tables for every report found in ``results_dir`` (tiers, manager, long-doc-qa, long-doc-qa-vllm)."""
+    """Markdown tables for every report found in ``results_dir`` (tiers, manager, long-doc-qa and its vLLM runs)."""
     import json
     from pathlib import Path
 
     out = []
     for name, fn in (("tiers", tiers_table), ("manager", manager_table), ("long-doc-qa", longdoc_table),
-                     ("long-doc-qa-vllm", longdoc_vllm_table)):
+                     ("long-doc-qa-vllm", longdoc_vllm_table), ("long-doc-qa-vllm-syncload", longdoc_vllm_table)):
         p = Path(results_dir) / f"{name}.json"
         if p.exists():
             rep = json.loads(p.read_text())
