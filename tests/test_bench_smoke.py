@@ -181,6 +181,27 @@ def test_bench_long_doc_qa_vllm_tiny(s3_server, tmp_path):
     _no_secrets(s3_server, tmp_path, text)
 
 
+def test_vllm_engine_cleanup_removes_only_unmapped_shm(tmp_path):
+    """After a killed engine the bench removes vLLM's leftover /dev/shm queues, never one still mapped."""
+    import mmap
+    import time
+
+    from kvbm.bench.longdoc_vllm import _remove_orphan_shm
+
+    since = time.time() - 1
+    tag = f"psm_kvbmtest{os.getpid()}"
+    orphan, live = Path(f"/dev/shm/{tag}a"), Path(f"/dev/shm/{tag}b")
+    orphan.write_bytes(b"x" * 4096)
+    live.write_bytes(b"x" * 4096)
+    try:
+        with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            _remove_orphan_shm(since, pattern=f"{tag}*")
+            assert not orphan.exists() and live.exists()
+    finally:
+        orphan.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
+
+
 def test_pack_unpack_round_trip():
     import torch
 

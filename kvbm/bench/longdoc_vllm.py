@@ -246,14 +246,36 @@ def _one_tp(o: VllmLongDocOptions, tp: int, model: str, srv: dict[str, Any], roo
 def _run_engine(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
     """Run the engine in a session of its own and, however this ends (an error, Ctrl-C), leave none of its
     processes behind: vLLM's TP workers outlive a killed parent."""
+    started = time.time()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        rc = None
         try:
-            return proc.wait()
+            rc = proc.wait()
+            return rc
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the workers of an engine that exited are gone already
             proc.wait()
+            if rc != 0:
+                _remove_orphan_shm(started)
+
+
+def _remove_orphan_shm(since: float, pattern: str = "psm_*") -> None:
+    """A killed vLLM leaves its TP message queues (``/dev/shm/psm_*``, hundreds of MiB each) behind: remove
+    those created since ``since`` that no process maps any more."""
+    shm = Path("/dev/shm")
+    cands = [f for f in shm.glob(pattern) if f.stat().st_mtime >= since] if shm.is_dir() else []
+    if not cands:
+        return
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped.update(ln.rsplit(" ", 1)[-1].strip() for ln in maps.read_text().splitlines() if "/dev/shm/" in ln)
+    for f in cands:
+        if str(f) not in mapped:
+            with contextlib.suppress(OSError):
+                f.unlink()
 
 
 def rows_of(tp: int, run: dict[str, Any]) -> list[dict[str, Any]]:
