@@ -186,6 +186,9 @@ def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, 
               "e.g. '{\"async_load\": false}'.")
 @click.option("--logs", type=click.Path(file_okay=False), default=None,
               help="Keep each engine's and daemon's log in this directory (vllm only).")
+@click.option("--cpu-bind", type=click.Choice(["rank", "shared"]), default="rank", show_default=True,
+              help="TP>1 (vllm only): rank = each rank's threads on one core of its own (VLLM_CPU_OMP_THREADS_BIND="
+              "0|1); shared = every rank on all cores.")
 @click.option("--request-timeout", default=300.0, show_default=True,
               help="Seconds one timed request may run before its engine is stopped and it is reported as stalled "
               "(vllm only).")
@@ -250,7 +253,7 @@ def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: st
         tp=tuple(int(x) for x in _csv(kw["tp"])), layers=kw["layers"] or 8, hidden=hidden, heads=kw["heads"] or 8,
         kv_heads=kw["kv_heads"], intermediate=kw["intermediate"] or int(hidden * 2.75), vocab=kw["vocab"] or 8192,
         vllm_blocks_per_kvbm_block=kw["tokens_per_block"] // VLLM_BLOCK, sources=_csv(sources or ",".join(SOURCES)),
-        connector=extra, logs=kw["logs"], request_timeout_s=kw["request_timeout"], **s3,
+        connector=extra, logs=kw["logs"], request_timeout_s=kw["request_timeout"], cpu_bind=kw["cpu_bind"], **s3,
     )
     try:
         opts.check()

@@ -67,6 +67,7 @@ class VllmLongDocOptions:
     connector: dict[str, Any] = field(default_factory=dict)  # extra kv_connector_extra_config keys
     logs: str | None = None  # copy each engine's and daemon's log here
     request_timeout_s: float = 300.0  # a timed request running longer stops that engine (reported as stalled)
+    cpu_bind: str = "rank"  # TP>1: "rank" pins rank r to core r (VLLM_CPU_OMP_THREADS_BIND="0|1"); "shared": all cores
 
     def check(self) -> None:
         _check(self)
@@ -213,7 +214,9 @@ def _one_tp(o: VllmLongDocOptions, tp: int, model: str, srv: dict[str, Any], roo
                     "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                     "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // tp))})
         if tp > 1:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
+            ncpu = os.cpu_count() or 1
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                f"0-{ncpu - 1}" if o.cpu_bind == "shared" else str(r % ncpu) for r in range(tp))
         t = time.perf_counter()
         rc = _run_engine([sys.executable, "-m", "kvbm.bench.longdoc_vllm_runner", str(spec_path), str(out_path)],
                          env, log_path)
@@ -230,7 +233,7 @@ def _one_tp(o: VllmLongDocOptions, tp: int, model: str, srv: dict[str, Any], roo
         run["block_bytes"] = block_bytes
         run["daemon_pid"] = daemon.proc.pid
         run["env"] = {k: env[k] for k in ("OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING",
-                                          "VLLM_CPU_KVCACHE_SPACE") if k in env}
+                                          "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND") if k in env}
         run["load_avg"] = load_avg()
         return run
     finally:
