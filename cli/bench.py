@@ -160,48 +160,109 @@ def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, 
 
 
 @bench.command("long-doc-qa")
-@click.option("--doc-lengths", default="1024,4096,8192", show_default=True, help="Document lengths in tokens.")
-@click.option("--docs", default=2, show_default=True, help="Documents per length.")
-@click.option("--queries", default=2, show_default=True, help="Queries per document (per source).")
+@click.option("--engine", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True,
+              help="torch: a tiny decoder in this process, kvbm's manager in-process. vllm: a real vLLM (CPU build) "
+              "with KvbmConnector against a `kvbm serve` daemon, per TP size.")
+@click.option("--doc-lengths", default=None, help="Document lengths in tokens [torch: 1024,4096,8192; vllm: 4000].")
+@click.option("--docs", default=None, type=int, help="Documents per length [torch: 2; vllm: 1].")
+@click.option("--queries", default=None, type=int,
+              help="Queries per document and source [torch: 2; vllm: 3, the median is reported].")
 @click.option("--query-tokens", default=32, show_default=True, help="Question tokens after the document.")
-@click.option("--order", type=click.Choice(["tile", "random"]), default="tile", show_default=True)
-@click.option("--inflight", default=1, show_default=True, help="Requests in flight at once.")
-@click.option("--sources", default="recompute,G2,G3,G4", show_default=True, help="Where hits come from.")
-@click.option("--layers", default=4, show_default=True)
-@click.option("--hidden", default=256, show_default=True)
-@click.option("--heads", default=4, show_default=True)
-@click.option("--vocab", default=32000, show_default=True)
-@click.option("--tokens-per-block", default=256, show_default=True)
-@click.option("--s3-client", type=click.Choice(["aiobotocore", "nixl"]), default="aiobotocore", show_default=True)
+@click.option("--order", type=click.Choice(["tile", "random"]), default="tile", show_default=True, help="torch only.")
+@click.option("--inflight", default=1, show_default=True, help="Requests in flight at once (torch only).")
+@click.option("--sources", default=None,
+              help="What to time [torch: recompute,G2,G3,G4; vllm: recompute,tail,G1,G2,G3,G4; G1 is the hits' b].")
+@click.option("--layers", default=None, type=int, help="[torch: 4; vllm: 8]")
+@click.option("--hidden", default=None, type=int, help="[torch: 256; vllm: 1024]")
+@click.option("--heads", default=None, type=int, help="Attention heads [torch: 4; vllm: 8].")
+@click.option("--kv-heads", default=4, show_default=True, help="KV heads of the vLLM model (vllm only).")
+@click.option("--intermediate", default=None, type=int, help="MLP size of the vLLM model [2.75 x hidden].")
+@click.option("--vocab", default=None, type=int, help="[torch: 32000; vllm: 8192]")
+@click.option("--tokens-per-block", default=256, show_default=True,
+              help="Tokens per kvbm block (vllm: a multiple of its 128-token blocks).")
+@click.option("--tp", default="1,2", show_default=True, help="Tensor-parallel sizes (vllm only).")
+@click.option("--connector-extra", default="{}", show_default=True,
+              help="JSON merged into KvbmConnector's kv_connector_extra_config (vllm only), "
+              "e.g. '{\"async_load\": false}'.")
+@click.option("--logs", type=click.Path(file_okay=False), default=None,
+              help="Keep each engine's and daemon's log in this directory (vllm only).")
+@click.option("--cpu-bind", type=click.Choice(["rank", "shared"]), default="rank", show_default=True,
+              help="TP>1 (vllm only): rank = each rank's threads on one core of its own (VLLM_CPU_OMP_THREADS_BIND="
+              "0|1); shared = every rank on all cores.")
+@click.option("--request-timeout", default=300.0, show_default=True,
+              help="Seconds one timed request may run before its engine is stopped and it is reported as stalled "
+              "(vllm only).")
+@click.option("--s3-client", type=click.Choice(["aiobotocore", "nixl"]), default="aiobotocore", show_default=True,
+              help="torch only (the vllm engine's daemon uses its default).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
 @with_s3
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="TTFT vs length PNG.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="TTFT PNG.")
 @click.option("--markdown", is_flag=True, help="Print the table as markdown.")
-def longdoc_cmd(doc_lengths: str, docs: int, queries: int, query_tokens: int, order: str, inflight: int, sources: str,
-                layers: int, hidden: int, heads: int, vocab: int, tokens_per_block: int, s3_client: str, seed: int,
-                workdir: str | None, s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str, s3_bucket: str,
-                json_path: str | None, plot_path: str | None, markdown: bool) -> None:
+def longdoc_cmd(engine: str, doc_lengths: str | None, docs: int | None, queries: int | None, sources: str | None,
+                **kw: Any) -> None:
     """TTFT of document QA: recompute vs kvbm hits from G2, G3 and G4, by document length."""
+    vllm = engine == "vllm"
+    lengths = tuple(int(x) for x in _csv(doc_lengths or ("4000" if vllm else "1024,4096,8192")))
+    docs = docs if docs is not None else (1 if vllm else 2)
+    queries = queries if queries is not None else (3 if vllm else 2)
+    if docs < 1 or queries < 1 or kw["inflight"] < 1 or kw["query_tokens"] < 1:
+        raise click.BadParameter("--docs, --queries, --query-tokens and --inflight must be >= 1")
+    out = {k: kw.pop(k) for k in ("json_path", "plot_path", "markdown")}
+    s3 = {k: kw.pop(k) for k in ("s3_endpoint", "s3_access_key", "s3_secret_key", "s3_bucket", "workdir", "seed")}
+    if vllm:
+        _longdoc_vllm(lengths, docs, queries, sources, kw, s3, **out)
+        return
     from kvbm.bench.longdoc import LongDocOptions, run_longdoc
     from kvbm.bench.report import longdoc_table, plot_longdoc
 
-    lengths = tuple(int(x) for x in _csv(doc_lengths))
-    if any(n < tokens_per_block for n in lengths):
+    if any(n < kw["tokens_per_block"] for n in lengths):
         raise click.BadParameter("every document must hold at least one block", param_hint="--doc-lengths")
-    if docs < 1 or queries < 1 or inflight < 1 or query_tokens < 1:
-        raise click.BadParameter("--docs, --queries, --query-tokens and --inflight must be >= 1")
     opts = LongDocOptions(
-        doc_lengths=lengths, docs=docs, queries=queries, query_tokens=query_tokens, order=order, inflight=inflight,
-        sources=_csv(sources), layers=layers, hidden=hidden, heads=heads, vocab=vocab,
-        tokens_per_block=tokens_per_block, s3_client=s3_client, seed=seed, workdir=workdir,
-        s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
+        doc_lengths=lengths, docs=docs, queries=queries, query_tokens=kw["query_tokens"], order=kw["order"],
+        inflight=kw["inflight"], sources=_csv(sources or "recompute,G2,G3,G4"), layers=kw["layers"] or 4,
+        hidden=kw["hidden"] or 256, heads=kw["heads"] or 4, vocab=kw["vocab"] or 32000,
+        tokens_per_block=kw["tokens_per_block"], s3_client=kw["s3_client"], **s3,
     )
     report = asyncio.run(run_longdoc(opts, click.echo))
     click.echo("")
-    click.echo(longdoc_table(report, markdown))
-    _emit(report, json_path, plot_path, plot_longdoc)
+    click.echo(longdoc_table(report, out["markdown"]))
+    _emit(report, out["json_path"], out["plot_path"], plot_longdoc)
+
+
+def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: str | None, kw: dict[str, Any],
+                  s3: dict[str, Any], json_path: str | None, plot_path: str | None, markdown: bool) -> None:
+    import json
+
+    from kvbm.bench.longdoc_vllm import SOURCES, VLLM_BLOCK, VllmLongDocOptions, run_longdoc_vllm
+    from kvbm.bench.report import longdoc_vllm_table, plot_longdoc_vllm
+
+    if kw["tokens_per_block"] % VLLM_BLOCK:
+        raise click.BadParameter(f"must be a multiple of vLLM's {VLLM_BLOCK}-token blocks",
+                                 param_hint="--tokens-per-block")
+    try:
+        extra = json.loads(kw["connector_extra"])
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--connector-extra") from None
+    if not isinstance(extra, dict):
+        raise click.BadParameter("a JSON object", param_hint="--connector-extra")
+    hidden = kw["hidden"] or 1024
+    opts = VllmLongDocOptions(
+        doc_lengths=lengths, docs=docs, queries=queries, query_tokens=kw["query_tokens"],
+        tp=tuple(int(x) for x in _csv(kw["tp"])), layers=kw["layers"] or 8, hidden=hidden, heads=kw["heads"] or 8,
+        kv_heads=kw["kv_heads"], intermediate=kw["intermediate"] or int(hidden * 2.75), vocab=kw["vocab"] or 8192,
+        vllm_blocks_per_kvbm_block=kw["tokens_per_block"] // VLLM_BLOCK, sources=_csv(sources or ",".join(SOURCES)),
+        connector=extra, logs=kw["logs"], request_timeout_s=kw["request_timeout"], cpu_bind=kw["cpu_bind"], **s3,
+    )
+    try:
+        opts.check()
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    report = asyncio.run(run_longdoc_vllm(opts, click.echo))
+    click.echo("")
+    click.echo(longdoc_vllm_table(report, markdown))
+    _emit(report, json_path, plot_path, plot_longdoc_vllm)
 
 
 @bench.command("fleet")

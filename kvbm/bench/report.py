@@ -131,13 +131,78 @@ def plot_longdoc(report: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+# -- long-doc-qa, vLLM engine -------------------------------------------------------------------------
+LONGDOC_VLLM_HEADERS = ("TP", "doc tokens", "source", "n", "TTFT p50 ms", "min ms", "max ms", "speedup",
+                        "tier MB/s", "a move ms", "b tail ms", "c rest ms", "daemon onboard ms", "vLLM wait ms",
+                        "vLLM prefill ms", "TTFT/(a+b)", "goal")
+
+
+def longdoc_vllm_table(report: dict[str, Any], markdown: bool = False) -> str:
+    """Per TP, length and source: TTFT; for hits the parts a (bytes at the tier's measured bandwidth), b (tail
+    prefill: the G1 row) and c (the rest), and the ratio against the goal."""
+    rows = []
+    for r in report.get("rows", []):
+        t, p, e = r["ttft_ms"], r.get("parts_ms") or {}, r.get("engine_ms") or {}
+        if t is None:
+            rows.append([r["tp"], r["doc_tokens"], r["source"], "-", f"STALLED > {r['stalled_after_s']:.0f} s",
+                         *["-"] * (len(LONGDOC_VLLM_HEADERS) - 6), "MISSED"])
+            continue
+        goal = "" if "ratio" not in r else ("ok" if r.get("meets_goal") else "MISSED")
+        rows.append([r["tp"], r["doc_tokens"], r["source"], t["n"], _fmt(t["p50"], 1), _fmt(t["min"], 1),
+                     _fmt(t["max"], 1), _fmt(r.get("speedup"), 2), _fmt(r.get("tier_MBps")), _fmt(p.get("a_move"), 1),
+                     _fmt(p.get("b_tail_prefill"), 1), _fmt(p.get("c_rest"), 1), _fmt(r.get("daemon_onboard_ms"), 1),
+                     _fmt(e.get("wait"), 1), _fmt(e.get("prefill"), 1), _fmt(r.get("ratio"), 2), goal or "-"])
+    return table(LONGDOC_VLLM_HEADERS, rows, markdown)
+
+
+def plot_longdoc_vllm(report: dict[str, Any], path: str) -> None:
+    """Median TTFT per source, one panel per (TP, length); hits stacked as a (move) + b (tail) + c (rest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in report.get("rows", []):
+        if r["ttft_ms"] is not None:
+            groups.setdefault((r["tp"], r["doc_tokens"]), []).append(r)
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.5 * max(1, len(groups)), 5), squeeze=False)
+    for ax, ((tp, n), rows) in zip(axes[0], sorted(groups.items()), strict=False):
+        x = list(range(len(rows)))
+        for i, r in enumerate(rows):
+            p = r.get("parts_ms")
+            if p and p.get("b_tail_prefill") is not None:
+                a, b = p["a_move"], p["b_tail_prefill"]
+                c = max(0.0, r["ttft_ms"]["p50"] - a - b)
+                ax.bar(i, b, color="tab:green", label="b tail prefill" if i == 3 else None)
+                ax.bar(i, a, bottom=b, color="tab:blue", label="a move (tier MB/s)" if i == 3 else None)
+                ax.bar(i, c, bottom=a + b, color="tab:red", label="c rest" if i == 3 else None)
+                ax.text(i, r["ttft_ms"]["p50"], f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
+            else:
+                ax.bar(i, r["ttft_ms"]["p50"], color="tab:gray")
+        ax.set_xticks(x)
+        ax.set_xticklabels([r["source"] for r in rows])
+        ax.set_yscale("log")
+        ax.set_ylabel("TTFT p50 (ms, log)")
+        ax.set_title(f"TP={tp}, {n}-token document", fontsize=9)
+        ax.grid(axis="y", alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    mdl = report.get("model", {})
+    fig.suptitle(f"long-doc-qa, vLLM CPU + KvbmConnector: random Llama {mdl.get('layers')}L/{mdl.get('hidden')}H; "
+                 f"label: TTFT / (a + b), goal <= {report.get('goal_ratio')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def markdown_all(results_dir: str) -> str:
-    """Markdown tables for every report found in ``results_dir`` (tiers.json, manager.json, long-doc-qa.json)."""
+    """Markdown tables for every report found in ``results_dir`` (tiers, manager, long-doc-qa and its vLLM runs)."""
     import json
     from pathlib import Path
 
     out = []
-    for name, fn in (("tiers", tiers_table), ("manager", manager_table), ("long-doc-qa", longdoc_table)):
+    for name, fn in (("tiers", tiers_table), ("manager", manager_table), ("long-doc-qa", longdoc_table),
+                     ("long-doc-qa-vllm", longdoc_vllm_table), ("long-doc-qa-vllm-syncload", longdoc_vllm_table)):
         p = Path(results_dir) / f"{name}.json"
         if p.exists():
             rep = json.loads(p.read_text())

@@ -5,12 +5,14 @@ Benchmarks are not tests: nothing here asserts a timing, only that the figures a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from needs import needs
 
 from kvbm.cli.bench import bench
 
@@ -132,6 +134,72 @@ def test_bench_long_doc_qa_tiny(s3_server, tmp_path):
     _no_leftovers(tmp_path)
     assert not _objects(s3_server)
     _no_secrets(s3_server, tmp_path, text)
+
+
+@pytest.mark.slow
+@needs("vllm", importlib.util.find_spec("vllm") is not None,
+       "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")
+def test_bench_long_doc_qa_vllm_tiny(s3_server, tmp_path):
+    """The vLLM engine end to end at a tiny size (TP=1, one 512-token document): a real vLLM with KvbmConnector
+    against a daemon subprocess; every source is timed, every hit came from its tier with the G1 reference's
+    answer, and the three parts of each hit are in the JSON."""
+    out = tmp_path / "ldqa-vllm.json"
+    png = tmp_path / "ldqa-vllm.png"
+    text = _run(["long-doc-qa", "--engine", "vllm", "--doc-lengths", "512", "--docs", "1", "--queries", "1",
+                 "--query-tokens", "8", "--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2",
+                 "--vocab", "1000", "--tp", "1", "--workdir", str(tmp_path), "--json", str(out), "--plot", str(png),
+                 *_s3_args(s3_server)])
+    rep = json.loads(out.read_text())
+    _check_machine(rep)
+    assert rep["engine"] == "vllm"
+    rows = {r["source"]: r for r in rep["rows"]}
+    assert list(rows) == ["recompute", "tail", "G1", "G2", "G3", "G4"]
+    assert {(r["tp"], r["doc_tokens"]) for r in rep["rows"]} == {(1, 512)}
+    assert rows["recompute"]["cached_tokens"] == 0 and rows["tail"]["prompt_tokens"] == 8
+    (length,) = rep["runs"]["tp1"]["lengths"]
+    assert length["blocks_per_doc"] == 2 and length["hit_tokens"] == 512
+    for r in rep["rows"]:
+        assert r["ttft_ms"]["n"] == 1 and r["ttft_ms"]["p50"] > 0
+    for src in ("G1", "G2", "G3", "G4"):
+        assert rows[src]["cached_tokens"] == 512, rows[src]
+    for src in ("G2", "G3", "G4"):
+        r = rows[src]
+        assert r["same_tokens_as_G1"] is True  # the loaded KV gives the answer of vLLM's own cached KV
+        assert r["tier_MBps"] > 0 and r["bytes"] == 2 * 128 * 1024
+        assert set(r["parts_ms"]) == {"a_move", "b_tail_prefill", "c_rest"}
+        assert r["parts_ms"]["b_tail_prefill"] == pytest.approx(rows["G1"]["ttft_ms"]["p50"], abs=0.01)
+        assert r["ratio"] > 0 and isinstance(r["meets_goal"], bool)
+    g3, g4 = (length["runs"][i] for i in (4, 5))
+    assert g3["source"] == "G3" and g3["tier_hits"]["G3"] >= 2 and g3["tier_hits"]["G4"] == 0
+    assert g4["source"] == "G4" and g4["tier_hits"]["G4"] >= 2
+    for tier in ("G2", "G3", "G4"):
+        assert length["bandwidth"][tier]["MBps"] > 0
+    assert "TTFT/(a+b)" in text and png.stat().st_size > 1000
+    _no_leftovers(tmp_path)
+    assert not list(Path("/dev/shm").glob(f"kvbm-g2-{rep['runs']['tp1']['daemon_pid']}-*")), "daemon's G2 pool left"
+    assert not _objects(s3_server)
+    _no_secrets(s3_server, tmp_path, text)
+
+
+def test_vllm_engine_cleanup_removes_only_unmapped_shm(tmp_path):
+    """After a killed engine the bench removes vLLM's leftover /dev/shm queues, never one still mapped."""
+    import mmap
+    import time
+
+    from kvbm.bench.longdoc_vllm import _remove_orphan_shm
+
+    since = time.time() - 1
+    tag = f"psm_kvbmtest{os.getpid()}"
+    orphan, live = Path(f"/dev/shm/{tag}a"), Path(f"/dev/shm/{tag}b")
+    orphan.write_bytes(b"x" * 4096)
+    live.write_bytes(b"x" * 4096)
+    try:
+        with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            _remove_orphan_shm(since, pattern=f"{tag}*")
+            assert not orphan.exists() and live.exists()
+    finally:
+        orphan.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
 
 
 def test_pack_unpack_round_trip():
