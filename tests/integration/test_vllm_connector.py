@@ -122,3 +122,77 @@ def test_extra_config_reaches_the_scheduler_side(tiny_model, daemon_1mib):
         assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
     finally:
         conn.shutdown()
+
+
+def _stored_request(conn, daemon, n_blocks: int, first_token: int):
+    """A real vLLM Request of ``n_blocks`` full 16-token blocks (+1 token) whose kvbm blocks (k=1) the daemon
+    holds under the scheduler's layout."""
+    import numpy as np
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.request import Request
+
+    from kvbm.blocks import BlockKey
+
+    fn = get_hash_fn_by_name("sha256")
+    kcu.init_none_hash(fn)
+    req = Request("r1", list(range(first_token, first_token + 16 * n_blocks + 1)), SamplingParams(max_tokens=1), None,
+                  block_hasher=kcu.get_request_block_hasher(16, fn))
+    (lay,) = conn.layouts()
+    keys = [BlockKey(lay.namespace, bytes(h)) for h in req.block_hashes]
+    with daemon.client() as c:
+        c.register(lay, worker_id="filler")
+        assert c.store(keys, [np.zeros(lay.block_nbytes, np.uint8)] * len(keys)).stored == len(keys)
+    return req
+
+
+def test_a_request_whose_load_failed_is_not_offered_kvbm_tokens_again(tiny_model, daemon_1mib):
+    """vLLM reports a failed load as invalid block ids and reschedules the request; offering the same prefix
+    again made a stuck loader fail it again, in a loop (thousands of times in the TP=2 long-doc bench). The
+    scheduler side recomputes that request instead; other requests still load."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.outputs import KVConnectorOutput
+
+    conn, _cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, "vllm_blocks_per_kvbm_block": 1})
+    try:
+        req = _stored_request(conn, daemon_1mib, 4, 100)
+        ext, _async = conn.get_num_new_matched_tokens(req, 0)
+        assert ext == 64
+        conn.update_state_after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(i) for i in range(10, 15)),)), ext)
+        conn.build_connector_meta(_empty_scheduler_output())
+        conn.update_connector_output(KVConnectorOutput(invalid_block_ids={12}))
+        assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # recomputed, not offered again
+        conn.request_finished(req, [])
+        assert conn.get_num_new_matched_tokens(req, 0)[0] == 64  # a new request of that id may load again
+    finally:
+        conn.shutdown()
+
+
+def test_loads_are_synchronous_by_default_on_cpu(tiny_model, daemon_1mib):
+    """On a CPU engine an async load waits on a loader thread that vLLM's busy steps starve (measured: TP=1
+    G4 hit 5.0x its bytes-at-bandwidth + tail vs 1.07x loading in the step; TP=2 stalled): the default there
+    is a synchronous load; ``async_load`` set explicitly wins."""
+    conn, _cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, "vllm_blocks_per_kvbm_block": 1})
+    try:
+        req = _stored_request(conn, daemon_1mib, 2, 1000)
+        assert conn.get_num_new_matched_tokens(req, 0) == (32, False)
+    finally:
+        conn.shutdown()
+    conn, _cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, "vllm_blocks_per_kvbm_block": 1,
+                                                  "async_load": True})
+    try:
+        req = _stored_request(conn, daemon_1mib, 2, 2000)
+        assert conn.get_num_new_matched_tokens(req, 0) == (32, True)
+    finally:
+        conn.shutdown()
+
+
+def _empty_scheduler_output():
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                           num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
+                           scheduled_encoder_inputs={}, num_common_prefix_blocks=[], finished_req_ids=set(),
+                           free_encoder_mm_hashes=[])

@@ -26,7 +26,7 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     save: bool = True
     load: bool = True
-    async_load: bool = True
+    async_load: bool | None = None  # None: async on an accelerator, sync on a CPU engine (the connector resolves it)
     async_save: bool = True
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     curve_server_key: str | None = None  # the daemon's CURVE public key (Z85)

@@ -46,6 +46,9 @@ class SchedulerSide:
         # sending / receiving instead. Both sides derive this from the same metadata, so they agree.
         self._save_pending: set[str] = set()
         self._load_pending: set[str] = set()
+        # Requests a load failed for: recomputed from then on (offering the prefix again would make a stuck
+        # loader fail it again, in a loop); forgotten at request_finished.
+        self._load_failed: set[str] = set()
         self._connect()  # at startup: a configuration error shows now, not at the first request
 
     def _connect(self) -> bool:
@@ -67,7 +70,8 @@ class SchedulerSide:
         self._reqs[request.request_id] = ReqState(hashes=hashes, num_tokens=request.num_tokens,
                                                   local_tokens=num_computed_tokens)
         block_tokens = self.geometry.block_tokens
-        if not self.cfg.load or not hashes or num_computed_tokens % block_tokens:
+        if (not self.cfg.load or not hashes or num_computed_tokens % block_tokens
+                or request.request_id in self._load_failed):
             return 0, False
         # Leave at least one token to compute: vLLM needs logits for the last prompt token.
         max_blocks = (request.num_tokens - 1) // block_tokens
@@ -147,6 +151,10 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():
             self._load_pending.discard(rid)
+        self._load_failed.update(getattr(connector_output, "failed_recving", None) or ())
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if bad:
+            self._load_failed.update(rid for rid, st in self._reqs.items() if not bad.isdisjoint(st.block_ids))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -155,6 +163,7 @@ class SchedulerSide:
         # sending (async saves) or finished receiving (an async load of a request aborted while waiting).
         delay_free = rid in self._save_pending or rid in self._load_pending
         self._save_pending.discard(rid)
+        self._load_failed.discard(rid)
         degraded = [link for link in self._links if link.degraded]
         params: dict[str, Any] = {"kvbm": {
             "degraded": bool(degraded), "misconfigured": any(link.misconfigured for link in degraded),
