@@ -39,7 +39,11 @@ def test_peer_lmcache_rows_next_to_kvbm(tmp_path: Path) -> None:
     if not peer:
         pytest.skip("lmcache: no peer python (set KVBM_BENCH_PEER_PYTHON; scripts/lmcache_venv.sh builds one)")
     out = tmp_path / "tiers.json"
-    res = CliRunner().invoke(bench, [*TINY, "--workdir", str(tmp_path), "--json", str(out), "--peer-python", peer],
+    # Named relative to the working directory, as in `--peer-python .venv-lmcache/bin/python`: the peer must
+    # still start although it runs from its own temp dir.
+    rel = os.path.relpath(peer)
+    assert not os.path.isabs(rel)
+    res = CliRunner().invoke(bench, [*TINY, "--workdir", str(tmp_path), "--json", str(out), "--peer-python", rel],
                              catch_exceptions=False)
     assert res.exit_code == 0, res.output
     rep = json.loads(out.read_text())

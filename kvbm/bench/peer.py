@@ -181,7 +181,9 @@ class PeerProcess:
         host, _, port = srv["endpoint"].removeprefix("http://").partition(":")
         if host != "127.0.0.1":
             raise PeerError(f"lmcache: the peer runs against a loopback endpoint only, not {srv['endpoint']}")
-        self.python = python
+        # Absolute (not resolved: a venv's python is a symlink whose path picks the venv): the peer runs from
+        # its own temp dir, where a path relative to ours names nothing.
+        self.python = os.path.abspath(python)
         self.timeout_s = timeout_s
         self.cfg = {"bucket": srv["bucket"], "domain": domain, "port": int(port), "access_key": srv["access_key"],
                     "secret_key": srv["secret_key"], "model": f"{srv['prefix']}-lmcache", "blocks": blocks,
