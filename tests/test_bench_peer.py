@@ -54,5 +54,8 @@ def test_peer_lmcache_rows_next_to_kvbm(tmp_path: Path) -> None:
         kv = next(x for x in rep["rows"] if x["path"] == path and x["kvbm"] == r["kvbm"] and not x.get("peer"))
         assert r["baseline"].startswith("LMCache 0.5") and r["baseline_MBps"] > 0 and r["baseline_cpu_s_per_GB"] > 0
         assert r["MBps"] == kv["MBps"] and r["ratio"] == pytest.approx(kv["MBps"] / r["baseline_MBps"], rel=1e-2)
+        # Like-for-like concurrency is stated: LMCache's measured connections and kvbm's in-flight depth.
+        assert r["peer_in_flight"] >= 1 and f"<= {r['peer_in_flight']} conns" in r["baseline"]
+        assert r["s3_in_flight"] == 8
     assert "LMCache" in res.output
     assert not any(tmp_path.glob("kvbm-bench-*")), "temp dirs left behind"
