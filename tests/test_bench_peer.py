@@ -57,5 +57,8 @@ def test_peer_lmcache_rows_next_to_kvbm(tmp_path: Path) -> None:
         # Like-for-like concurrency is stated: LMCache's measured connections and kvbm's in-flight depth.
         assert r["peer_in_flight"] >= 1 and f"<= {r['peer_in_flight']} conns" in r["baseline"]
         assert r["s3_in_flight"] == 8
+        # One kvbm run and one LMCache pass per round, paired.
+        assert len(r["ratio_rounds"]) == len(kv["MBps_runs"]) == len(r["baseline_MBps_runs"]) == 1
+        assert r["ratio_rounds"][0] == pytest.approx(kv["MBps_runs"][0] / r["baseline_MBps_runs"][0], rel=2e-2)
     assert "LMCache" in res.output
     assert not any(tmp_path.glob("kvbm-bench-*")), "temp dirs left behind"

@@ -553,6 +553,9 @@ def _peer_rows(r: _Runner, peer: dict[str, Any]) -> list[dict[str, Any]]:
                 "baseline_MBps_runs": [round(r.nbytes / x["wall"] / MB, 1) for x in runs],
                 "baseline_cpu_s_per_GB": round(cpu, 3),
                 "ratio": round(row["MBps"] / mbps, 3) if row and row["MBps"] and mbps else None,
+                # Round i's kvbm run and LMCache pass ran back to back: their ratio pairs like with like.
+                "ratio_rounds": [round(a / (r.nbytes / x["wall"] / MB), 3)
+                                 for a, x in zip(row["MBps_runs"], runs, strict=False)] if row else [],
                 "bytes": r.nbytes, "peer": "lmcache", "peer_in_flight": conns,
                 "s3_in_flight": row.get("s3_in_flight") if row else None,
                 "server_cpu_s_per_GB": row.get("server_cpu_s_per_GB") if row else None,
@@ -611,8 +614,9 @@ class _Peer:
         for row in _peer_rows(r, peer):
             r.rows.append(row)
             ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
+            rounds = " / ".join(f"{x:.2f}" for x in row["ratio_rounds"])
             self.echo(f"  {row['path']:<18} {row['kvbm']:<22} vs {row['baseline']}: {row['baseline_MBps']:.0f} MB/s,"
-                      f" {row['baseline_cpu_s_per_GB']:.2f} CPU-s/GB; kvbm/LMCache {ratio}")
+                      f" {row['baseline_cpu_s_per_GB']:.2f} CPU-s/GB; kvbm/LMCache {ratio} (rounds: {rounds})")
 
     def close(self) -> None:
         if self.proc is not None:
