@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvbm.blocks import MIN_HEADER_LEN, BlockKey
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
-from kvbm.tiers.s3.bodies import BodyBuffers, copy_payload
+from kvbm.tiers.s3.bodies import OFFLOOP_BYTES, BodyBuffers, copy_payload
 from kvbm.tiers.s3.codes import _one_line, probe_failure
 
 if TYPE_CHECKING:
@@ -67,7 +67,19 @@ class _NixlBody:
 
     async def get_into(self, okey: str, key: BlockKey, view: memoryview) -> int | None:
         body = await self._fetch(key, okey)
-        return None if body is None else copy_payload(key, body, view)
+        if body is None:
+            return None
+        if len(body) < OFFLOOP_BYTES:
+            return copy_payload(key, body, view)
+        # Verify and copy in a thread (an 8 MiB xxh3 and copy would stall the event loop); a cancelled caller
+        # still waits for it, so nothing writes into ``view`` after this returns.
+        fut = asyncio.ensure_future(asyncio.to_thread(copy_payload, key, body, view))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await fut
+            raise
 
     async def _fetch(self, key: BlockKey, okey: str) -> bytes | bytearray | None:
         """The object body, or None if there is no such object (NIXL reads need the size up front)."""
