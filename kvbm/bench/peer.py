@@ -169,6 +169,29 @@ def hosts_mapping_command(argv: list[str], hostname: str, tmp: Path) -> list[str
     return [unshare, "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv]
 
 
+def peer_connections(pid: int, port: int) -> int:
+    """Established TCP connections that process ``pid`` holds to ``port`` (its sockets in /proc/net/tcp)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    n = 0
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            # local, remote, state (01 = ESTABLISHED), ..., inode
+            if len(f) > 9 and f[3] == "01" and int(f[2].rsplit(":", 1)[1], 16) == port and f[9] in inodes:
+                n += 1
+    return n
+
+
 class PeerProcess:
     """The LMCache peer as a long-lived subprocess: start it (imports, connector, warm-up: untimed), then ask
     for one timed pass (PUT all blocks, GET them all back) at a time, so the bench can interleave the peer's
@@ -181,13 +204,16 @@ class PeerProcess:
         host, _, port = srv["endpoint"].removeprefix("http://").partition(":")
         if host != "127.0.0.1":
             raise PeerError(f"lmcache: the peer runs against a loopback endpoint only, not {srv['endpoint']}")
-        self.python = python
+        # Absolute (not resolved: a venv's python is a symlink whose path picks the venv): the peer runs from
+        # its own temp dir, where a path relative to ours names nothing.
+        self.python = os.path.abspath(python)
         self.timeout_s = timeout_s
         self.cfg = {"bucket": srv["bucket"], "domain": domain, "port": int(port), "access_key": srv["access_key"],
                     "secret_key": srv["secret_key"], "model": f"{srv['prefix']}-lmcache", "blocks": blocks,
                     "block_bytes": block_bytes, "io_threads": io_threads, "seed": seed,
                     "server_pid": srv.get("pid")}
         self.hostname = f"{srv['bucket']}.{domain}"
+        self.port = int(port)
         self.meta: dict[str, Any] = {}
         self.passes: list[dict[str, Any]] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -219,9 +245,30 @@ class PeerProcess:
         return self
 
     def run_pass(self) -> dict[str, Any]:
-        """One timed pass: {"put": {wall, cpu, server_cpu}, "get": {...}} (seconds)."""
-        self._send("pass")
-        got: dict[str, Any] = json.loads(self._reply("PEER-PASS "))
+        """One timed pass: {"put": {wall, cpu, server_cpu}, "get": {...}} (seconds), plus "conns": the most
+        connections the peer held open to the server at once (its in-flight depth; sampled from here)."""
+        import threading
+
+        assert self._proc is not None
+        stop, peak = threading.Event(), [0]
+
+        def sample() -> None:
+            # Once more after the reply: a pass shorter than the interval still counts its (kept-alive) connections.
+            while True:
+                done = stop.wait(0.01)
+                peak[0] = max(peak[0], peer_connections(self._proc.pid, self.port))  # type: ignore[union-attr]
+                if done:
+                    return
+
+        th = threading.Thread(target=sample, name="peer-conns", daemon=True)
+        th.start()
+        try:
+            self._send("pass")
+            got: dict[str, Any] = json.loads(self._reply("PEER-PASS "))
+        finally:
+            stop.set()
+            th.join()
+        got["conns"] = peak[0]
         self.passes.append(got)
         return got
 

@@ -10,11 +10,13 @@ path                kvbm                                      baseline
 G2->G1, G1->G2      manager onboard / offload (memory mover)  numpy ``copyto`` per block (and torch copy_)
 G2->G3              offload durable (DiskTier, fsync)         open + pwrite + fdatasync per file, 1 thread
 G3->G2 cold/warm    onboard (page cache dropped / kept)       pread per file (fadvise DONTNEED / kept)
-G2->G4 PUT          offload durable (S3Tier aiobotocore|nixl) boto3 put_object, N threads
+G2->G4 PUT          offload durable (S3Tier http|aio|nixl)    boto3 put_object, N threads
 G4->G2 GET          onboard                                   boto3 get_object().read(), N threads
 ==================  ========================================  ===========================================
 
-Repeats of kvbm and baseline are interleaved so drift hits both. CPU is ``getrusage(RUSAGE_SELF)``
+Repeats of kvbm and baseline are interleaved so drift hits both; the S3 rows run in rounds (every S3 path
+once per round, then the LMCache peer's pass), so each path's i-th run sits next to the others' i-th run.
+CPU is ``getrusage(RUSAGE_SELF)``
 user+sys over the run (every thread of this process); the S3 server's CPU comes from ``/proc/<pid>/stat``
 of the embedded SeaweedFS (its whole process group), when this bench started it.
 """
@@ -101,6 +103,23 @@ def _config(opts: TiersOptions, work: Path, *, backend: str = "auto", o_direct: 
     return msgspec.convert(d, Config)
 
 
+@dataclass
+class _Pair:
+    """One kvbm path and its baseline, for :meth:`_Runner.rounds`; ``after`` runs untimed after each kvbm run
+    (e.g. comparing what it read with what was written)."""
+
+    path: str
+    impl: str
+    kvbm_run: Callable[[], Awaitable[Any]]
+    kvbm_setup: Callable[[], Awaitable[Any]] | None
+    baseline: str
+    base_run: Callable[[], Any] | None
+    base_setup: Callable[[], Any] | None = None
+    s3: bool = True
+    after: Callable[[], Awaitable[Any]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
 class _Runner:
     """Runs kvbm/baseline pairs and collects rows."""
 
@@ -144,6 +163,37 @@ class _Runner:
         ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
         self.echo(f"  {path:<18} {impl:<22} {row['MBps']:>8.0f} MB/s  baseline {base:>6} MB/s  ratio {ratio}")
         return row
+
+    async def rounds(self, specs: list[_Pair], after_round: Callable[[int], Awaitable[None]] | None = None) -> None:
+        """Every pair once per round, ``repeats`` rounds, then ``after_round(r)`` (a peer's pass): each path's
+        i-th run sits next to every other path's i-th run, so load drift on a shared machine hits all alike."""
+        kv: list[list[CpuMeter]] = [[] for _ in specs]
+        bl: list[list[CpuMeter]] = [[] for _ in specs]
+        for r in range(self.opts.repeats):
+            for i, sp in enumerate(specs):
+                pid = self.server_pid if sp.s3 else None
+                if sp.kvbm_setup is not None:
+                    await sp.kvbm_setup()
+                with CpuMeter(pid) as m:
+                    await sp.kvbm_run()
+                kv[i].append(m)
+                if sp.after is not None:
+                    await sp.after()
+                if sp.base_run is not None:
+                    if sp.base_setup is not None:
+                        await asyncio.to_thread(sp.base_setup)
+                    with CpuMeter(pid) as b:
+                        await asyncio.to_thread(sp.base_run)
+                    bl[i].append(b)
+            if after_round is not None:
+                await after_round(r)
+        for i, sp in enumerate(specs):
+            row = self._row(sp.path, sp.impl, kv[i], sp.baseline, bl[i], sp.s3)
+            row.update(sp.extra)
+            self.rows.append(row)
+            base = f"{row['baseline_MBps']:.0f}" if row["baseline_MBps"] else "-"
+            ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
+            self.echo(f"  {sp.path:<18} {sp.impl:<22} {row['MBps']:>8.0f} MB/s  baseline {base:>6} MB/s  ratio {ratio}")
 
     async def baseline_only(self, path: str, baseline: str, base_run: Callable[[], Any]) -> dict[str, Any]:
         """A reference row with no kvbm counterpart (e.g. torch's own copy next to numpy's)."""
@@ -347,8 +397,10 @@ async def _disk(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list
 
 async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[np.ndarray], work: Path,
               srv: dict[str, Any], paths: dict[str, Any],
-              between: Callable[[int], Awaitable[None]] | None = None) -> None:
-    """kvbm's S3 rows; ``between(i)`` runs before the i-th S3Tier client and after the last (the peer's passes)."""
+              after_round: Callable[[int], Awaitable[None]] | None = None) -> None:
+    """kvbm's S3 rows, each S3Tier client and the aiobotocore reference run once per round (with their boto3
+    baselines); ``after_round(r)`` runs after each round (the peer's pass). Every block each kvbm GET brought
+    into G2 is compared with what was written, after the timed part, every round."""
     from kvbm.stack import build_stack
 
     n = len(keys)
@@ -357,6 +409,7 @@ async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[n
     cli = boto3_client(srv, pool=max(16, opts.boto3_threads * 2))
     pool = ThreadPoolExecutor(opts.boto3_threads, thread_name_prefix="bench-boto3")
     sink: list[bytes | None] = [None] * n
+    thr = opts.boto3_threads
 
     def put_all() -> None:
         list(pool.map(lambda i: cli.put_object(Bucket=srv["bucket"], Key=f"{raw_prefix}/{i}", Body=bodies[i]),
@@ -372,7 +425,7 @@ async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[n
         cli.delete_objects(Bucket=srv["bucket"], Delete={"Objects": [{"Key": f"{raw_prefix}/{i}"} for i in range(n)],
                                                          "Quiet": True})
 
-    async def aio_reference() -> None:
+    async def aio_reference(es: contextlib.AsyncExitStack) -> list[_Pair]:
         """The S3Tier's own library without kvbm: aiobotocore put/get, same config, same concurrency."""
         import aiobotocore.session
         from aiobotocore.config import AioConfig
@@ -381,80 +434,97 @@ async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[n
                         request_checksum_calculation="when_required", response_checksum_validation="when_required")
         sem = asyncio.Semaphore(opts.s3_concurrency)
         sess = aiobotocore.session.get_session()
-        async with sess.create_client("s3", endpoint_url=srv["endpoint"], region_name="us-east-1", config=cfg,
-                                      aws_access_key_id=srv["access_key"],
-                                      aws_secret_access_key=srv["secret_key"]) as c:
-            async def put(i: int) -> None:
-                async with sem:
-                    await c.put_object(Bucket=srv["bucket"], Key=f"{srv['prefix']}/aio/{i}", Body=bodies[i])
+        c = await es.enter_async_context(sess.create_client(
+            "s3", endpoint_url=srv["endpoint"], region_name="us-east-1", config=cfg,
+            aws_access_key_id=srv["access_key"], aws_secret_access_key=srv["secret_key"]))
 
-            async def get(i: int) -> None:
-                async with sem:
-                    resp = await c.get_object(Bucket=srv["bucket"], Key=f"{srv['prefix']}/aio/{i}")
-                    async with resp["Body"] as stream:
-                        sink[i] = await stream.read()
+        async def put(i: int) -> None:
+            async with sem:
+                await c.put_object(Bucket=srv["bucket"], Key=f"{srv['prefix']}/aio/{i}", Body=bodies[i])
 
-            async def put_all_aio() -> None:
-                await asyncio.gather(*(put(i) for i in range(n)))
+        async def get(i: int) -> None:
+            async with sem:
+                resp = await c.get_object(Bucket=srv["bucket"], Key=f"{srv['prefix']}/aio/{i}")
+                async with resp["Body"] as stream:
+                    sink[i] = await stream.read()
 
-            async def get_all_aio() -> None:
-                await asyncio.gather(*(get(i) for i in range(n)))
+        async def put_all_aio() -> None:
+            await asyncio.gather(*(put(i) for i in range(n)))
 
-            c_ = opts.s3_concurrency
-            await r.pair("G2->G4 PUT", f"aiobotocore put_object x{c_} (no kvbm)", put_all_aio, None,
-                         f"boto3 put_object x{opts.boto3_threads}", put_all, del_all, s3=True)
-            await r.pair("G4->G2 GET", f"aiobotocore get_object x{c_} (no kvbm)", get_all_aio, None,
-                         f"boto3 get_object x{opts.boto3_threads}", get_all, s3=True)
+        async def get_all_aio() -> None:
+            await asyncio.gather(*(get(i) for i in range(n)))
+
+        c_ = opts.s3_concurrency
+        return [
+            _Pair("G2->G4 PUT", f"aiobotocore put_object x{c_} (no kvbm)", put_all_aio, None,
+                  f"boto3 put_object x{thr}", put_all, del_all),
+            _Pair("G4->G2 GET", f"aiobotocore get_object x{c_} (no kvbm)", get_all_aio, None,
+                  f"boto3 get_object x{thr}", get_all),
+        ]
+
+    async def tier_pairs(mgr: Any, client: str) -> list[_Pair]:
+        for k, a in zip(keys, data, strict=True):
+            await mgr.put(k, memoryview(a), tier="G2", cascade=False)
+
+        async def drop_g4() -> None:
+            await mgr.delete(keys, tiers=["G4"])
+
+        async def put_g4() -> None:
+            got = await mgr.offload(keys, durable=True)
+            assert got == n, f"offload G2->G4 durable {got}/{n} (see the S3 tier's stats: shed/errors)"
+
+        async def drop_g2() -> None:
+            await mgr.delete(keys, tiers=["G2"])
+
+        async def get_g4() -> None:
+            got = await mgr.onboard(keys, to="G2")
+            assert got == n, f"onboard G4->G2 moved {got}/{n}"
+
+        async def compare() -> None:
+            g2 = mgr.by_name["G2"]
+
+            def same() -> list[int]:
+                bad = []
+                for i, (k, a) in enumerate(zip(keys, data, strict=True)):
+                    with g2.hold(k) as t:
+                        if t is None or not np.array_equal(t.numpy(), a):
+                            bad.append(i)
+                return bad
+
+            bad = await asyncio.to_thread(same)
+            assert not bad, f"G4 {client}: {len(bad)} of {n} blocks read back different (first: {bad[0]})"
+
+        depth = {"s3_in_flight": opts.s3_concurrency}
+        return [
+            _Pair("G2->G4 PUT", f"offload (S3Tier {client})", put_g4, drop_g4, f"boto3 put_object x{thr}", put_all,
+                  del_all, extra=depth),
+            _Pair("G4->G2 GET", f"onboard (S3Tier {client})", get_g4, drop_g2, f"boto3 get_object x{thr}", get_all,
+                  after=compare, extra=depth),
+        ]
 
     try:
         put_all()  # warm the connections and the bucket's volumes once (not timed)
-        if opts.s3_reference:
-            await aio_reference()
-        for ci, client in enumerate(opts.s3_clients):
-            if between is not None:
-                await between(ci)
-            prefix = f"{srv['prefix']}/{client}"
-            try:
-                stack = await build_stack(_config(opts, work, s3=srv, client=client, prefix=prefix),
-                                          tiers=("G2", "G4"), index=False)
-            except Exception as e:  # e.g. NIXL OBJ unavailable here
-                r.echo(f"  G4 {client}: skipped ({type(e).__name__}: {e})")
-                paths.setdefault("skipped", []).append(f"G4 {client}: {type(e).__name__}: {e}")
-                continue
-            mgr = stack.manager
-            paths.setdefault("s3_clients", []).append(client)
-            try:
-                for k, a in zip(keys, data, strict=True):
-                    await mgr.put(k, memoryview(a), tier="G2", cascade=False)
-
-                async def drop_g4(mgr: Any = mgr) -> None:
-                    await mgr.delete(keys, tiers=["G4"])
-
-                async def put_g4(mgr: Any = mgr) -> None:
-                    got = await mgr.offload(keys, durable=True)
-                    assert got == n, f"offload G2->G4 durable {got}/{n} (see the S3 tier's stats: shed/errors)"
-
-                async def drop_g2(mgr: Any = mgr) -> None:
-                    await mgr.delete(keys, tiers=["G2"])
-
-                async def get_g4(mgr: Any = mgr) -> None:
-                    got = await mgr.onboard(keys, to="G2")
-                    assert got == n, f"onboard G4->G2 moved {got}/{n}"
-
-                thr = opts.boto3_threads
-                await r.pair("G2->G4 PUT", f"offload (S3Tier {client})", put_g4, drop_g4,
-                             f"boto3 put_object x{thr}", put_all, del_all, s3=True)
-                await r.pair("G4->G2 GET", f"onboard (S3Tier {client})", get_g4, drop_g2,
-                             f"boto3 get_object x{thr}", get_all, s3=True)
-                g2 = mgr.by_name["G2"]
-                for k, a in zip(keys[:4], data[:4], strict=False):
-                    assert (await g2.get(k)) == a.tobytes(), "G4 round trip differs"
-                r.rows[-1]["tier_stats"] = mgr.by_name["G4"].describe()["stats"]
+        async with contextlib.AsyncExitStack() as es:
+            specs: list[_Pair] = await aio_reference(es) if opts.s3_reference else []
+            stacks: list[tuple[str, Any]] = []
+            for client in opts.s3_clients:
+                prefix = f"{srv['prefix']}/{client}"
+                try:
+                    stack = await build_stack(_config(opts, work, s3=srv, client=client, prefix=prefix),
+                                              tiers=("G2", "G4"), index=False)
+                except Exception as e:  # e.g. NIXL OBJ unavailable here
+                    r.echo(f"  G4 {client}: skipped ({type(e).__name__}: {e})")
+                    paths.setdefault("skipped", []).append(f"G4 {client}: {type(e).__name__}: {e}")
+                    continue
+                es.push_async_callback(stack.close)
+                paths.setdefault("s3_clients", []).append(client)
+                stacks.append((client, stack.manager))
+                specs += await tier_pairs(stack.manager, client)
+            await r.rounds(specs, after_round)
+            for client, mgr in stacks:
+                row = next(x for x in reversed(r.rows) if x["kvbm"] == f"onboard (S3Tier {client})")
+                row["tier_stats"] = mgr.by_name["G4"].describe()["stats"]
                 await mgr.delete(keys)
-            finally:
-                await stack.close()
-        if between is not None:
-            await between(len(opts.s3_clients))
     finally:
         with contextlib.suppress(Exception):
             del_all()
@@ -465,7 +535,9 @@ async def _s3(opts: TiersOptions, r: _Runner, keys: list[BlockKey], data: list[n
 def _peer_rows(r: _Runner, peer: dict[str, Any]) -> list[dict[str, Any]]:
     """LMCache's medians next to each kvbm S3Tier row of the same path; ratio = kvbm / LMCache."""
     gb = r.nbytes / 1e9
-    name = f"LMCache {peer['version']} {peer['client']} x{peer['io_threads']}"
+    conns = max((p.get("conns") or 0) for p in peer["passes"]) if peer["passes"] else 0
+    # LMCache puts/gets every block at once (asyncio.gather); awscrt caps the connections it opens.
+    name = f"LMCache {peer['version']} {peer['client']}, {peer['io_threads']} io threads, <= {conns} conns"
     out: list[dict[str, Any]] = []
     for path, op in (("G2->G4 PUT", "put"), ("G4->G2 GET", "get")):
         runs = [p[op] for p in peer["passes"]]
@@ -481,7 +553,11 @@ def _peer_rows(r: _Runner, peer: dict[str, Any]) -> list[dict[str, Any]]:
                 "baseline_MBps_runs": [round(r.nbytes / x["wall"] / MB, 1) for x in runs],
                 "baseline_cpu_s_per_GB": round(cpu, 3),
                 "ratio": round(row["MBps"] / mbps, 3) if row and row["MBps"] and mbps else None,
-                "bytes": r.nbytes, "peer": "lmcache",
+                # Round i's kvbm run and LMCache pass ran back to back: their ratio pairs like with like.
+                "ratio_rounds": [round(a / (r.nbytes / x["wall"] / MB), 3)
+                                 for a, x in zip(row["MBps_runs"], runs, strict=False)] if row else [],
+                "bytes": r.nbytes, "peer": "lmcache", "peer_in_flight": conns,
+                "s3_in_flight": row.get("s3_in_flight") if row else None,
                 "server_cpu_s_per_GB": row.get("server_cpu_s_per_GB") if row else None,
                 "baseline_server_cpu_s_per_GB": round(median(srv), 3) if srv else None,
             })
@@ -489,14 +565,12 @@ def _peer_rows(r: _Runner, peer: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class _Peer:
-    """The LMCache peer's passes spread over kvbm's S3 rows: ``repeats`` passes over the points before each
-    S3Tier client and after the last, so load drift on a shared machine hits both."""
+    """The LMCache peer: one pass after each round of kvbm's S3 rows (:meth:`_Runner.rounds`), so load drift on
+    a shared machine hits both alike."""
 
     def __init__(self, opts: TiersOptions, srv: dict[str, Any], report: dict[str, Any],
                  echo: Callable[[str], None]) -> None:
         self.opts, self.srv, self.report, self.echo = opts, srv, report, echo
-        points = len(opts.s3_clients) + 1
-        self.plan = [j * points // opts.repeats for j in range(opts.repeats)]
         self.proc: Any = None
 
     def _fail(self, e: Exception) -> None:
@@ -518,31 +592,31 @@ class _Peer:
             proc.close()
             self._fail(e)
 
-    async def between(self, point: int) -> None:
+    async def after_round(self, r: int) -> None:
         from kvbm.bench.peer import PeerError
 
-        for _ in range(self.plan.count(point)):
-            if self.proc is None:
-                return
-            try:
-                got = await asyncio.to_thread(self.proc.run_pass)
-            except PeerError as e:
-                self._fail(e)
-                return
-            nb = self.opts.blocks * self.opts.block_bytes
-            self.echo(f"  peer pass: LMCache PUT {nb / got['put']['wall'] / MB:.0f} MB/s, "
-                      f"GET {nb / got['get']['wall'] / MB:.0f} MB/s")
+        if self.proc is None:
+            return
+        try:
+            got = await asyncio.to_thread(self.proc.run_pass)
+        except PeerError as e:
+            self._fail(e)
+            return
+        nb = self.opts.blocks * self.opts.block_bytes
+        self.echo(f"  peer pass {r + 1}: LMCache PUT {nb / got['put']['wall'] / MB:.0f} MB/s, "
+                  f"GET {nb / got['get']['wall'] / MB:.0f} MB/s ({got['conns']} connections at most)")
 
     def rows(self, r: _Runner, paths: dict[str, Any]) -> None:
-        if self.proc is None or len(self.proc.passes) < len(self.plan):
+        if self.proc is None or len(self.proc.passes) < self.opts.repeats:
             return
         peer = {**self.proc.meta, "passes": self.proc.passes}
         paths["peer"] = peer
         for row in _peer_rows(r, peer):
             r.rows.append(row)
             ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
+            rounds = " / ".join(f"{x:.2f}" for x in row["ratio_rounds"])
             self.echo(f"  {row['path']:<18} {row['kvbm']:<22} vs {row['baseline']}: {row['baseline_MBps']:.0f} MB/s,"
-                      f" {row['baseline_cpu_s_per_GB']:.2f} CPU-s/GB; kvbm/LMCache {ratio}")
+                      f" {row['baseline_cpu_s_per_GB']:.2f} CPU-s/GB; kvbm/LMCache {ratio} (rounds: {rounds})")
 
     def close(self) -> None:
         if self.proc is not None:
@@ -585,7 +659,7 @@ async def run_tiers(opts: TiersOptions, echo: Callable[[str], None] = print) -> 
                     try:
                         if peer is not None:
                             await peer.start()
-                        await _s3(opts, r, keys, data, work, srv, paths, peer.between if peer else None)
+                        await _s3(opts, r, keys, data, work, srv, paths, peer.after_round if peer else None)
                         if peer is not None:
                             peer.rows(r, paths)
                     finally:

@@ -39,7 +39,11 @@ def test_peer_lmcache_rows_next_to_kvbm(tmp_path: Path) -> None:
     if not peer:
         pytest.skip("lmcache: no peer python (set KVBM_BENCH_PEER_PYTHON; scripts/lmcache_venv.sh builds one)")
     out = tmp_path / "tiers.json"
-    res = CliRunner().invoke(bench, [*TINY, "--workdir", str(tmp_path), "--json", str(out), "--peer-python", peer],
+    # Named relative to the working directory, as in `--peer-python .venv-lmcache/bin/python`: the peer must
+    # still start although it runs from its own temp dir.
+    rel = os.path.relpath(peer)
+    assert not os.path.isabs(rel)
+    res = CliRunner().invoke(bench, [*TINY, "--workdir", str(tmp_path), "--json", str(out), "--peer-python", rel],
                              catch_exceptions=False)
     assert res.exit_code == 0, res.output
     rep = json.loads(out.read_text())
@@ -50,5 +54,11 @@ def test_peer_lmcache_rows_next_to_kvbm(tmp_path: Path) -> None:
         kv = next(x for x in rep["rows"] if x["path"] == path and x["kvbm"] == r["kvbm"] and not x.get("peer"))
         assert r["baseline"].startswith("LMCache 0.5") and r["baseline_MBps"] > 0 and r["baseline_cpu_s_per_GB"] > 0
         assert r["MBps"] == kv["MBps"] and r["ratio"] == pytest.approx(kv["MBps"] / r["baseline_MBps"], rel=1e-2)
+        # Like-for-like concurrency is stated: LMCache's measured connections and kvbm's in-flight depth.
+        assert r["peer_in_flight"] >= 1 and f"<= {r['peer_in_flight']} conns" in r["baseline"]
+        assert r["s3_in_flight"] == 8
+        # One kvbm run and one LMCache pass per round, paired.
+        assert len(r["ratio_rounds"]) == len(kv["MBps_runs"]) == len(r["baseline_MBps_runs"]) == 1
+        assert r["ratio_rounds"][0] == pytest.approx(kv["MBps_runs"][0] / r["baseline_MBps_runs"][0], rel=2e-2)
     assert "LMCache" in res.output
     assert not any(tmp_path.glob("kvbm-bench-*")), "temp dirs left behind"

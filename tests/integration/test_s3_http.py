@@ -113,7 +113,7 @@ def test_corrupt_truncated_and_missing_objects_are_misses(s3_server, s3_prefix):
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("client", ["aiobotocore", "http"])
+@pytest.mark.parametrize("client", ["aiobotocore", "http", "nixl"])
 def test_checksums_run_off_the_event_loop(s3_server, s3_prefix, client, monkeypatch):
     """The xxh3 of an 8 MiB body (PUT: header; GET: verification) never runs on the event loop's thread."""
     import kvbm.blocks as blocks

@@ -8,7 +8,7 @@ Modules, each with one job:
 * :mod:`.fastlist`: the fast LIST reply parser (timestamps, ``<Contents>``).
 * :mod:`.breaker`: :class:`CircuitBreaker`.
 * :mod:`.codes`: S3 error codes (miss, bad credentials) and one-line error text.
-* :mod:`.bodies`: the :class:`BodyBackend` interface, implemented by :mod:`.http` and :mod:`.nixl`.
+* :mod:`.bodies`: the :class:`BodyBackend` interface, implemented by :mod:`.http`, :mod:`.aio` and :mod:`.nixl`.
 * :mod:`.factory`: :func:`make_s3_tier` (credentials from arguments, config or environment).
 """
 

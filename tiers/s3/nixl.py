@@ -12,9 +12,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from kvbm.blocks import BlockKey
+from kvbm.blocks import MIN_HEADER_LEN, BlockKey
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
+from kvbm.tiers.s3.bodies import OFFLOOP_BYTES, BodyBuffers, copy_payload
 from kvbm.tiers.s3.codes import _one_line, probe_failure
 
 if TYPE_CHECKING:
@@ -52,21 +53,58 @@ async def start_nixl(tier: S3Session, session: Any) -> None:
 class _NixlBody:
     """:class:`BodyBackend` over NIXL OBJ: bodies are staged in a buffer (NIXL registers whole regions)."""
 
-    def __init__(self, tier: S3Tier) -> None:
-        self.tier = tier
+    def __init__(self, tier: S3Tier, obj: _NixlObj) -> None:
+        self.tier = tier  # for its index (object sizes) and HEAD
+        self.obj = obj
+        self._buffers = BodyBuffers(tier.cfg.max_concurrency)
 
     async def put(self, okey: str, key: BlockKey, payload: memoryview, meta: dict[str, str]) -> None:
-        t = self.tier
-        assert t._nixl is not None
-        buf = await t._encode(key, payload)
+        buf = await self._buffers.encode(key, payload)
         try:
-            await t._nixl.write(okey, buf)
+            await self.obj.write(okey, buf)
         finally:
-            t._release_body(buf)
+            self._buffers.release(buf)
 
     async def get_into(self, okey: str, key: BlockKey, view: memoryview) -> int | None:
-        body = await self.tier._fetch(key, okey)
-        return None if body is None else self.tier._copy_payload(key, body, view)
+        body = await self._fetch(key, okey)
+        if body is None:
+            return None
+        if len(body) < OFFLOOP_BYTES:
+            return copy_payload(key, body, view)
+        # Verify and copy in a thread (an 8 MiB xxh3 and copy would stall the event loop); a cancelled caller
+        # still waits for it, so nothing writes into ``view`` after this returns.
+        fut = asyncio.ensure_future(asyncio.to_thread(copy_payload, key, body, view))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await fut
+            raise
+
+    async def _fetch(self, key: BlockKey, okey: str) -> bytes | bytearray | None:
+        """The object body, or None if there is no such object (NIXL reads need the size up front)."""
+        t = self.tier
+        n = t.nbytes(key)
+        if n is None:
+            size = await t._head_size(okey)
+            if size is None:
+                return None
+        else:
+            size = n + MIN_HEADER_LEN
+        buf = bytearray(size)
+        try:
+            await self.obj.read(okey, memoryview(buf))
+        except TierUnavailableError:
+            # Gone (deleted by another node, or a different size now) or a real failure: ask HEAD.
+            real = await t._head_size(okey)
+            if real is None:
+                return None
+            if real != size:
+                buf = bytearray(real)
+                await self.obj.read(okey, memoryview(buf))
+            else:
+                raise
+        return buf
 
     def close(self) -> None:
         pass  # the tier closes its _NixlObj

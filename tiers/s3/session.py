@@ -1,5 +1,5 @@
 """S3 client set-up: the aiobotocore client (unsigned-payload signer, fast LIST parsing), credentials, the
-bucket check, the http/NIXL body backends, and the offline -> online logic (``wait_for_endpoint``)."""
+bucket check, the body backend (http, aiobotocore or NIXL), and the offline -> online logic (``wait_for_endpoint``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.keys import object_relkey, parse_object_relkey
 from kvbm.metrics import no_observe
 from kvbm.tiers.base import Tier, TierStats
+from kvbm.tiers.s3.aio import AioBody
 from kvbm.tiers.s3.bodies import BodyBackend
 from kvbm.tiers.s3.breaker import CircuitBreaker
 from kvbm.tiers.s3.codes import _CRED_CODES, _err_code, _one_line, probe_failure
@@ -89,12 +90,11 @@ class S3Session(Tier):
         self._index: dict[BlockKey, int] = {}
         self._used = 0
         self._pending_writes = 0
-        self._bodies: dict[int, list[bytearray]] = {}
         self._sem: asyncio.Semaphore | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._s3: Any = None
         self._nixl: _NixlObj | None = None
-        self._body: BodyBackend | None = None  # block bodies (http, nixl); None: aiobotocore
+        self._body: BodyBackend | None = None  # block bodies (http, aiobotocore, nixl); set once online
         self._started = False
         self._warned_at = 0.0
         # Offline: started, but the endpoint has not answered yet (only with wait_for_endpoint).
@@ -182,13 +182,15 @@ class S3Session(Tier):
                 pass
 
     async def _connect(self, session: Any) -> None:
-        """Check (or create) the bucket and start NIXL; the tier is online afterwards."""
+        """Check (or create) the bucket and start the body backend; the tier is online afterwards."""
         await check_bucket(self)
         if self.client_kind == "nixl" and self._nixl is None:
             await start_nixl(self, session)
-            self._body = _NixlBody(self)
+            self._body = _NixlBody(self, self._nixl)  # type: ignore[arg-type]
         if self.client_kind == "http" and self._body is None:
             await start_http(self, session)
+        if self.client_kind == "aiobotocore" and self._body is None:
+            self._body = AioBody(self._s3, self.bucket, self.cfg.max_concurrency)
         self.online = True
         self.last_error = ""
 

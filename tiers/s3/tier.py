@@ -22,14 +22,16 @@ counted in ``stats.corrupt`` and is deleted.
 
 Data paths (``s3.client``)
 --------------------------
-* ``aiobotocore``: one shared client, at most ``max_concurrency`` requests in flight.
+Block bodies move through a :class:`~kvbm.tiers.s3.bodies.BodyBackend` (``self._body``), the same way for every
+client, at most ``max_concurrency`` at a time:
+
 * ``http``: :mod:`kvbm.tiers.s3.http`, plain keep-alive HTTP(S) connections in worker threads that read
   straight into the caller's buffer and send the payload from it (no body copy), checksumming there.
-* ``nixl``: the NIXL OBJ backend (aws-sdk-cpp) moves block bodies; its blocking calls run in a private
-  thread pool.
+* ``aiobotocore``: :mod:`kvbm.tiers.s3.aio`, the tier's shared aiobotocore client.
+* ``nixl``: :mod:`kvbm.tiers.s3.nixl`, the NIXL OBJ backend (aws-sdk-cpp); its blocking calls run in a
+  private thread pool.
 
-``http`` and ``nixl`` are :class:`~kvbm.tiers.s3.bodies.BodyBackend` implementations (``self._body``); control
-calls (bucket checks, HEAD, LIST, DELETE) always use aiobotocore.
+Control calls (bucket checks, HEAD, LIST, DELETE) always use aiobotocore.
 
 Failure handling
 ----------------
@@ -55,36 +57,15 @@ import logging
 import time
 from typing import Any
 
-from kvbm.blocks import (
-    FORMAT_VERSION,
-    BlockKey,
-    decode_block,
-    encode_block_into,
-    unpack_header,
-    verify,
-)
+from kvbm.blocks import FORMAT_VERSION, BlockKey
 from kvbm.config import S3Config
 from kvbm.errors import CorruptBlockError, TierFullError, TierUnavailableError, WriteShedError
 from kvbm.tiers.s3.bulk import S3Bulk
 from kvbm.tiers.s3.codes import _MISS_CODES, _err_code, _one_line
-from kvbm.tiers.s3.session import HEADER_LEN
 
 log = logging.getLogger("kvbm.tiers.s3")
 
 META_FORMAT = f"kvbm-block-v{FORMAT_VERSION}"
-# Checksums of bodies this large run in a thread, not on the event loop.
-_OFFLOOP_BYTES = 256 * 1024
-
-
-async def _read_exact(stream: Any, dst: memoryview, key: BlockKey) -> None:
-    """Fill ``dst`` from a response body, copying each received chunk once."""
-    pos, n = 0, dst.nbytes
-    while pos < n:
-        chunk = await stream.read(n - pos)
-        if not chunk:
-            raise CorruptBlockError(f"{key}: object truncated ({pos} of {n} bytes)")
-        dst[pos : pos + len(chunk)] = chunk
-        pos += len(chunk)
 
 
 class S3Tier(S3Bulk):
@@ -123,20 +104,11 @@ class S3Tier(S3Bulk):
         self._pending_writes += 1
         try:
             okey = self.object_key(key)
-            assert self._sem is not None
+            assert self._sem is not None and self._body is not None
             async with self._sem:
-                if self._body is not None:
-                    t0 = time.perf_counter()
-                    await self._body.put(okey, key, memoryview(data), self._meta(key, n))
-                    self.observe("put", time.perf_counter() - t0)
-                else:
-                    buf = await self._encode(key, data)
-                    try:
-                        t0 = time.perf_counter()
-                        await self._s3.put_object(Bucket=self.bucket, Key=okey, Body=buf, Metadata=self._meta(key, n))
-                        self.observe("put", time.perf_counter() - t0)
-                    finally:
-                        self._release_body(buf)
+                t0 = time.perf_counter()
+                await self._body.put(okey, key, memoryview(data), self._meta(key, n))
+                self.observe("put", time.perf_counter() - t0)
         except (asyncio.CancelledError, KeyboardInterrupt):
             self.breaker._probing = False
             raise
@@ -159,13 +131,10 @@ class S3Tier(S3Bulk):
         okey = self.object_key(key)
         view = memoryview(out).cast("B")
         try:
-            assert self._sem is not None
+            assert self._sem is not None and self._body is not None
             async with self._sem:
                 t0 = time.perf_counter()
-                if self._body is None:
-                    n = await self._stream_into(key, okey, view)
-                else:
-                    n = await self._body.get_into(okey, key, view)
+                n = await self._body.get_into(okey, key, view)
                 self.observe("get", time.perf_counter() - t0)
         except (asyncio.CancelledError, KeyboardInterrupt):
             self.breaker._probing = False
@@ -194,88 +163,6 @@ class S3Tier(S3Bulk):
         self.stats.hits += 1
         self.stats.bytes_out += n
         return n
-
-    async def _encode(self, key: BlockKey, data: memoryview | bytes) -> bytearray:
-        """``header || payload`` in a body buffer reused per size (botocore and NIXL take whole buffers, not
-        views: no fresh, page-faulting 8 MiB allocation per block); checksum and copy off the event loop."""
-        size = HEADER_LEN + memoryview(data).nbytes
-        free = self._bodies.setdefault(size, [])
-        buf = free.pop() if free else bytearray(size)
-        if size >= _OFFLOOP_BYTES:
-            await asyncio.to_thread(encode_block_into, buf, key, data, HEADER_LEN)
-        else:
-            encode_block_into(buf, key, data, HEADER_LEN)
-        return buf
-
-    def _release_body(self, buf: bytearray) -> None:
-        free = self._bodies.setdefault(len(buf), [])
-        if len(free) < self.cfg.max_concurrency:
-            free.append(buf)
-
-    @staticmethod
-    def _copy_payload(key: BlockKey, body: bytes | bytearray, view: memoryview) -> int:
-        payload = decode_block(key, body)
-        n = payload.nbytes
-        if n > view.nbytes:
-            raise ValueError(f"{key}: block is {n} bytes, buffer has {view.nbytes}")
-        view[:n] = payload
-        return n
-
-    async def _stream_into(self, key: BlockKey, okey: str, view: memoryview) -> int | None:
-        """GET straight into ``view``: each received chunk is copied once, then the payload is verified.
-
-        On a corrupt object ``view`` may hold garbage; the caller gets CorruptBlockError and must not
-        use it (the manager aborts the slot).
-        """
-        try:
-            resp = await self._s3.get_object(Bucket=self.bucket, Key=okey)
-        except Exception as e:
-            if _err_code(e) in _MISS_CODES:
-                return None
-            raise
-        total = int(resp["ContentLength"])
-        async with resp["Body"] as stream:
-            head = bytearray(HEADER_LEN)
-            await _read_exact(stream, memoryview(head), key)
-            header = unpack_header(head)
-            if header.header_len > HEADER_LEN:
-                await _read_exact(stream, memoryview(bytearray(header.header_len - HEADER_LEN)), key)
-            n = total - header.header_len
-            if n != header.payload_len:
-                raise CorruptBlockError(f"{key}: object holds {n} payload bytes, header says {header.payload_len}")
-            if n > view.nbytes:
-                raise ValueError(f"{key}: block is {n} bytes, buffer has {view.nbytes}")
-            await _read_exact(stream, view[:n], key)
-        if n >= _OFFLOOP_BYTES:
-            await asyncio.to_thread(verify, key, header, view[:n])
-        else:
-            verify(key, header, view[:n])
-        return n
-
-    async def _fetch(self, key: BlockKey, okey: str) -> bytes | bytearray | None:
-        """The object body through NIXL OBJ, or None if there is no such object."""
-        assert self._nixl is not None
-        n = self._index.get(key)
-        if n is None:
-            size = await self._head_size(okey)
-            if size is None:
-                return None
-        else:
-            size = n + HEADER_LEN
-        buf = bytearray(size)
-        try:
-            await self._nixl.read(okey, memoryview(buf))
-        except TierUnavailableError:
-            # Gone (deleted by another node, or a different size now) or a real failure: ask HEAD.
-            real = await self._head_size(okey)
-            if real is None:
-                return None
-            if real != size:
-                buf = bytearray(real)
-                await self._nixl.read(okey, memoryview(buf))
-            else:
-                raise
-        return buf
 
     async def _head_size(self, okey: str) -> int | None:
         self.stats.heads += 1
