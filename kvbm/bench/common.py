@@ -210,24 +210,29 @@ def boto3_client(srv: dict[str, Any], pool: int = 16) -> Any:
     )
 
 
+def key_pages(cli: Any, bucket: str, prefix: str) -> Iterator[list[str]]:
+    """The keys under ``prefix``, one list per LIST page (boto3 client)."""
+    token = None
+    while True:
+        kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": 1000}
+        if token:
+            kw["ContinuationToken"] = token
+        resp = cli.list_objects_v2(**kw)
+        yield [o["Key"] for o in resp.get("Contents", ()) or ()]
+        if not resp.get("IsTruncated"):
+            return
+        token = resp.get("NextContinuationToken")
+
+
 def delete_prefix(srv: dict[str, Any], prefix: str) -> int:
     """Delete every object under ``prefix`` in the bench bucket (cleanup); returns how many."""
     cli = boto3_client(srv)
     n = 0
     try:
-        token = None
-        while True:
-            kw: dict[str, Any] = {"Bucket": srv["bucket"], "Prefix": prefix, "MaxKeys": 1000}
-            if token:
-                kw["ContinuationToken"] = token
-            resp = cli.list_objects_v2(**kw)
-            objs = [{"Key": o["Key"]} for o in resp.get("Contents", ()) or ()]
-            if objs:
-                cli.delete_objects(Bucket=srv["bucket"], Delete={"Objects": objs, "Quiet": True})
-                n += len(objs)
-            if not resp.get("IsTruncated"):
-                break
-            token = resp.get("NextContinuationToken")
+        for keys in key_pages(cli, srv["bucket"], prefix):
+            if keys:
+                cli.delete_objects(Bucket=srv["bucket"], Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+                n += len(keys)
     finally:
         cli.close()
     return n

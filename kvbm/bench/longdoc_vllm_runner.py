@@ -155,21 +155,11 @@ def bw_s3(s3: dict[str, Any], keys: list[str], threads: int) -> tuple[float, int
 
 
 def s3_keys(s3: dict[str, Any], prefix: str) -> list[str]:
-    from kvbm.bench.common import boto3_client
+    from kvbm.bench.common import boto3_client, key_pages
 
     cli = boto3_client(s3)
     try:
-        out: list[str] = []
-        token = None
-        while True:
-            kw: dict[str, Any] = {"Bucket": s3["bucket"], "Prefix": prefix, "MaxKeys": 1000}
-            if token:
-                kw["ContinuationToken"] = token
-            resp = cli.list_objects_v2(**kw)
-            out += [o["Key"] for o in resp.get("Contents", ()) or ()]
-            if not resp.get("IsTruncated"):
-                return out
-            token = resp.get("NextContinuationToken")
+        return [k for page in key_pages(cli, s3["bucket"], prefix) for k in page]
     finally:
         cli.close()
 
