@@ -13,6 +13,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,18 @@ def proc_cpu_seconds(pid: int) -> float:
         fields = stat[stat.rfind(")") + 2 :].split()
         total += (int(fields[11]) + int(fields[12])) / tck  # utime, stime (fields 14, 15)
     return total
+
+
+@dataclass
+class BenchTarget:
+    """Where a bench runs: its temp dirs (a real disk; default $TMPDIR) and its S3 server (an existing
+    loopback endpoint instead of a fresh SeaweedFS). Every bench's options extend it."""
+
+    workdir: str | None = None
+    s3_endpoint: str | None = None
+    s3_access_key: str = ""
+    s3_secret_key: str = ""
+    s3_bucket: str = "kvbm-bench"
 
 
 class CpuMeter:

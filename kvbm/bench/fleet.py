@@ -26,13 +26,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbm.bench.common import CpuMeter, DaemonProc, delete_prefix, machine, s3_server, summary, temp_dir
+from kvbm.bench.common import BenchTarget, CpuMeter, DaemonProc, delete_prefix, machine, s3_server, summary, temp_dir
 
 LIST_NS = "bench-list-0123456789abcdef"
 
 
 @dataclass
-class FleetOptions:
+class FleetOptions(BenchTarget):
     daemons: int = 2
     blocks: int = 20
     hit_timeout_s: float = 10.0
@@ -43,11 +43,6 @@ class FleetOptions:
     put_concurrency: int = 128
     list_concurrency: int = 16
     groups: tuple[str, ...] = ("fleet", "listing")
-    workdir: str | None = None
-    s3_endpoint: str | None = None
-    s3_access_key: str = ""
-    s3_secret_key: str = ""
-    s3_bucket: str = "kvbm-bench"
 
 
 def _daemon_cfg(root: Path, srv: dict[str, Any], prefix: str, block_bytes: int, i: int) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvbm.bench.common import delete_prefix, machine, s3_server, summary, temp_dir
+from kvbm.bench.common import BenchTarget, delete_prefix, machine, s3_server, summary, temp_dir
 from kvbm.blocks import BlockKey
 from kvbm.config import Config
 from kvbm.hashing import prefix_hashes
@@ -43,7 +43,7 @@ MiB = 1024 * 1024
 
 
 @dataclass
-class LongDocOptions:
+class LongDocOptions(BenchTarget):
     doc_lengths: tuple[int, ...] = (1024, 4096, 8192)
     docs: int = 2
     queries: int = 2  # queries per document (per source)
@@ -58,11 +58,6 @@ class LongDocOptions:
     tokens_per_block: int = 256
     s3_client: str = "aiobotocore"
     seed: int = 0
-    workdir: str | None = None
-    s3_endpoint: str | None = None
-    s3_access_key: str = ""
-    s3_secret_key: str = ""
-    s3_bucket: str = "kvbm-bench"
 
 
 # -- the model ---------------------------------------------------------------------------------------

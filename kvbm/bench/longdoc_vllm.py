@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbm.bench.common import DaemonProc, delete_prefix, load_avg, machine, s3_server, summary, temp_dir
+from kvbm.bench.common import BenchTarget, DaemonProc, delete_prefix, load_avg, machine, s3_server, summary, temp_dir
 
 MiB = 1024 * 1024
 VLLM_BLOCK = 128  # tokens per vLLM block (the CPU backend's default)
@@ -41,7 +41,7 @@ SOURCES = ("recompute", "tail", "G1", "G2", "G3", "G4")
 
 
 @dataclass
-class VllmLongDocOptions:
+class VllmLongDocOptions(BenchTarget):
     doc_lengths: tuple[int, ...] = (4000,)
     docs: int = 1
     queries: int = 3  # timed requests per source (the median is reported)
@@ -58,11 +58,6 @@ class VllmLongDocOptions:
     disk_threads: int = 4  # reads in flight measuring G3's bandwidth
     bw_repeats: int = 3
     seed: int = 0
-    workdir: str | None = None
-    s3_endpoint: str | None = None
-    s3_access_key: str = ""
-    s3_secret_key: str = ""
-    s3_bucket: str = "kvbm-bench"
     sources: tuple[str, ...] = SOURCES
     connector: dict[str, Any] = field(default_factory=dict)  # extra kv_connector_extra_config keys
     logs: str | None = None  # copy each engine's and daemon's log here

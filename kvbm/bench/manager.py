@@ -34,6 +34,7 @@ import numpy as np
 
 from kvbm.bench.common import (
     MB,
+    BenchTarget,
     CpuMeter,
     DaemonProc,
     boto3_client,
@@ -54,7 +55,7 @@ MiB = 1024 * 1024
 
 
 @dataclass
-class ManagerOptions:
+class ManagerOptions(BenchTarget):
     registered: int = 1_000_000
     prefix_blocks: int = 1000
     lookups: int = 1000
@@ -67,11 +68,6 @@ class ManagerOptions:
     block_bytes: int = 8 * MiB
     onboard_repeats: int = 3
     groups: tuple[str, ...] = ("ingest", "lookup", "memory", "daemon", "onboard")
-    workdir: str | None = None
-    s3_endpoint: str | None = None
-    s3_access_key: str = ""
-    s3_secret_key: str = ""
-    s3_bucket: str = "kvbm-bench"
 
 
 TIERS = ["G1", "G2", "G3", "G4"]

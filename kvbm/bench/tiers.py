@@ -40,6 +40,7 @@ import numpy as np
 
 from kvbm.bench.common import (
     MB,
+    BenchTarget,
     CpuMeter,
     boto3_client,
     delete_prefix,
@@ -57,7 +58,7 @@ MiB = 1024 * 1024
 
 
 @dataclass
-class TiersOptions:
+class TiersOptions(BenchTarget):
     block_bytes: int = 8 * MiB
     blocks: int = 64
     repeats: int = 3
@@ -68,11 +69,6 @@ class TiersOptions:
     boto3_threads: int = 8
     s3_concurrency: int = 8  # s3.max_concurrency of the kvbm tier
     s3_reference: bool = True  # also time plain aiobotocore (the S3Tier's library, without kvbm)
-    workdir: str | None = None  # where temp dirs go (a real disk; default: $TMPDIR)
-    s3_endpoint: str | None = None  # an existing loopback endpoint instead of a fresh SeaweedFS
-    s3_access_key: str = ""
-    s3_secret_key: str = ""
-    s3_bucket: str = "kvbm-bench"
     peer_python: str | None = None  # python of a venv with LMCache: its S3 connector runs as a peer
     peer_domain: str = "s3.kvbm.test"  # SeaweedFS -s3.domainName (the peer addresses <bucket>.<domain>)
     peer_io_threads: int = 64  # LMCache's s3_num_io_threads (its default)
