@@ -189,11 +189,13 @@ class WorkerClient(_Core):
 
     def _settle(self, ahead: p.PrepareStore | None, commits: list[p.CommitStore]) -> None:
         """After a pipelined store failed: abort the batch prepared ahead and wait out the commits in flight."""
+        # Only requests still in flight on this socket (a timeout reset it: their replies are gone). Each
+        # wait apart, so a failed abort does not leave the commits' replies parked.
         with contextlib.suppress(DaemonUnavailable, DaemonError):
-            # Only requests still in flight on this socket (a timeout reset it: their replies are gone).
             if ahead is not None and ahead.rid in self._sent and isinstance(self._await(ahead), p.Slots):
                 self.request(p.CommitStore(namespace=ahead.namespace, hashes=ahead.hashes, ok=False), p.Ack)
-            for c in commits:
+        for c in commits:
+            with contextlib.suppress(DaemonUnavailable, DaemonError):
                 if c.rid in self._sent:
                     self._await(c)
 

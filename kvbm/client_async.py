@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -13,6 +14,20 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.client_core import Buffer, DaemonError, DaemonUnavailable, R, _Core
 from kvbm.layout import KVLayout
+
+
+async def _in_thread(fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn`` in a thread. If the caller is cancelled meanwhile, the thread is waited out before the
+    cancellation goes on: it copies into or out of G2 slots, which the caller gives back right after (an
+    abort or a Release), and another worker may be handed them at once."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([fut])
+        raise
 
 
 class AsyncWorkerClient(_Core):
@@ -25,6 +40,7 @@ class AsyncWorkerClient(_Core):
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._heartbeat: asyncio.Task[None] | None = None
+        self._registering = asyncio.Lock()  # one re-registration at a time (batches of a store run at once)
 
     def _socket(self) -> zmq.asyncio.Socket:
         if self._sock is None:
@@ -60,7 +76,9 @@ class AsyncWorkerClient(_Core):
         """Send ``msg`` and await the reply with its rid (registering again if the daemon forgot us)."""
         reply = await self._roundtrip(msg, timeout_s)
         if self._reregister(msg, reply):
-            self._attach(await self._roundtrip(self._reg_msg, None))
+            async with self._registering:
+                if msg.token == self.token:  # nobody registered again meanwhile
+                    self._attach(await self._roundtrip(self._reg_msg, None))
             reply = await self._roundtrip(msg, timeout_s)
         return self._check(reply, expect)
 
@@ -134,19 +152,23 @@ class AsyncWorkerClient(_Core):
 
     async def _store_batch(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int,
                            durable: bool) -> p.Ack:
-        slots = (await self.request(p.PrepareStore(namespace=ns, hashes=hashes, nbytes=n), p.Slots)).slots
+        prep = p.PrepareStore(namespace=ns, hashes=hashes, nbytes=n)
+        slots = (await self.request(prep, p.Slots)).slots
         try:
-            await asyncio.to_thread(self._copy_in, slots, bufs, n)
+            await _in_thread(self._copy_in, slots, bufs, n)
         except BaseException:
             await self.request(p.CommitStore(namespace=ns, hashes=hashes, ok=False), p.Ack)
             raise
+        if prep.token != self.token:  # another batch registered again: the daemon dropped these slots' session
+            raise DaemonError(p.E_UNREGISTERED, "the daemon forgot this worker while the batch was copied; "
+                                                "the batch was not stored")
         return await self.request(p.CommitStore(namespace=ns, hashes=hashes, durable=durable), p.Ack)
 
     async def load(self, keys: Sequence[BlockKey | bytes], outs: Sequence[Buffer]) -> int:
         ns, hashes = self._ns(keys)
         rep = await self.request(p.Onboard(namespace=ns, hashes=hashes), p.Onboarded)
         try:
-            await asyncio.to_thread(self._copy_out, rep, outs)
+            await _in_thread(self._copy_out, rep, outs)
         finally:
             if rep.count:
                 await self.request(p.Release(namespace=ns, hashes=hashes[: rep.count]), p.Released)

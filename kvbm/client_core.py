@@ -81,7 +81,7 @@ def _host_u8(buf: Buffer) -> np.ndarray | None:
 def _host_rows(bufs: Any) -> np.ndarray | None:
     """A 2-D host array or tensor of one block per row as uint8 rows (None for anything else)."""
     if isinstance(bufs, torch.Tensor) and bufs.ndim == 2 and bufs.device.type == "cpu":
-        bufs = bufs.detach().numpy()
+        bufs = bufs.detach().contiguous().view(torch.uint8).numpy()  # bytes first: bf16/fp8 have no numpy dtype
     if not isinstance(bufs, np.ndarray) or bufs.ndim != 2:
         return None
     return np.ascontiguousarray(bufs).view(np.uint8).reshape(len(bufs), -1)
@@ -224,7 +224,9 @@ class _Core:
                 raise ValueError(f"{len(slots)} slots but {len(rows)} buffers")
             take = [i for i, s in enumerate(slots) if s is not None]
             idx = np.asarray([slots[i] for i in take], dtype=np.int64)
-            pool[: g2.num_slots * sb].reshape(g2.num_slots, sb)[idx, :n] = rows[take, :n]
+            # Every slot given (the usual case): the rows as a view, so the batch is copied once, into G2.
+            src = rows[:, :n] if len(take) == len(rows) else rows[take, :n]
+            pool[: g2.num_slots * sb].reshape(g2.num_slots, sb)[idx, :n] = src
             return
         for slot, buf in zip(slots, bufs, strict=True):
             if slot is None:

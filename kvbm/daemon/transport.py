@@ -130,9 +130,16 @@ class Transport:
                 if burst >= 64:  # a steady stream of requests must not starve the handlers' tasks
                     burst = 0
                     await asyncio.sleep(0)
-                while self.inflight >= self.dc.max_inflight:
-                    self._slot_free.clear()
-                    await self._slot_free.wait()
+                if self.inflight >= self.dc.max_inflight:
+                    # ZeroMQ's FD stays readable while commands wait unprocessed, and nothing reads the socket
+                    # until a slot frees: without this the loop would wake for it over and over (a busy spin).
+                    loop.remove_reader(fd)
+                    try:
+                        while self.inflight >= self.dc.max_inflight:
+                            self._slot_free.clear()
+                            await self._slot_free.wait()
+                    finally:
+                        loop.add_reader(fd, self._readable.set)
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:

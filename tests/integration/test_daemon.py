@@ -2,16 +2,20 @@
 fuzzing, backpressure, leases, kill -9 recovery, metrics and the vLLM KV-event view."""
 
 import asyncio
+import contextlib
 import glob
+import os
 import random
 import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
+import torch
 import zmq
 from needs import needs
 from serve_proc import ServeProc
@@ -38,14 +42,15 @@ def payload(key):
 class DaemonProc(ServeProc):
     """A G2+G3 daemon in ``tmp``; restartable on the same disk dir."""
 
-    def __init__(self, tmp, *, host="4MiB", fsync=False, **daemon):
+    def __init__(self, tmp, *, host="4MiB", fsync=False, disk=True, **daemon):
         d = {"endpoint": f"ipc://{tmp}/kvbm.sock", "events_endpoint": f"ipc://{tmp}/events.sock", "metrics_port": -1,
              "max_message_bytes": 256 * 1024, **daemon}
         super().__init__(tmp, {
             "block_bytes": SLOT,
             "device": {"enabled": False},
             "host": {"capacity": host},
-            "disk": {"dir": str(tmp / "disk"), "capacity": "256MiB", "fsync": fsync, "o_direct": False},
+            "disk": {"dir": str(tmp / "disk"), "capacity": "256MiB", "fsync": fsync, "o_direct": False}
+            if disk else {"enabled": False},
             "s3": {"enabled": False},
             "embedded_s3": {"enabled": False},
             "transfer": {"backend": "plain"},
@@ -495,3 +500,100 @@ def test_the_async_client_splits_a_large_store_into_batches_byte_exact(daemon):
     ack, requests, loaded, outs, data = asyncio.run(go())
     assert ack.stored == 20 and requests == 2 * 3  # a PrepareStore and a CommitStore per batch of 8
     assert loaded == 20 and all(np.array_equal(o, d) for o, d in zip(outs, data, strict=True))
+
+
+def test_a_cancelled_async_store_never_lets_its_copy_land_in_another_workers_slots(tmp_path):
+    """The G2 pool has 8 slots. Worker A's store is cancelled while its copy thread still writes the slots;
+    worker B stores 8 other blocks at once, retrying while the pool is full. B's blocks must load with B's
+    bytes: A gives its slots back only after its copy thread is done (before, the abort freed them at once
+    and the late copy overwrote B's blocks)."""
+    d = DaemonProc(tmp_path, host="512KiB", disk=False).start()  # 8 slots of 64 KiB
+    try:
+        async def go():
+            a = AsyncWorkerClient(d.endpoint, timeout_s=20)
+            b = AsyncWorkerClient(d.endpoint, timeout_s=20)
+            await a.register(LAYOUT, worker_id="a")
+            await b.register(LAYOUT, worker_id="b")
+            copy_in = a._copy_in
+            started = threading.Event()
+
+            def slow_copy(slots, bufs, n):
+                started.set()
+                time.sleep(1.5)  # the copy is still running when the caller is cancelled
+                copy_in(slots, bufs, n)
+
+            a._copy_in = slow_copy
+            ka, kb = keys(8, b"cancel-a"), keys(8, b"cancel-b")
+            task = asyncio.ensure_future(a.store(ka, [payload(k) for k in ka]))
+            await asyncio.to_thread(started.wait, 10)
+            task.cancel()
+            data = [payload(k) for k in kb]
+            deadline = time.monotonic() + 30
+            while (await b.lookup(kb)).matched < len(kb) and time.monotonic() < deadline:
+                try:
+                    await b.store(kb, data)
+                except DaemonError:
+                    pass  # the pool is full while A's slots are still out
+                await asyncio.sleep(0.05)
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(2.0)  # let any orphaned copy finish before reading back
+            outs = [np.zeros(NB, dtype=np.uint8) for _ in kb]
+            n = await b.load(kb, outs)
+            await a.close()
+            await b.close()
+            return n, outs, data
+
+        n, outs, data = asyncio.run(go())
+        assert n == 8
+        wrong = [i for i, (o, x) in enumerate(zip(outs, data, strict=True)) if not np.array_equal(o, x)]
+        assert wrong == [], f"blocks {wrong} hold another worker's bytes"
+    finally:
+        d.stop()
+
+
+def test_a_2d_bfloat16_tensor_of_blocks_stores_byte_exact(daemon):
+    """One row per block, as KV rows come out of a model (bf16 has no numpy dtype)."""
+    ks = keys(4, b"bf16rows")
+    rows = torch.randn(4, NB // 2, dtype=torch.float32).to(torch.bfloat16)
+    with WorkerClient(daemon.endpoint, timeout_s=20) as c:
+        c.register(LAYOUT, worker_id="bf16")
+        assert c.store(ks, rows).stored == 4
+        outs = [np.zeros(NB, dtype=np.uint8) for _ in ks]
+        assert c.load(ks, outs) == 4
+    for o, r in zip(outs, rows, strict=True):
+        assert bytes(o) == r.view(torch.uint8).numpy().tobytes()
+
+
+def test_a_daemon_at_max_inflight_does_not_spin_while_requests_wait(tmp_path):
+    """With every handler slot taken (one Barrier waiting for a second rank) and more requests queued, the
+    daemon waits for a slot to free without burning CPU (before: its loop spun on the readable socket)."""
+    d = DaemonProc(tmp_path, max_inflight=1).start()
+    try:
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="spin")
+            stat = Path(f"/proc/{d.proc.pid}/stat")
+
+            def cpu_s():
+                f = stat.read_text().rsplit(")", 1)[1].split()
+                return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+            def wait_for_a_second_rank():
+                with contextlib.suppress(DaemonError, DaemonUnavailable):
+                    c.barrier("engine", 1, 0, 2, 4.0)  # holds the one handler slot for 4 s
+
+            blocked = threading.Thread(target=wait_for_a_second_rank)
+            with WorkerClient(d.endpoint, timeout_s=30) as other:
+                other.register(LAYOUT, worker_id="spin-2")
+                blocked.start()
+                time.sleep(0.5)
+                before = cpu_s()
+                waiting = threading.Thread(target=other.ping)  # queued behind the barrier
+                waiting.start()
+                time.sleep(3.0)
+                used = cpu_s() - before
+                blocked.join(30)
+                waiting.join(30)
+        assert used < 0.5, f"the daemon used {used:.2f} CPU-s in 3 s while waiting for a free handler slot"
+    finally:
+        d.stop()
