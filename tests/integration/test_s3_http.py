@@ -241,20 +241,40 @@ async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, first: bytes = 
         w.close()
 
 
-class _TlsProxy:
-    """A TLS terminator in front of the plain-http SeaweedFS (a real TLS endpoint; bytes pass unchanged)."""
+class _LoopbackProxy:
+    """A proxy to ``target`` (an http URL) serving on a loopback port from its own thread and event loop;
+    subclasses start their server in :meth:`_run`, set ``port`` and ``_ready``, then run the loop."""
 
-    def __init__(self, target: str, cert: str, keyfile: str) -> None:
+    def __init__(self, target: str, name: str) -> None:
         from urllib.parse import urlsplit
 
         u = urlsplit(target)
         self.target = (u.hostname, u.port)
-        self.cert, self.keyfile = cert, keyfile
-        self.accepted = 0
         self.loop = asyncio.new_event_loop()
         self.port = 0
-        self._thread = threading.Thread(target=self._run, name="tls-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._ready = threading.Event()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+class _TlsProxy(_LoopbackProxy):
+    """A TLS terminator in front of the plain-http SeaweedFS (a real TLS endpoint; bytes pass unchanged)."""
+
+    def __init__(self, target: str, cert: str, keyfile: str) -> None:
+        super().__init__(target, "tls-proxy")
+        self.cert, self.keyfile = cert, keyfile
+        self.accepted = 0
 
     def _run(self) -> None:
         import ssl
@@ -273,14 +293,6 @@ class _TlsProxy:
         self._ready.set()
         self.loop.run_forever()
 
-    def __enter__(self) -> _TlsProxy:
-        self._thread.start()
-        assert self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
 
 
 def test_https_endpoint_with_default_ssl_context(s3_server, s3_prefix, tmp_path, monkeypatch):
@@ -318,22 +330,15 @@ def test_https_endpoint_with_default_ssl_context(s3_server, s3_prefix, tmp_path,
         assert proxy.accepted > before
 
 
-class _SlowDownProxy:
+class _SlowDownProxy(_LoopbackProxy):
     """Pipes to SeaweedFS, but answers the next ``faults`` requests itself with 503 SlowDown (throttling,
     which SeaweedFS on loopback never produces) and closes those connections."""
 
     def __init__(self, target: str) -> None:
-        from urllib.parse import urlsplit
-
-        u = urlsplit(target)
-        self.target = (u.hostname, u.port)
+        super().__init__(target, "slowdown-proxy")
         self.faults = 0
         self.answered = 0
-        self.loop = asyncio.new_event_loop()
-        self.port = 0
         self._open: set[asyncio.StreamWriter] = set()
-        self._thread = threading.Thread(target=self._run, name="slowdown-proxy", daemon=True)
-        self._ready = threading.Event()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -372,14 +377,6 @@ class _SlowDownProxy:
 
         self.loop.call_soon_threadsafe(go)
 
-    def __enter__(self) -> _SlowDownProxy:
-        self._thread.start()
-        assert self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
 
 
 def test_throttling_is_retried_with_backoff_then_an_error(s3_server, s3_prefix):
