@@ -36,7 +36,7 @@ from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
 from kvbm.external import ExternalStores
 from kvbm.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.knowledge import IndexSync
-from kvbm.manager_state import CopyObserver, ManagerState, ManagerStats
+from kvbm.manager_state import CopyObserver, ManagerState, ManagerStats, StateField
 from kvbm.moves import Moves, forget_if_gone
 from kvbm.owed import CATCH_UP_EVERY_S
 from kvbm.policy import PERSISTENT
@@ -81,46 +81,13 @@ class BlockManager:
     def _move(self, key: BlockKey, dst: str) -> Awaitable[bool]:
         return self.moves.move(key, dst)
 
-    # The state's fields, as the manager's callers have always read them.
-    @property
-    def tiers(self) -> list[Tier]:
-        return self.state.tiers
-
-    @property
-    def by_name(self) -> dict[str, Tier]:
-        return self.state.by_name
-
-    @property
-    def registry(self) -> Registry:
-        return self.state.registry
-
-    @registry.setter
-    def registry(self, registry: Registry) -> None:
-        self.state.registry = registry  # every part reads it per call, so all of them see the new one
-
-    @property
-    def stats(self) -> ManagerStats:
-        return self.state.stats
-
-    @property
-    def failures(self) -> FailureLog:
-        return self.state.failures
-
-    @property
-    def mover(self) -> MemoryMover | None:
-        return self.state.mover
-
-    @property
-    def min_hits_to_offload(self) -> int:
-        return self.state.min_hits_to_offload
-
-    @property
-    def observe_copy(self) -> CopyObserver:
-        return self.state.observe_copy
-
-    @observe_copy.setter
-    def observe_copy(self, hook: CopyObserver) -> None:
-        self.state.observe_copy = hook
+    # The state's fields, read (and for registry/observe_copy set) through the manager as callers always have.
+    tiers: StateField[list[Tier]] = StateField()
+    by_name: StateField[dict[str, Tier]] = StateField()
+    registry: StateField[Registry] = StateField()  # set: every part reads it per call, so all see the new one
+    stats: StateField[ManagerStats] = StateField()
+    mover: StateField[MemoryMover | None] = StateField()
+    observe_copy: StateField[CopyObserver] = StateField()
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, *, index: bool | tuple[str, ...] = True) -> None:
@@ -176,15 +143,12 @@ class BlockManager:
     def where(self, key: BlockKey) -> list[str]:
         return self.registry.where(key)
 
-    def _below(self, name: str) -> list[Tier]:
-        return self.state.below(name)
-
     # -- writes ----------------------------------------------------------------------------------------
     async def put(
         self, key: BlockKey, data: memoryview | bytes, tier: str | None = None, *, cascade: bool = True
     ) -> str:
         """Store ``data`` as ``key`` in ``tier`` (default: the fastest) and write it through below."""
-        order = self.tiers if tier is None else [self.by_name[tier], *self._below(tier)]
+        order = self.tiers if tier is None else [self.by_name[tier], *self.state.below(tier)]
         for t in order:
             try:
                 await self._store(t, key, data)
@@ -232,10 +196,6 @@ class BlockManager:
     def detach_store(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
         """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`)."""
         return self.external.detach(keys)
-
-    def filtered(self, tier: Tier, key: BlockKey) -> bool:
-        """The frequency filter (:meth:`ManagerState.filtered`)."""
-        return self.state.filtered(tier, key)
 
     # -- write-throughs owed after an outage (kvbm.owed) ----------------------------------------------
     @property

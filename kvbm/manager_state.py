@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -69,3 +70,18 @@ class ManagerState:
         """The frequency filter (:func:`kvbm.policy.filtered`) with ``min_hits_to_offload``."""
         return policy.filtered(tier, key, self.registry, self.min_hits_to_offload)
 
+
+T = TypeVar("T")
+
+
+class StateField(Generic[T]):
+    """An attribute of the owner that is the same-named field of its ``state`` (read and set through)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> T:
+        return getattr(obj.state, self.name)
+
+    def __set__(self, obj: Any, value: T) -> None:
+        setattr(obj.state, self.name, value)
