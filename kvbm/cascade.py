@@ -9,33 +9,32 @@ was; one a tier could not take for an outage is owed to it (:class:`~kvbm.owed.O
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from kvbm import policy
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierUnavailableError
+from kvbm.manager_state import ManagerState
 from kvbm.owed import OwedWrites
 
-if TYPE_CHECKING:
-    from kvbm.manager import BlockManager
+Move = Callable[[BlockKey, str], Awaitable[bool]]  # copy a block into a tier (kvbm.moves.Moves.move)
 
 
 class WriteThrough:
     """Owns the background cascades (``pending``) and the writes owed after an outage (``owed``)."""
 
-    def __init__(self, manager: BlockManager, max_pending: int, max_concurrent: int) -> None:
-        self.m = manager
-        self.registry = manager.registry
-        self.stats = manager.stats
+    def __init__(self, state: ManagerState, move: Move, max_pending: int, max_concurrent: int) -> None:
+        self.s = state
+        self._move = move
         self.max_pending = max_pending
         self.pending: set[asyncio.Task[bool]] = set()
         self._slots = asyncio.Semaphore(max(1, max_concurrent))
-        self.owed = OwedWrites(manager.by_name, manager.registry, self._catch_up_one)
+        self.owed = OwedWrites(state, self._catch_up_one)
 
     def schedule(self, key: BlockKey) -> bool:
         """Start a background cascade of ``key``; False (shed, counted) when too many are queued."""
         if len(self.pending) >= self.max_pending:
-            self.stats.shed_offloads += 1
+            self.s.stats.shed_offloads += 1
             return False
         task = asyncio.get_running_loop().create_task(self.cascade(key))
         self.pending.add(task)
@@ -44,7 +43,7 @@ class WriteThrough:
 
     def _catch_up_one(self, key: BlockKey) -> bool:
         started = self.schedule(key)
-        self.stats.catch_up_writes += started
+        self.s.stats.catch_up_writes += started
         return started
 
     async def drain(self) -> None:
@@ -58,27 +57,28 @@ class WriteThrough:
             return await self._cascade_now(key)
 
     async def _cascade_now(self, key: BlockKey) -> bool:
-        where = self.registry.where(key)
+        s = self.s
+        where = s.registry.where(key)
         if not where:
             return False
         durable = False
-        for tier in policy.below(self.m.tiers, where[0]):
-            if self.registry.holds(tier.name, key):
+        for tier in s.below(where[0]):
+            if s.registry.holds(tier.name, key):
                 durable = durable or policy.is_persistent(tier)
                 continue
-            if self.m.filtered(tier, key):
-                self.stats.filtered += 1
+            if s.filtered(tier, key):
+                s.stats.filtered += 1
                 continue
             try:
-                ok = await self.m.moves.move(key, tier.name)
+                ok = await self._move(key, tier.name)
             except Exception as e:  # any failure: count it, keep the block where it is, go on below
-                self.m.failures.record("cascade", key, tier.name, e)
+                s.failures.record("cascade", key, tier.name, e)
                 ok = False
                 if isinstance(e, TierUnavailableError):  # an outage or shed write: owed, retried later
                     self.owed.owe(tier.name, key)
             if ok:
-                self.stats.cascade_writes += 1
+                s.stats.cascade_writes += 1
                 durable = durable or policy.is_persistent(tier)
             else:
-                self.stats.cascade_failures += 1
+                s.stats.cascade_failures += 1
         return durable

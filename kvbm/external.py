@@ -5,30 +5,25 @@ eviction's reach, until then."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
-from kvbm import policy
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError
+from kvbm.manager_state import ManagerState
 from kvbm.room import Room
 from kvbm.tiers.pool import SlotPoolTier
-
-if TYPE_CHECKING:
-    from kvbm.manager import BlockManager
 
 
 class ExternalStores:
     """Owns the prepared (not yet committed) stores: key -> (pool tier, payload bytes)."""
 
-    def __init__(self, manager: BlockManager, room: Room, cascade: Callable[[BlockKey], bool]) -> None:
-        self.m = manager
-        self.registry = manager.registry
+    def __init__(self, state: ManagerState, room: Room, cascade: Callable[[BlockKey], bool]) -> None:
+        self.s = state
         self.room = room
         self._cascade = cascade
         self._prepared: dict[BlockKey, tuple[str, int]] = {}
 
     def _pool(self, tier: str) -> SlotPoolTier:
-        pool = self.m.by_name[tier]
+        pool = self.s.by_name[tier]
         if not isinstance(pool, SlotPoolTier):
             raise KvbmError(f"{tier} is not a slot pool")
         return pool
@@ -42,7 +37,7 @@ class ExternalStores:
         slots: list[int | None] = [None] * len(keys)
         todo: dict[BlockKey, int] = {}  # key -> its first index in ``keys``
         prepared, pending = self._prepared, pool.is_pending
-        for i, (key, held) in enumerate(zip(keys, self.registry.holding(tier, keys), strict=True)):
+        for i, (key, held) in enumerate(zip(keys, self.s.registry.holding(tier, keys), strict=True)):
             if not held and key not in todo and key not in prepared and not pending(key):
                 todo[key] = i
         if not todo:
@@ -52,7 +47,7 @@ class ExternalStores:
         try:
             await self.room.free_a_slot(pool, len(todo))
             # Re-checked after the awaits: a key may have arrived (or started arriving) while we made room.
-            ready = [k for k, held in zip(todo, self.registry.holding(tier, list(todo)), strict=True)
+            ready = [k for k, held in zip(todo, self.s.registry.holding(tier, list(todo)), strict=True)
                      if not held and not pending(k)]
             for key, slot in zip(ready, pool.allocate_many(ready, nbytes), strict=True):
                 slots[todo[key]] = slot
@@ -82,9 +77,9 @@ class ExternalStores:
             fp = pool.footprint(nbytes)
             if ok:
                 committed = pool.commit_many(batch)
-                self.registry.add_many(tier, committed, fp)
+                self.s.registry.add_many(tier, committed, fp)
                 done += len(committed)
-                if cascade and policy.below(self.m.tiers, tier):  # nothing below: a cascade would have nothing to do
+                if cascade and self.s.below(tier):  # nothing below: a cascade would have nothing to do
                     for key in committed:
                         self._cascade(key)
             else:

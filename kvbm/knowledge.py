@@ -10,26 +10,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError
-from kvbm.registry import Registry
-from kvbm.tiers.base import Tier
-from kvbm.tiers.s3 import S3Tier
-
-if TYPE_CHECKING:
-    from kvbm.manager import ManagerStats
+from kvbm.manager_state import ManagerState
+from kvbm.tiers.base import SharedTier
 
 
 class IndexSync:
     """Teaches the registry about blocks found elsewhere; the manager's lookup counters follow."""
 
-    def __init__(self, registry: Registry, by_name: Mapping[str, Tier], stats: ManagerStats) -> None:
-        self.registry = registry
-        self.by_name = by_name
-        self.stats = stats
+    def __init__(self, state: ManagerState) -> None:
+        self.s = state
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
         """Load what tier ``name`` holds into the registry; returns blocks found.
@@ -38,19 +31,19 @@ class IndexSync:
         Raises TierUnavailableError when the tier cannot be listed (e.g. S3 is down): the index is then
         incomplete, and the caller decides whether to retry (blocks listed before the failure stay).
         """
-        tier = self.by_name[name]
+        tier = self.s.by_name[name]
         n = 0
         if refresh:
             await tier.refresh(namespace)
         async for sb in tier.scan(namespace):
-            self.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes))
+            self.s.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes))
             n += 1
         return n
 
     def relookup(self, keys: Sequence[BlockKey], before: Sequence[str]) -> list[str]:
         """A lookup again after the index learned more (a bucket probe): counts only the added hits."""
-        found = self.registry.match_prefix(keys)
-        self.stats.lookup_hit_blocks += max(0, len(found) - len(before))
+        found = self.s.registry.match_prefix(keys)
+        self.s.stats.lookup_hit_blocks += max(0, len(found) - len(before))
         return found
 
     def learn(self, name: str, found: dict[BlockKey, int]) -> int:
@@ -59,10 +52,10 @@ class IndexSync:
         tier = self._shared(name)
         n = 0
         for key, nbytes in found.items():
-            if self.registry.holds(name, key):
+            if self.s.registry.holds(name, key):
                 continue  # already known: leave its LRU position alone
             tier.remember(key, nbytes)
-            self.registry.add(name, key, tier.footprint(nbytes))
+            self.s.registry.add(name, key, tier.footprint(nbytes))
             n += 1
         return n
 
@@ -73,11 +66,11 @@ class IndexSync:
         n = 0
         for key in keys:
             tier.forget(key)
-            n += self.registry.remove(name, key)
+            n += self.s.registry.remove(name, key)
         return n
 
-    def _shared(self, name: str) -> S3Tier:
-        tier = self.by_name[name]
-        if not isinstance(tier, S3Tier):
+    def _shared(self, name: str) -> SharedTier:
+        tier = self.s.by_name[name]
+        if not isinstance(tier, SharedTier):
             raise KvbmError(f"{name} is not a shared (S3) tier")
         return tier

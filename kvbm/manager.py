@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import msgspec
 
@@ -36,7 +36,7 @@ from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
 from kvbm.external import ExternalStores
 from kvbm.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.knowledge import IndexSync
-from kvbm.metrics import no_observe
+from kvbm.manager_state import CopyObserver, ManagerState, ManagerStats, StateField
 from kvbm.moves import Moves, forget_if_gone
 from kvbm.owed import CATCH_UP_EVERY_S
 from kvbm.policy import PERSISTENT
@@ -45,32 +45,11 @@ from kvbm.room import Room
 from kvbm.tiers.base import Tier
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
+from kvbm.transfer.memory import MemoryMover
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CATCH_UP_EVERY_S", "FAILURE_LOG_EVERY_S", "PERSISTENT", "BlockManager", "FailureLog", "ManagerStats"]
-
-
-class ManagerStats(msgspec.Struct):
-    lookups: int = 0
-    lookup_blocks: int = 0
-    lookup_hit_blocks: int = 0
-    onboards: int = 0
-    onboard_blocks: int = 0
-    onboard_seconds: float = 0.0
-    offloads: int = 0
-    offload_blocks: int = 0
-    cascade_writes: int = 0
-    cascade_failures: int = 0
-    shed_offloads: int = 0
-    evictions: int = 0
-    demotions: int = 0
-    demotion_failures: int = 0
-    kept: int = 0  # evictions refused: a persistent tier's block no lower tier could take
-    dropped: int = 0  # memory-tier blocks evicted although no lower tier could take them
-    filtered: int = 0
-    catch_up_writes: int = 0  # owed write-throughs retried once their tier took writes again
-    errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
 
 
 class BlockManager:
@@ -79,7 +58,7 @@ class BlockManager:
     def __init__(
         self,
         tiers: Sequence[Tier],
-        mover: object | None = None,
+        mover: MemoryMover | None = None,
         *,
         min_hits_to_offload: int = 0,
         max_pending_cascades: int = 1024,
@@ -88,22 +67,27 @@ class BlockManager:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise KvbmError(f"duplicate tier names: {names}")
-        self.tiers: list[Tier] = list(tiers)
-        self.by_name: dict[str, Tier] = {t.name: t for t in self.tiers}
-        self.registry = Registry(names)
-        self.mover = mover
-        self.min_hits_to_offload = min_hits_to_offload
-        self.stats = ManagerStats()
-        self.observe_copy = no_observe  # (src tier, dst tier, seconds) per block copy; see kvbm.metrics
-        self.failures = FailureLog(self.stats.errors)
+        # The one state every part shares; the parts get it and the callables they use, never the manager.
+        self.state = ManagerState(list(tiers), Registry(names), mover=mover, min_hits_to_offload=min_hits_to_offload)
+        self.room = Room(self.state, self._move)  # reservations and eviction
+        self.moves = Moves(self.state, self.room)  # coalesced copies between tiers
         # Background cascades (bounded; see kvbm.cascade) and the write-throughs owed after an outage.
-        self.write_through = WriteThrough(self, max_pending_cascades, max_concurrent_cascades)
+        self.write_through = WriteThrough(self.state, self._move, max_pending_cascades, max_concurrent_cascades)
         self.owed_writes = self.write_through.owed
+        self.external = ExternalStores(self.state, self.room, self.write_through.schedule)  # worker-filled G2 slots
+        self.index = IndexSync(self.state)  # blocks found elsewhere (kvbm.knowledge)
         self._pools_registered = False
-        self.room = Room(self, lambda key, dst: self.moves.move(key, dst))  # reservations and eviction
-        self.moves = Moves(self, self.room)  # coalesced copies between tiers
-        self.external = ExternalStores(self, self.room, self.write_through.schedule)  # worker-filled G2 slots
-        self.index = IndexSync(self.registry, self.by_name, self.stats)  # blocks found elsewhere (kvbm.knowledge)
+
+    def _move(self, key: BlockKey, dst: str) -> Awaitable[bool]:
+        return self.moves.move(key, dst)
+
+    # The state's fields, read (and for registry/observe_copy set) through the manager as callers always have.
+    tiers: StateField[list[Tier]] = StateField()
+    by_name: StateField[dict[str, Tier]] = StateField()
+    registry: StateField[Registry] = StateField()  # set: every part reads it per call, so all see the new one
+    stats: StateField[ManagerStats] = StateField()
+    mover: StateField[MemoryMover | None] = StateField()
+    observe_copy: StateField[CopyObserver] = StateField()
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, *, index: bool | tuple[str, ...] = True) -> None:
@@ -114,7 +98,7 @@ class BlockManager:
         if self.mover is not None and not self._pools_registered:
             for tier in self.tiers:
                 if isinstance(tier, SlotPoolTier):
-                    self.mover.register(tier.pool)  # type: ignore[attr-defined]
+                    self.mover.register(tier.pool)
             self._pools_registered = True
         if index:
             for tier in self.tiers:
@@ -159,15 +143,12 @@ class BlockManager:
     def where(self, key: BlockKey) -> list[str]:
         return self.registry.where(key)
 
-    def _below(self, name: str) -> list[Tier]:
-        return policy.below(self.tiers, name)
-
     # -- writes ----------------------------------------------------------------------------------------
     async def put(
         self, key: BlockKey, data: memoryview | bytes, tier: str | None = None, *, cascade: bool = True
     ) -> str:
         """Store ``data`` as ``key`` in ``tier`` (default: the fastest) and write it through below."""
-        order = self.tiers if tier is None else [self.by_name[tier], *self._below(tier)]
+        order = self.tiers if tier is None else [self.by_name[tier], *self.state.below(tier)]
         for t in order:
             try:
                 await self._store(t, key, data)
@@ -215,10 +196,6 @@ class BlockManager:
     def detach_store(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
         """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`)."""
         return self.external.detach(keys)
-
-    def filtered(self, tier: Tier, key: BlockKey) -> bool:
-        """The frequency filter (:func:`kvbm.policy.filtered`) with ``min_hits_to_offload``."""
-        return policy.filtered(tier, key, self.registry, self.min_hits_to_offload)
 
     # -- write-throughs owed after an outage (kvbm.owed) ----------------------------------------------
     @property

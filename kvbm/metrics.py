@@ -27,8 +27,6 @@ LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0
                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def no_observe(*_args: Any) -> None:
-    """The default latency hook: metrics off."""
 
 
 Snapshot = Callable[[], dict[str, Any]]

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from kvbm import policy
 from kvbm.blocks import BlockKey
 from kvbm.copiers import copy_block
+from kvbm.manager_state import ManagerState
 from kvbm.registry import Registry
 from kvbm.room import Room
 from kvbm.tiers.base import Tier
-
-if TYPE_CHECKING:
-    from kvbm.manager import BlockManager
 
 
 def forget_if_gone(registry: Registry, tier: Tier, key: BlockKey) -> None:
@@ -28,15 +25,14 @@ def forget_if_gone(registry: Registry, tier: Tier, key: BlockKey) -> None:
 class Moves:
     """Owns the moves in flight (one future per (block, destination tier))."""
 
-    def __init__(self, manager: BlockManager, room: Room) -> None:
-        self.m = manager
-        self.registry = manager.registry
+    def __init__(self, state: ManagerState, room: Room) -> None:
+        self.s = state
         self.room = room
         self._inflight: dict[tuple[BlockKey, str], asyncio.Future[bool]] = {}
 
     async def move(self, key: BlockKey, dst_name: str) -> bool:
         """Copy ``key`` from the fastest tier holding it into ``dst_name`` (coalesced per key/tier)."""
-        if self.registry.holds(dst_name, key):
+        if self.s.registry.holds(dst_name, key):
             return True
         slot = (key, dst_name)
         fut = self._inflight.get(slot)
@@ -45,7 +41,7 @@ class Moves:
         fut = asyncio.get_running_loop().create_future()
         self._inflight[slot] = fut
         try:
-            ok = await self._do_move(key, self.m.by_name[dst_name])
+            ok = await self._do_move(key, self.s.by_name[dst_name])
             fut.set_result(ok)
             return ok
         except BaseException as e:
@@ -56,23 +52,24 @@ class Moves:
             del self._inflight[slot]
 
     async def _do_move(self, key: BlockKey, dst: Tier) -> bool:
-        if self.registry.holds(dst.name, key):
+        s = self.s
+        if s.registry.holds(dst.name, key):
             return True
-        for src_name in policy.copy_sources(self.m.tiers, self.registry, key, dst.name):
-            src = self.m.by_name[src_name]
+        for src_name in policy.copy_sources(s.tiers, s.registry, key, dst.name):
+            src = s.by_name[src_name]
             n = src.nbytes(key)
             if n is None:
-                self.registry.remove(src_name, key)  # the tier lost it (e.g. deleted behind our back)
+                s.registry.remove(src_name, key)  # the tier lost it (e.g. deleted behind our back)
                 continue
             fp = dst.footprint(n)
-            with self.registry.pinned([key], src_name):
+            with s.registry.pinned([key], src_name):
                 async with self.room.held(dst, fp):
                     t0 = time.perf_counter()
-                    ok = await copy_block(key, src, dst, n, self.m.mover)
+                    ok = await copy_block(key, src, dst, n, s.mover)
                     if ok:
-                        self.m.observe_copy(src_name, dst.name, time.perf_counter() - t0)
-                        self.registry.add(dst.name, key, fp)
+                        s.observe_copy(src_name, dst.name, time.perf_counter() - t0)
+                        s.registry.add(dst.name, key, fp)
             if ok:
                 return True
-            forget_if_gone(self.registry, src, key)
+            forget_if_gone(s.registry, src, key)
         return False

@@ -5,11 +5,10 @@ still ends up durable."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from kvbm.blocks import BlockKey
-from kvbm.registry import Registry
-from kvbm.tiers.base import Tier
+from kvbm.manager_state import ManagerState
 
 CATCH_UP_EVERY_S = 2.0  # how often owed write-throughs check whether their tier takes writes again
 
@@ -17,9 +16,8 @@ CATCH_UP_EVERY_S = 2.0  # how often owed write-throughs check whether their tier
 class OwedWrites:
     """Tier -> keys owed; a loop runs while any are owed. ``schedule`` starts a cascade (False: queue full)."""
 
-    def __init__(self, tiers: Mapping[str, Tier], registry: Registry, schedule: Callable[[BlockKey], bool]) -> None:
-        self.tiers = tiers
-        self.registry = registry
+    def __init__(self, state: ManagerState, schedule: Callable[[BlockKey], bool]) -> None:
+        self.s = state
         self.schedule = schedule
         self.every_s = CATCH_UP_EVERY_S
         self._owed: dict[str, set[BlockKey]] = {}
@@ -43,7 +41,7 @@ class OwedWrites:
         while any(self._owed.values()):
             await asyncio.sleep(self.every_s)
             for name in [n for n, keys in self._owed.items() if keys]:
-                if self.tiers[name].writable():
+                if self.s.by_name[name].writable():
                     self.catch_up(name)
 
     def catch_up(self, tier: str) -> int:
@@ -51,7 +49,7 @@ class OwedWrites:
         keys, self._owed[tier] = self._owed.get(tier, set()), set()
         started = 0
         for key in keys:
-            if self.registry.where(key) and not self.registry.holds(tier, key):
+            if self.s.registry.where(key) and not self.s.registry.holds(tier, key):
                 if self.schedule(key):
                     started += 1
                 else:

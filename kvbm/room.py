@@ -10,25 +10,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
 from kvbm import policy
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierFullError
+from kvbm.manager_state import ManagerState
 from kvbm.tiers.base import Tier
 from kvbm.tiers.pool import SlotPoolTier
-
-if TYPE_CHECKING:
-    from kvbm.manager import BlockManager
 
 
 class Room:
     """Owns the per-tier reservations (``reserved`` bytes beyond what the registry counts) and eviction."""
 
-    def __init__(self, manager: BlockManager, move: Callable[[BlockKey, str], Awaitable[bool]]) -> None:
-        self.m = manager
-        self.registry = manager.registry
-        self.stats = manager.stats
+    def __init__(self, state: ManagerState, move: Callable[[BlockKey, str], Awaitable[bool]]) -> None:
+        self.s = state
         self._move = move
         self._locks: dict[str, asyncio.Lock] = {}
         self._reserved: dict[str, int] = {}
@@ -46,7 +41,7 @@ class Room:
             try:
                 while True:
                     try:
-                        victims = self.registry.victims(tier.name, need, tier.capacity_bytes)
+                        victims = self.s.registry.victims(tier.name, need, tier.capacity_bytes)
                     except LookupError as e:
                         raise TierFullError(str(e)) from None
                     if not victims:
@@ -61,9 +56,9 @@ class Room:
                                 "lower tier and none can take it now")
                         if not gone:
                             skipped.append(victim)
-                            self.registry.pin([victim], tier.name)
+                            self.s.registry.pin([victim], tier.name)
             finally:
-                self.registry.unpin(skipped, tier.name)
+                self.s.registry.unpin(skipped, tier.name)
             self._reserved[tier.name] = self._reserved.get(tier.name, 0) + footprint
 
     def unreserve(self, tier: Tier, footprint: int) -> None:
@@ -84,9 +79,9 @@ class Room:
         for _ in range(pool.num_slots):
             if pool.free_slots() >= count:
                 return
-            used = self.registry.used(pool.name)
+            used = self.s.registry.used(pool.name)
             try:
-                victims = self.registry.victims(pool.name, pool.capacity_bytes - used + pool.slot_bytes,
+                victims = self.s.registry.victims(pool.name, pool.capacity_bytes - used + pool.slot_bytes,
                                                 pool.capacity_bytes)
             except LookupError:
                 return  # everything left is pinned: allocate reports the pool full
@@ -100,31 +95,32 @@ class Room:
         True: evicted. False: pinned meanwhile, left in place. None: kept because it is a persistent
         tier's only copy and no lower tier could take it (S3 down, disk full): it is never dropped.
         """
-        below = policy.below(self.m.tiers, tier.name)
-        if below and not any(self.registry.holds(t.name, key) for t in below):
-            with self.registry.pinned([key]):
+        s = self.s
+        below = s.below(tier.name)
+        if below and not any(s.registry.holds(t.name, key) for t in below):
+            with s.registry.pinned([key]):
                 for t in below:
-                    if self.m.filtered(t, key):
+                    if s.filtered(t, key):
                         continue
                     if not t.writable():  # would be shed: do not read the block for nothing
                         continue
                     try:
                         if await self._move(key, t.name):
-                            self.stats.demotions += 1
+                            s.stats.demotions += 1
                             break
                     except Exception as e:  # any failure: count it; the block stays until it is demoted
-                        self.stats.demotion_failures += 1
-                        self.m.failures.record("demotion", key, t.name, e)
-            demoted = any(self.registry.holds(t.name, key) for t in below)
-            filtered_only = all(self.m.filtered(t, key) for t in below)
+                        s.stats.demotion_failures += 1
+                        s.failures.record("demotion", key, t.name, e)
+            demoted = any(s.registry.holds(t.name, key) for t in below)
+            filtered_only = all(s.filtered(t, key) for t in below)
             if not demoted and not filtered_only:
                 if policy.is_persistent(tier):
-                    self.stats.kept += 1
+                    s.stats.kept += 1
                     return None
-                self.stats.dropped += 1
-        if self.registry.is_pinned(key, tier.name):
+                s.stats.dropped += 1
+        if s.registry.is_pinned(key, tier.name):
             return False
-        self.registry.remove(tier.name, key)
+        s.registry.remove(tier.name, key)
         await tier.delete(key)
-        self.stats.evictions += 1
+        s.stats.evictions += 1
         return True

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
 from kvbm.blocks import BlockKey
+
+
+def no_observe(*_args: object) -> None:
+    """The default latency/copy hook (metrics off); the daemon installs its Prometheus observers instead."""
 
 
 class StoredBlock(msgspec.Struct, frozen=True):
@@ -118,3 +123,14 @@ class Tier(abc.ABC):
             "used_bytes": self.used_bytes(),
             "stats": msgspec.structs.asdict(self.stats),
         }
+
+
+@runtime_checkable
+class SharedTier(Protocol):
+    """A tier other nodes write to as well (the bucket): the index learns and forgets its blocks without I/O."""
+
+    name: str
+
+    def footprint(self, nbytes: int) -> int: ...
+    def remember(self, key: BlockKey, nbytes: int) -> None: ...
+    def forget(self, key: BlockKey) -> None: ...

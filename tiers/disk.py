@@ -218,38 +218,7 @@ class DiskTier(Tier):
     def _reindex(
         self, namespace: str | None = None, clean_tmp: bool = True
     ) -> tuple[dict[BlockKey, tuple[int, float]], int, int]:
-        """Walk the tree (or one namespace): verify each header against its file name and size; drop what
-        fails. Temp files are removed only at start, when no writer of ours can be mid-write."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        top = self.dir / check_namespace(namespace) if namespace else self.dir
-        found: dict[BlockKey, tuple[int, float]] = {}
-        corrupt = tmp = 0
-        for root, dirs, files in os.walk(top):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            rel = Path(root).relative_to(self.dir).parts
-            for fname in files:
-                path = os.path.join(root, fname)
-                if fname.startswith(TMP_PREFIX):
-                    if clean_tmp:
-                        tmp += _unlink(path)
-                    continue
-                key = parse_disk_relpath((*rel, fname))
-                if key is None:
-                    continue  # not a kvbm block name: never read, never deleted
-                try:
-                    head, size = self.file_io.read_header(path, self.header_len)
-                    hdr = unpack_header(head)
-                    if hdr.hash != key.hash or hdr.fingerprint != key.fingerprint:
-                        raise CorruptBlockError("header names another block")
-                    if not hdr.header_len + hdr.payload_len <= size <= hdr.header_len + round_up(hdr.payload_len):
-                        raise CorruptBlockError(f"file is {size} bytes for a {hdr.payload_len}-byte payload")
-                    found[key] = (hdr.payload_len, os.stat(path).st_mtime)
-                except FileNotFoundError:
-                    continue
-                except (CorruptBlockError, ValueError) as e:
-                    log.warning("G3: dropping %s: %s", path, e)
-                    corrupt += _unlink(path)
-        return found, corrupt, tmp
+        return walk_blocks(self.dir, self.file_io, self.header_len, namespace, clean_tmp)
 
     async def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -376,6 +345,44 @@ class DiskTier(Tier):
         d.update(dir=str(self.dir), blocks=len(self._index), file_io=self.file_io.name,
                  io_modes=dict(self.file_io.modes), o_direct=self.o_direct, fsync=self.fsync)
         return d
+
+
+def walk_blocks(
+    top_dir: Path, file_io: FileIO, header_len: int, namespace: str | None = None, clean_tmp: bool = True
+) -> tuple[dict[BlockKey, tuple[int, float]], int, int]:
+    """Walk the tree (or one namespace): verify each header against its file name and size; drop what
+    fails; returns ({key: (payload bytes, mtime)}, corrupt files removed, temp files removed). Temp files are
+    removed only at start, when no writer of ours can be mid-write."""
+    top_dir.mkdir(parents=True, exist_ok=True)
+    top = top_dir / check_namespace(namespace) if namespace else top_dir
+    found: dict[BlockKey, tuple[int, float]] = {}
+    corrupt = tmp = 0
+    for root, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        rel = Path(root).relative_to(top_dir).parts
+        for fname in files:
+            path = os.path.join(root, fname)
+            if fname.startswith(TMP_PREFIX):
+                if clean_tmp:
+                    tmp += _unlink(path)
+                continue
+            key = parse_disk_relpath((*rel, fname))
+            if key is None:
+                continue  # not a kvbm block name: never read, never deleted
+            try:
+                head, size = file_io.read_header(path, header_len)
+                hdr = unpack_header(head)
+                if hdr.hash != key.hash or hdr.fingerprint != key.fingerprint:
+                    raise CorruptBlockError("header names another block")
+                if not hdr.header_len + hdr.payload_len <= size <= hdr.header_len + round_up(hdr.payload_len):
+                    raise CorruptBlockError(f"file is {size} bytes for a {hdr.payload_len}-byte payload")
+                found[key] = (hdr.payload_len, os.stat(path).st_mtime)
+            except FileNotFoundError:
+                continue
+            except (CorruptBlockError, ValueError) as e:
+                log.warning("G3: dropping %s: %s", path, e)
+                corrupt += _unlink(path)
+    return found, corrupt, tmp
 
 
 def _unlink(path: str) -> int:

@@ -14,8 +14,7 @@ from kvbm.blocks import MIN_HEADER_LEN, BlockKey
 from kvbm.config import S3Config, parse_size
 from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.keys import object_relkey, parse_object_relkey
-from kvbm.metrics import no_observe
-from kvbm.tiers.base import Tier, TierStats
+from kvbm.tiers.base import Tier, TierStats, no_observe
 from kvbm.tiers.s3.aio import AioBody
 from kvbm.tiers.s3.bodies import BodyBackend
 from kvbm.tiers.s3.breaker import CircuitBreaker

@@ -1,0 +1,87 @@
+"""The narrow state the block manager's parts share (room, moves, cascade, external stores, index sync, owed).
+
+Each part is handed this one object and the callables it needs, never the manager itself: build order stops
+mattering, no part imports the manager, and each part can be tested alone with a state of fake tiers. Parts
+read ``state.registry`` per call, so a registry swapped in later (the manager bench does) reaches all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from kvbm import policy
+from kvbm.blocks import BlockKey
+from kvbm.failures import FailureLog
+from kvbm.registry import Registry
+from kvbm.tiers.base import Tier, no_observe
+from kvbm.transfer.memory import MemoryMover
+
+CopyObserver = Callable[[str, str, float], None]  # (source tier, destination tier, seconds) per block copy
+
+
+class ManagerStats(msgspec.Struct):
+    lookups: int = 0
+    lookup_blocks: int = 0
+    lookup_hit_blocks: int = 0
+    onboards: int = 0
+    onboard_blocks: int = 0
+    onboard_seconds: float = 0.0
+    offloads: int = 0
+    offload_blocks: int = 0
+    cascade_writes: int = 0
+    cascade_failures: int = 0
+    shed_offloads: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    demotion_failures: int = 0
+    kept: int = 0  # evictions refused: a persistent tier's block no lower tier could take
+    dropped: int = 0  # memory-tier blocks evicted although no lower tier could take them
+    filtered: int = 0
+    catch_up_writes: int = 0  # owed write-throughs retried once their tier took writes again
+    errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
+
+
+@dataclass
+class ManagerState:
+    """Tier order, the index, counters, failures, the memory mover, the copy hook and the admission filter."""
+
+    tiers: list[Tier]
+    registry: Registry
+    stats: ManagerStats = field(default_factory=ManagerStats)
+    mover: MemoryMover | None = None
+    min_hits_to_offload: int = 0
+    observe_copy: CopyObserver = no_observe
+    failures: FailureLog = field(init=False)
+    by_name: dict[str, Tier] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_name = {t.name: t for t in self.tiers}
+        self.failures = FailureLog(self.stats.errors)
+
+    def below(self, name: str) -> list[Tier]:
+        """The tiers below tier ``name``, fastest first."""
+        return policy.below(self.tiers, name)
+
+    def filtered(self, tier: Tier, key: BlockKey) -> bool:
+        """The frequency filter (:func:`kvbm.policy.filtered`) with ``min_hits_to_offload``."""
+        return policy.filtered(tier, key, self.registry, self.min_hits_to_offload)
+
+
+T = TypeVar("T")
+
+
+class StateField(Generic[T]):
+    """An attribute of the owner that is the same-named field of its ``state`` (read and set through)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> T:
+        return getattr(obj.state, self.name)
+
+    def __set__(self, obj: Any, value: T) -> None:
+        setattr(obj.state, self.name, value)

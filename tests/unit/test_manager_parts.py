@@ -1,0 +1,121 @@
+"""The manager's parts alone: each built from a ManagerState of real tiers, without a BlockManager."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+from kvbm.blocks import BlockKey
+from kvbm.cascade import WriteThrough
+from kvbm.config import TransferConfig
+from kvbm.errors import TierUnavailableError
+from kvbm.manager import BlockManager
+from kvbm.manager_state import ManagerState
+from kvbm.registry import Registry
+from kvbm.room import Room
+from kvbm.tiers.disk import DiskTier
+from kvbm.tiers.host import HostTier
+from kvbm.transfer import make_file_io
+
+SLOT = 4096
+PARTS = ("cascade", "room", "moves", "external", "knowledge", "owed", "copiers", "policy", "failures")
+KVBM = Path(__file__).resolve().parents[2] / "kvbm"
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey("tiny-0123456789abcdef", i.to_bytes(8, "big") * 2)
+
+
+def disk(path: Path, blocks: int) -> DiskTier:
+    io = make_file_io(TransferConfig(backend="plain"))
+    return DiskTier(str(path / "disk"), blocks * (SLOT + 8192), io, fsync=False)
+
+
+def state_of(*tiers) -> ManagerState:
+    return ManagerState(list(tiers), Registry([t.name for t in tiers]))
+
+
+def test_no_part_imports_the_manager():
+    """The parts see the manager only through ManagerState: not even a TYPE_CHECKING import of kvbm.manager."""
+    for part in PARTS:
+        src = (KVBM / f"{part}.py").read_text()
+        names = [n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)]
+        assert "kvbm.manager" not in names, f"kvbm/{part}.py imports kvbm.manager"
+
+
+def test_the_manager_core_imports_neither_the_s3_package_nor_prometheus():
+    code = ("import sys, kvbm.manager; print(sorted(m for m in sys.modules if m.startswith(('prometheus_client', "
+            "'kvbm.tiers.s3', 'kvbm.metrics', 'aiobotocore'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
+
+
+def test_room_alone_demotes_the_lru_block_before_evicting_it(tmp_path):
+    g2, g3 = HostTier(2 * SLOT, SLOT), disk(tmp_path, 8)
+    s = state_of(g2, g3)
+    moved: list[tuple[BlockKey, str]] = []
+
+    async def move(k: BlockKey, dst: str) -> bool:
+        moved.append((k, dst))
+        s.registry.add(dst, k, SLOT)
+        return True
+
+    async def go() -> None:
+        for t in (g2, g3):
+            await t.start()
+        room = Room(s, move)
+        for i in range(2):
+            async with room.held(g2, SLOT):
+                await g2.put(key(i), bytes([i]) * SLOT)
+                s.registry.add("G2", key(i), SLOT)
+        await room.reserve(g2, SLOT)  # full: the LRU block goes, after it was demoted to G3
+        for t in (g2, g3):
+            await t.close()
+
+    asyncio.run(go())
+    assert moved == [(key(0), "G3")]
+    assert s.registry.where(key(0)) == ["G3"] and s.registry.where(key(1)) == ["G2"]
+    assert s.stats.demotions == 1 and s.stats.evictions == 1
+
+
+def test_write_through_alone_owes_a_tier_that_is_down(tmp_path):
+    g2, g3 = HostTier(4 * SLOT, SLOT), disk(tmp_path, 4)
+    s = state_of(g2, g3)
+    s.registry.add("G2", key(1), SLOT)
+
+    async def down(_k: BlockKey, _dst: str) -> bool:
+        raise TierUnavailableError("G3 is down")
+
+    async def go() -> bool:
+        await g3.start()
+        wt = WriteThrough(s, down, max_pending=8, max_concurrent=2)
+        ok = await wt.cascade(key(1))
+        counts = wt.owed.counts()
+        wt.owed.cancel()
+        await g3.close()
+        assert counts == {"G3": 1}
+        return ok
+
+    assert asyncio.run(go()) is False
+    assert s.stats.cascade_failures == 1 and s.stats.errors == {"G3:TierUnavailableError": 1}
+
+
+def test_a_registry_swapped_in_after_construction_reaches_every_part(tmp_path):
+    """The manager bench replaces ``mgr.registry``; before, room/moves/cascade kept the old one."""
+    g2, g3 = HostTier(4 * SLOT, SLOT), disk(tmp_path, 8)
+    mgr = BlockManager([g2, g3])
+    mgr.registry = Registry(["G2", "G3"])
+
+    async def go() -> None:
+        await mgr.start()
+        for i in range(6):  # more than G2 holds: room evicts, moves copy, the cascade writes through
+            await mgr.put(key(i), bytes([i]) * SLOT)
+        await mgr.drain()
+        await mgr.close()
+
+    asyncio.run(go())
+    assert all(mgr.registry.holds("G3", key(i)) for i in range(6))
+    assert mgr.registry.count("G2") == 4
