@@ -19,8 +19,9 @@ import zmq.asyncio
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.daemon.stats import DaemonStats
-from kvbm.daemon.transport import curve_server, prepare_ipc
+from kvbm.daemon.transport import curve_server
 from kvbm.manager import BlockManager
+from kvbm.security import prepare_ipc
 
 
 class EventPublisher:
@@ -42,7 +43,7 @@ class EventPublisher:
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 10_000)
         curve_server(pub, public, secret)  # block events name namespaces and hashes: same protection
-        prepare_ipc(endpoint)
+        prepare_ipc(endpoint, "events_endpoint")
         pub.bind(endpoint)
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub = pub
