@@ -6,6 +6,7 @@ the question is another local user, a pyzmq script run as uid 65534 (tests/other
 from __future__ import annotations
 
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -61,8 +62,13 @@ def test_default_sockets_keep_other_users_out(open_dir: Path) -> None:
     socket it is allowed to (so the silence is the daemon's doing)."""
     require("otheruid", *available())
     cache = open_dir / "c"
-    cache.mkdir(mode=0o755)
+    run = cache / "kvbm" / "run"
+    run.mkdir(parents=True)
+    for path in (cache, cache / "kvbm", run):  # opened by someone before the daemon starts: it closes it again
+        path.chmod(0o755)
     d = ServeProc(open_dir, base_cfg(open_dir), env={"XDG_CACHE_HOME": str(cache)}).start()
+    assert d.endpoint == f"ipc://{run}/kvbm.sock" and d.info["events"] == f"ipc://{run}/events.sock"
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
     ctx = zmq.Context()
     control = ctx.socket(zmq.ROUTER)  # answers anything: proves the other uid's probe can talk at all
     control.bind("tcp://127.0.0.1:*")
@@ -96,6 +102,10 @@ def test_default_sockets_keep_other_users_out(open_dir: Path) -> None:
         assert got["replies"][control_ep] == 1, got
         assert got["replies"][d.endpoint] == 0, f"another uid was answered by the daemon: {got}"
         assert got["events"][events] == 0, f"another uid read the event stream: {got}"
+        (open_dir / "second").mkdir()
+        second = ServeProc(open_dir / "second", base_cfg(open_dir / "second"), env={"XDG_CACHE_HOME": str(cache)})
+        with pytest.raises(RuntimeError, match="another process listens there"):
+            second.start()  # with TCP the port was taken; an ipc path must be refused the same way
     finally:
         stop.set()
         if t.is_alive():

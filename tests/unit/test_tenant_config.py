@@ -1,0 +1,34 @@
+"""daemon.tenants and the default sockets in the config: YAML, KVBM_* overrides, errors naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbm.config import default_run_dir, load_config
+from kvbm.errors import ConfigError
+
+
+def test_default_sockets_are_ipc_in_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = load_config(environ={})
+    assert cfg.daemon.endpoint == f"ipc://{tmp_path}/kvbm/run/kvbm.sock"
+    assert cfg.daemon.events_endpoint == f"ipc://{tmp_path}/kvbm/run/events.sock"
+    assert default_run_dir().name == "run"
+
+
+def test_tenants_from_the_environment():
+    env = {"KVBM_DAEMON_TENANTS": '[{name: a, token_file: /t/a, models: ["team-a/*"], max_inflight: 8}]'}
+    (t,) = load_config(environ=env).daemon.tenants
+    assert (t.name, t.token_file, t.models, t.max_inflight, t.max_workers) == ("a", "/t/a", ["team-a/*"], 8, 64)
+
+
+@pytest.mark.parametrize(("tenants", "field"), [
+    ('[{name: a, token_file: /t/a}]', "daemon.tenants[0].models"),
+    ('[{name: a, token_file: /t/a, models: [m]}, {name: a, token_file: /t/b, models: [m]}]', "daemon.tenants[1].name"),
+    ('[{name: a, token_file: /t/a, models: [m], max_workers: many}]', "daemon.tenants[0].max_workers"),
+    ('[{name: a, token_file: /t/a, models: [m], max_inflight: 0}]', "daemon.tenants[0].max_inflight"),
+    ('{name: a}', "daemon.tenants"),
+])
+def test_a_bad_tenant_is_an_error_naming_its_field(tenants, field):
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        load_config(environ={"KVBM_DAEMON_TENANTS": tenants})
