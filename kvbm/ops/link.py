@@ -31,9 +31,17 @@ def daemon_reachable(endpoint: str, timeout_s: float = 0.3) -> tuple[bool, str]:
             return False, f"nothing listens at {endpoint} ({e.strerror or type(e).__name__})"
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://") :]
-        if path.startswith("@") or os.path.exists(path):
+        if path.startswith("@"):
             return True, ""
-        return False, f"no daemon socket at {path}"
+        if not os.path.exists(path):
+            return False, f"no daemon socket at {path}"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # a killed daemon leaves its socket file
+            s.settimeout(timeout_s)
+            try:
+                s.connect(path)
+            except OSError as e:
+                return False, f"nothing listens at {endpoint} ({e.strerror or type(e).__name__})"
+        return True, ""
     if "://" not in endpoint:
         return False, f"bad daemon endpoint {endpoint!r} (e.g. tcp://127.0.0.1:5557 or ipc:///run/kvbm.sock)"
     return True, ""
