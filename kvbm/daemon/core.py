@@ -107,7 +107,9 @@ class Daemon:
         await self.indexer.start()
         self.transport.bind(*self._curve_keys)
         if self.dc.events_endpoint:
-            self.publisher.bind(self._ctx, self.dc.events_endpoint, *self._curve_keys)
+            # With tenants, a tenant's process may reach the events socket: only the admin token subscribes.
+            self.publisher.bind(self._ctx, self.dc.events_endpoint, *self._curve_keys,
+                                admin_token=self.service.creds.admin_token if self.dc.tenants else "")
         for i, ep in enumerate(self.dc.vllm_events):
             replay = self.dc.vllm_replay[i] if i < len(self.dc.vllm_replay) else ""
             sub = KVEventSubscriber(ep, replay, mode=self.dc.vllm_events_mode, ctx=self._ctx)

@@ -120,7 +120,8 @@ def test_default_sockets_keep_other_users_out(open_dir: Path) -> None:
 def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
     """A daemon serving two tenants: a (models team-a/*, 2 workers, 4 requests in flight) and b (one namespace)."""
     tmp = tmp_path_factory.mktemp("ten")
-    cfg = base_cfg(tmp, endpoint=f"ipc://{tmp}/d.sock", events_endpoint="", barrier_timeout_s=1.0, tenants=[
+    cfg = base_cfg(tmp, endpoint=f"ipc://{tmp}/d.sock", events_endpoint=f"ipc://{tmp}/ev.sock", barrier_timeout_s=1.0,
+                   tenants=[
         {"name": "a", "token_file": str(tmp / "a.token"), "models": ["team-a/*"], "max_workers": 2, "max_inflight": 4},
         {"name": "b", "token_file": str(tmp / "b.token"), "namespaces": [LAYOUT_B.namespace]},
     ])
@@ -156,6 +157,39 @@ def test_a_tenant_registers_only_what_its_credential_names(tenants: ServeProc) -
         a.store(ks, [np.full(NB, 7, dtype=np.uint8)] * 2)
         assert a.lookup(ks).matched == 2
         assert refusal(b.lookup, ks) == p.E_FORBIDDEN  # a's namespace is not b's to probe
+
+
+def test_on_a_daemon_with_tenants_only_the_admin_token_subscribes_to_events(tenants: ServeProc) -> None:
+    """A PUB socket cannot filter per subscriber: with tenants a subscriber needs the admin token (PLAIN), and a
+    tenant's process, though it reaches the socket, reads nothing of anyone's stores."""
+    ctx = zmq.Context()
+    subs = {}
+    for who, password in (("none", None), ("tenant", (tenants.tmp / "b.token").read_text().strip()),
+                          ("admin", tenants.admin_token())):
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        if password is not None:
+            sub.plain_username, sub.plain_password = b"admin", password.encode()
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{tenants.tmp}/ev.sock")
+        subs[who] = sub
+    try:
+        got = dict.fromkeys(subs, 0)
+        with tenant_client(tenants, "a") as a:
+            a.register(LAYOUT_A)
+            for i in range(20):  # until the admin's subscription has seen stores (it joins asynchronously)
+                a.store(keys(1, a.namespace, bytes([0xE0, i])), [np.full(NB, i, dtype=np.uint8)])
+                for who, sub in subs.items():
+                    while sub.poll(50):
+                        sub.recv_multipart()
+                        got[who] += 1
+                if got["admin"] >= 3:
+                    break
+        assert got["admin"] >= 3 and got["none"] == 0 and got["tenant"] == 0, got
+    finally:
+        for sub in subs.values():
+            sub.close(0)
+        ctx.term()
 
 
 def test_a_worker_id_belongs_to_the_credential_that_created_it(tenants: ServeProc) -> None:
