@@ -32,3 +32,12 @@ def test_tenants_from_the_environment():
 def test_a_bad_tenant_is_an_error_naming_its_field(tenants, field):
     with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
         load_config(environ={"KVBM_DAEMON_TENANTS": tenants})
+
+
+def test_the_connector_finds_the_daemon_on_its_default_socket(tmp_path, monkeypatch):
+    from kvbm.integrations.vllm.config import ConnectorConfig
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for var in ("KVBM_DAEMON", "KVBM_DAEMON_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    assert ConnectorConfig.parse({}).endpoint() == load_config(environ={}).daemon.endpoint
