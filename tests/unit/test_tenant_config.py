@@ -41,3 +41,23 @@ def test_the_connector_finds_the_daemon_on_its_default_socket(tmp_path, monkeypa
     for var in ("KVBM_DAEMON", "KVBM_DAEMON_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
     assert ConnectorConfig.parse({}).endpoint() == load_config(environ={}).daemon.endpoint
+
+
+def test_a_default_socket_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    import os
+
+    from needs import require
+
+    from kvbm.security import prepare_ipc
+
+    require("otheruid", os.geteuid() == 0, "not root: cannot give the directory to another uid")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    run = default_run_dir()
+    run.mkdir(parents=True)
+    os.chown(run, 65534, 65534)  # someone else made it first: its sockets would be theirs to reach
+    with pytest.raises(ConfigError, match=r"daemon\.endpoint: .* must be a directory of this user"):
+        prepare_ipc(load_config(environ={}).daemon.endpoint, "endpoint")
+    os.chown(run, os.geteuid(), os.getegid())
+    run.chmod(0o755)
+    prepare_ipc(load_config(environ={}).daemon.endpoint, "endpoint")  # ours but opened: closed again
+    assert run.stat().st_mode & 0o777 == 0o700
