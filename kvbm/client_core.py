@@ -24,12 +24,14 @@ Buffer = Any  # bytes-like, numpy array or torch tensor (CPU or CUDA)
 
 
 def client_options(dc: Any, *, admin: bool = False) -> dict[str, Any]:
-    """Client keyword arguments for a :class:`kvbm.config.DaemonConfig`: CURVE keys from its files and,
-    with ``admin``, the admin token when this user can read its file ("" otherwise: no admin session)."""
-    from kvbm.security import admin_token_path, client_curve, read_admin_token
+    """Client keyword arguments for a :class:`kvbm.config.DaemonConfig`: CURVE keys from its files, the
+    tenant token of ``tenant_token_file`` and, with ``admin``, the admin token when this user can read its
+    file ("" otherwise: no admin session)."""
+    from kvbm.security import admin_token_path, client_curve, read_admin_token, read_tenant_token
 
     server, keypair = client_curve(dc)
-    out: dict[str, Any] = {"curve_server_key": server, "curve_keypair": keypair}
+    out: dict[str, Any] = {"curve_server_key": server, "curve_keypair": keypair,
+                           "tenant_token": read_tenant_token(dc.tenant_token_file, "daemon.tenant_token_file")}
     if admin:
         out["admin_token"] = read_admin_token(admin_token_path(dc))
     return out
@@ -110,9 +112,11 @@ class _Core:
         curve_server_key: str = "",
         curve_keypair: tuple[bytes, bytes] | None = None,
         admin_token: str = "",
+        tenant_token: str = "",
     ) -> None:
         self.endpoint = endpoint
         self.admin_token = admin_token
+        self.tenant_token = tenant_token
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
         self.curve_server_key = curve_server_key
@@ -175,7 +179,7 @@ class _Core:
             engine_id=engine_id or "engine", layout=layout,
             tp_rank=layout.tp_rank if tp_rank is None else tp_rank,
             tp_size=layout.tp_size if tp_size is None else tp_size,
-            g1_capacity_blocks=g1_capacity_blocks, admin_token=self.admin_token,
+            g1_capacity_blocks=g1_capacity_blocks, admin_token=self.admin_token, tenant_token=self.tenant_token,
         )
 
     def _attach(self, reg: p.Registered) -> None:

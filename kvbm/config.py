@@ -39,6 +39,20 @@ def default_cache_dir() -> Path:
     return Path(base) / "kvbm"
 
 
+def default_run_dir() -> Path:
+    """The daemon's default socket directory, ``<cache dir>/run``: the daemon keeps it 0700, so only its own
+    user (and root) can connect to the sockets inside (see kvbm.security)."""
+    return default_cache_dir() / "run"
+
+
+def default_endpoint() -> str:
+    return f"ipc://{default_run_dir() / 'kvbm.sock'}"
+
+
+def default_events_endpoint() -> str:
+    return f"ipc://{default_run_dir() / 'events.sock'}"
+
+
 class _Redacted(msgspec.Struct):
     """A config section whose repr masks secret-named fields (see kvbm.redact)."""
 
@@ -135,9 +149,24 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     io_threads: int = 4
 
 
+class TenantConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
+    """One tenant of a shared daemon: its token names what it may register and bounds what it may hold.
+
+    ``kvbm serve`` creates ``token_file`` (random, 0600) at first start if missing; hand a copy to the tenant,
+    whose clients present it (``daemon.tenant_token_file``, the connector's ``tenant_token_file``)."""
+
+    name: str
+    token_file: str
+    models: list[str] = []  # fnmatch patterns of the layout.model names it may register ("team-a/*")
+    namespaces: list[str] = []  # exact layout namespaces it may register (as Registered and kvbm status name them)
+    max_workers: int = 64  # its registered workers at most (its own budget, apart from daemon.max_workers)
+    max_inflight: int = 256  # its requests handled at once; beyond it a request is answered `limit` at once
+
+
 class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
-    endpoint: str = "tcp://127.0.0.1:5557"
-    events_endpoint: str = "tcp://127.0.0.1:5558"
+    # Default: ipc:// sockets in <cache dir>/run (0700): only the daemon's user may connect or subscribe.
+    endpoint: str = msgspec.field(default_factory=default_endpoint)
+    events_endpoint: str = msgspec.field(default_factory=default_events_endpoint)
     metrics_port: int = 9464  # 0 disables
     request_timeout_s: float = 10.0
     max_message_bytes: int = 4 * 1024 * 1024
@@ -150,8 +179,15 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     # How long the G2 slots of a worker whose lease expired stay quarantined at most (it may still be copying).
     quarantine_grace_s: float | None = None  # None: max(30 s, 2 x worker_timeout_s)
     max_workers: int = 1024  # registered workers at most (admin sessions aside); beyond it Register gets `limit`
-    barrier_timeout_s: float = 30.0
+    barrier_timeout_s: float = 30.0  # a Barrier's timeout when it names none, and the most it may name
     max_inflight: int = 1024  # requests handled at once; beyond it the daemon stops reading (ZMQ backpressure)
+    # One client's requests handled at once (a worker session, else a connection; a tenant has its own
+    # max_inflight): beyond it that client's request is answered `limit` at once, so a flood leaves others served.
+    max_inflight_per_client: int = 256
+    # Tenants (empty: one tenant, anyone who can reach the sockets). With tenants, a Register needs a tenant's
+    # token (or the admin token) and may only name that tenant's models/namespaces; see TenantConfig.
+    tenants: list[TenantConfig] = []
+    tenant_token_file: str = ""  # clients: the tenant token this client registers with
     # CURVE (encryption + client authentication) on the request and events sockets; see kvbm.security.
     curve_secret_key: str = ""  # Z85; set with curve_public_key (or use curve_server_key_file)
     curve_public_key: str = ""  # Z85; clients (CLI, connector) need it to reach a CURVE daemon
@@ -309,6 +345,14 @@ def _coerce(raw: str, typ: Any, field: str, env_key: str) -> Any:
         except ValueError:
             raise ConfigError(f"{field} (from ${env_key}): expected a number, got {raw!r}") from None
     if getattr(typ, "__origin__", None) is list:
+        if _is_section(typ.__args__[0]):  # a list of sections (daemon.tenants): YAML/JSON flow syntax
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{field} (from ${env_key}): not valid YAML: {e}") from None
+            if not isinstance(value, list):
+                raise ConfigError(f"{field} (from ${env_key}): expected a list, e.g. [{{name: a, token_file: F}}]")
+            return value
         return [s for s in (p.strip() for p in raw.split(",")) if s]
     return raw  # str, size strings, literals: validated by msgspec below
 
@@ -333,7 +377,27 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("daemon.quarantine_grace_s: must be >= 0")
     if cfg.daemon.max_workers < 1:
         raise ConfigError("daemon.max_workers: must be >= 1")
+    if cfg.daemon.max_inflight_per_client < 1:
+        raise ConfigError("daemon.max_inflight_per_client: must be >= 1")
+    _validate_tenants(cfg.daemon.tenants)
     return cfg
+
+
+def _validate_tenants(tenants: list[TenantConfig]) -> None:
+    seen: set[str] = set()
+    for i, t in enumerate(tenants):
+        at = f"daemon.tenants[{i}]"
+        if not t.name or t.name in seen:
+            raise ConfigError(f"{at}.name: {t.name!r} is empty or names another tenant too")
+        seen.add(t.name)
+        if not t.token_file:
+            raise ConfigError(f"{at}.token_file: a tenant needs a token file")
+        if not t.models and not t.namespaces:
+            raise ConfigError(f"{at}.models: tenant {t.name!r} may register nothing (set models or namespaces)")
+        if t.max_workers < 1:
+            raise ConfigError(f"{at}.max_workers: must be >= 1")
+        if t.max_inflight < 1:
+            raise ConfigError(f"{at}.max_inflight: must be >= 1")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None) -> Config:

@@ -93,6 +93,7 @@ class Register(_Req, kw_only=True):
     tp_size: Rank = 1
     g1_capacity_blocks: Annotated[int, Meta(ge=0)] = 0
     admin_token: Str = ""  # the daemon's admin token: this session may evict, reindex, use any namespace
+    tenant_token: Str = ""  # a tenant's token (daemon.tenants): the models/namespaces it may register, its limits
 
 
 class Unregister(_Req, kw_only=True):

@@ -7,21 +7,26 @@
 * **CURVE key files**: ZeroMQ certificate files (the format of ``zmq.auth``): ``<name>.key`` holds the
   public key (copy it into the daemon's ``curve_clients_dir`` allow-list), ``<name>.key_secret`` both keys
   (mode 0600). ``kvbm keys generate`` writes a pair.
-* **Binds**: ipc:// and loopback TCP need no CURVE; a TCP bind on any other address without CURVE is
-  refused unless ``daemon.allow_insecure_tcp`` says so.
+* **Binds**: the default endpoints are ipc:// sockets in ``<cache dir>/run``, a directory the daemon keeps
+  0700 and owned by its user, so the kernel keeps every other local user out of both sockets (no key to hand
+  out, no per-message cost). Loopback TCP and ipc:// need no CURVE; a TCP bind on any other address without
+  CURVE is refused unless ``daemon.allow_insecure_tcp`` says so. Sockets other local users could reach
+  (loopback TCP without CURVE, abstract or open-directory ipc://) are named in a warning at start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hmac
 import ipaddress
 import os
 import secrets
+import socket
 import stat
 from pathlib import Path
 
-from kvbm.config import DaemonConfig, default_cache_dir
+from kvbm.config import DaemonConfig, default_cache_dir, default_run_dir
 from kvbm.errors import ConfigError
 
 ADMIN_TOKEN_NAME = "admin.token"
@@ -67,6 +72,22 @@ def read_admin_token(path: Path) -> str:
         return path.read_text().strip()
     except (FileNotFoundError, PermissionError, NotADirectoryError):
         return ""
+
+
+def read_tenant_token(path: str, field: str) -> str:
+    """The tenant token a client presents ("" when ``path`` is empty); a file it cannot read is an error
+    naming ``field`` (registering without it would only be refused)."""
+    if not path:
+        return ""
+    p = Path(path).expanduser()
+    try:
+        _check_private(p)
+        token = p.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"{field}: cannot read {p}: {e.strerror}") from None
+    if not token:
+        raise ConfigError(f"{field}: {p} is empty")
+    return token
 
 
 def token_matches(given: str, expected: str) -> bool:
@@ -178,3 +199,60 @@ def check_binds(dc: DaemonConfig, curve: bool) -> None:
             raise ConfigError(f"daemon.{field} {ep} is reachable from other hosts but CURVE is off: anyone who can "
                               f"connect could read and evict the cache. Configure CURVE (daemon.curve_server_key_file, "
                               f"curve_clients_dir) or set daemon.allow_insecure_tcp: true")
+
+
+UNIX_PATH_MAX = 107  # bytes of a unix socket path (sun_path, less its NUL)
+
+
+def ipc_path(endpoint: str) -> str:
+    """The file of an ipc:// endpoint ("" for other transports and abstract ``ipc://@name`` sockets)."""
+    path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else ""
+    return "" if path.startswith("@") else path
+
+
+def prepare_ipc(endpoint: str, field: str) -> None:
+    """Before binding ``endpoint`` (``daemon.<field>``): an ipc:// path fits a unix socket, its directory
+    exists (created 0700), the default directory is this user's and 0700, and no other process listens on
+    it (libzmq would silently take the path over from a running daemon)."""
+    path = ipc_path(endpoint)
+    if not path:
+        return
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        raise ConfigError(f"daemon.{field} {endpoint}: the path is longer than {UNIX_PATH_MAX} bytes, the limit "
+                          f"of a unix socket; set daemon.{field} (or XDG_CACHE_HOME) to a shorter one")
+    parent = Path(path).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if parent == default_run_dir().absolute():
+        st = parent.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise ConfigError(f"daemon.{field}: {parent} must be a directory of this user (uid {os.geteuid()}): "
+                              f"it keeps other users off the daemon's sockets")
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            os.chmod(parent, 0o700)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except OSError:
+        return  # nothing there, or a stale socket of a killed daemon: libzmq replaces it
+    finally:
+        s.close()
+    raise ConfigError(f"daemon.{field} {endpoint}: another process listens there (a daemon already running?)")
+
+
+def exposure(dc: DaemonConfig, curve: bool) -> list[str]:
+    """Why other local users could reach a bound daemon socket, one line per endpoint (logged at start)."""
+    out = []
+    for field, ep in (("endpoint", dc.endpoint), ("events_endpoint", dc.events_endpoint)):
+        if not ep or curve:
+            continue
+        if ep.startswith("tcp://"):
+            out.append(f"daemon.{field} {ep}: TCP without CURVE, every local user can connect")
+        elif ep.startswith("ipc://@"):
+            out.append(f"daemon.{field} {ep}: an abstract socket has no permissions, every local user can connect")
+        elif path := ipc_path(ep):
+            parent = Path(path).absolute().parent
+            with contextlib.suppress(OSError):
+                if parent.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                    out.append(f"daemon.{field} {ep}: its directory {parent} is open to group or others")
+    return out
+

@@ -13,11 +13,13 @@ until that worker's token shows up again naming those keys (its CommitStore is r
 "lease expired" error, its Release just releases) or a grace period (``grace_s``,
 ``daemon.quarantine_grace_s``) passes. A slot is thus reused only when no worker can still read or write it.
 
-Registrations are capped (``max_workers``, ``daemon.max_workers``) so a Register flood cannot grow the
-daemon without bound: :meth:`Sessions.refusal` says why one more is refused (counted in ``refused``). A
-re-registration under a ``worker_id`` that holds a place replaces it, and admin sessions (the operator's
-CLI) are not counted, so an operator can still look into a full daemon. Expired and unregistered workers
-free their places.
+Registrations are capped per principal (whom a session acts for: a tenant, or the one tenant of a daemon
+without tenants) so a Register flood cannot grow the daemon without bound nor take another tenant's places:
+``daemon.max_workers`` for sessions without a tenant, each tenant's ``max_workers`` for its own.
+:meth:`Sessions.refusal` says why one more is refused (counted in ``refused``). A re-registration under a
+``worker_id`` that holds a place replaces it, but only from the same principal (a worker_id belongs to the
+credential that created it), and admin sessions (the operator's CLI) are not counted, so an operator can
+still look into a full daemon. Expired and unregistered workers free their places.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ from kvbm.tiers.pool import SlotPoolTier
 class WorkerSession:
     """One registered worker (one TP rank of one engine)."""
 
-    def __init__(self, token: str, msg: p.Register, *, admin: bool = False) -> None:
+    def __init__(self, token: str, msg: p.Register, *, admin: bool = False, principal: str = "",
+                 max_inflight: int = 0) -> None:
         self.token = token
         self.admin = admin  # registered with the admin token: any namespace, Evict, Reindex
+        self.principal = principal  # whom it acts for ("", "admin", "tenant:<name>"): owns its worker_id
+        self.max_inflight = max_inflight  # its principal's cap on requests in flight (0: the daemon's per client)
         self.worker_id = msg.worker_id
         self.engine_id = msg.engine_id
         self.tp_rank = msg.tp_rank
@@ -83,21 +88,33 @@ class Sessions:
         return tier
 
     # -- membership -------------------------------------------------------------------------------------
-    def add(self, token: str, msg: p.Register, *, admin: bool = False) -> WorkerSession:
-        w = WorkerSession(token, msg, admin=admin)
+    def add(self, token: str, msg: p.Register, *, admin: bool = False, principal: str = "",
+            max_inflight: int = 0) -> WorkerSession:
+        w = WorkerSession(token, msg, admin=admin, principal=principal, max_inflight=max_inflight)
         self.workers[token] = w
         return w
 
-    def refusal(self, msg: p.Register, *, admin: bool = False) -> str:
-        """Why ``msg`` may not register (counted), or "" when it may: ``max_workers`` workers hold a place
-        and it would not replace one of them (same ``worker_id``). Admin sessions never count."""
+    def refusal(self, msg: p.Register, *, admin: bool = False, principal: str = "", cap: int = 0,
+                field: str = "daemon.max_workers") -> str:
+        """Why ``msg`` may not register (counted), or "" when it may: ``cap`` (default ``max_workers``) workers
+        of ``principal`` hold a place and it would not replace one of them (same ``worker_id``). Admin
+        sessions never count."""
         if admin:
             return ""
-        held = sum(1 for w in self.workers.values() if not w.admin and w.worker_id != msg.worker_id)
-        if held < self.max_workers:
+        cap = cap or self.max_workers
+        held = sum(1 for w in self.workers.values()
+                   if not w.admin and w.principal == principal and w.worker_id != msg.worker_id)
+        if held < cap:
             return ""
         self.refused += 1
-        return f"{held} workers are registered (daemon.max_workers); retry once one unregisters or expires"
+        return f"{held} workers are registered ({field}); retry once one unregisters or expires"
+
+    def owner_conflict(self, worker_id: str, principal: str) -> str:
+        """Why ``principal`` may not take ``worker_id`` ("" when it may): another principal's session holds it."""
+        if any(w.principal != principal for w in self.by_worker_id(worker_id)):
+            return (f"worker_id {worker_id!r} belongs to another credential's session: a worker_id is replaced "
+                    f"only by a Register with the credential that created it")
+        return ""
 
     def get(self, token: str) -> WorkerSession | None:
         return self.workers.get(token)

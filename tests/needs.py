@@ -22,6 +22,7 @@ COMPONENTS = {
     "vllm": "vLLM's CPU build (KVBM_EXTRAS=vllm bash scripts/install.sh)",
     "curve": "libzmq built with CURVE",
     "tmpfs": "permission to mount a tmpfs",
+    "otheruid": "root with setpriv and a system python3 another uid may run (tests/otheruid.py)",
 }
 _TAG = re.compile(r"\[needs ([a-z0-9_]+)\]")
 

@@ -21,9 +21,10 @@ class ServeProc:
     Its admin token file is ``tmp/admin.token`` unless ``cfg`` names one: :meth:`admin_token` reads it the
     way the CLI does, :meth:`client` with ``admin=True`` registers with it."""
 
-    def __init__(self, tmp: Path, cfg: dict[str, Any]) -> None:
+    def __init__(self, tmp: Path, cfg: dict[str, Any], env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
-        self.endpoint = cfg["daemon"]["endpoint"]
+        self.endpoint = cfg["daemon"].get("endpoint", "")  # unset: the daemon's default, read at start()
+        self.env = env or {}  # extra environment of the daemon (say XDG_CACHE_HOME, which places the defaults)
         cfg["daemon"].setdefault("admin_token_file", str(tmp / "admin.token"))
         self.admin_token_path = Path(cfg["daemon"]["admin_token_file"])
         self.cfg_path = tmp / "kvbm.yaml"
@@ -37,7 +38,7 @@ class ServeProc:
         """Start and wait until every log event in ``marks`` has appeared (``info`` = the started event)."""
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         # Only the config file speaks: KVBM_* variables of the test run would override it.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVBM_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVBM_")} | self.env
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvbm.cli.serve", "--config", str(self.cfg_path)],
                                          stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
@@ -53,6 +54,7 @@ class ServeProc:
                             if mark == "daemon.started":
                                 self.info = json.loads(line)
             if seen == set(marks):
+                self.endpoint = self.endpoint or self.info.get("endpoint", "")
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited: {self.log_path.read_text()[-3000:]}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 from typing import Any
@@ -13,6 +14,7 @@ import msgspec
 import zmq.asyncio
 
 from kvbm.config import Config
+from kvbm.daemon.auth import load_credentials
 from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.fleet import FleetMember, shared_tier
 from kvbm.daemon.indexing import BucketIndexer
@@ -26,7 +28,7 @@ from kvbm.health import readiness
 from kvbm.kvevents import KVEventSubscriber, describe_views
 from kvbm.manager import BlockManager
 from kvbm.metrics import Metrics, MetricsServer
-from kvbm.security import admin_token_path, check_binds, ensure_admin_token, server_keys
+from kvbm.security import admin_token_path, check_binds, exposure, server_keys
 from kvbm.sessions import Sessions, WorkerSession
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
@@ -99,13 +101,15 @@ class Daemon:
         self._curve_keys = server_keys(self.dc)
         check_binds(self.dc, curve=bool(self._curve_keys[1]))
         token_path = admin_token_path(self.dc)
-        self.service.admin_token = await asyncio.to_thread(ensure_admin_token, token_path)
+        self.service.creds = await asyncio.to_thread(load_credentials, self.dc, token_path)
         # The bucket is listed apart from the other tiers: S3 being down must not stop G2/G3 serving.
         await self.manager.start(index=("device", "host", "disk"))
         await self.indexer.start()
         self.transport.bind(*self._curve_keys)
         if self.dc.events_endpoint:
-            self.publisher.bind(self._ctx, self.dc.events_endpoint, *self._curve_keys)
+            # With tenants, a tenant's process may reach the events socket: only the admin token subscribes.
+            self.publisher.bind(self._ctx, self.dc.events_endpoint, *self._curve_keys,
+                                admin_token=self.service.creds.admin_token if self.dc.tenants else "")
         for i, ep in enumerate(self.dc.vllm_events):
             replay = self.dc.vllm_replay[i] if i < len(self.dc.vllm_replay) else ""
             sub = KVEventSubscriber(ep, replay, mode=self.dc.vllm_events_mode, ctx=self._ctx)
@@ -119,6 +123,8 @@ class Daemon:
         self._spawn(self._reaper())
         self.warmth.start()
         self.indexer.serve()
+        for why in exposure(self.dc, self.transport.curve):
+            logj("daemon.exposed", message=why, level=logging.WARNING)
         logj("daemon.started", endpoint=self.endpoint, events=self.events_endpoint, metrics_port=self.metrics_port,
              curve=self.transport.curve, admin_token_file=str(token_path),
              tiers=[t.name for t in self.manager.tiers], blocks=len(self.manager.registry), pid=os.getpid())

@@ -3,6 +3,11 @@
 Every tier change the manager makes (stores, cascades, evictions, demotions) becomes an event, batched per
 event-loop turn; what the daemon *learned* of a shared tier (a peer's event, a bucket probe) is not
 republished, so fleet daemons following each other do not echo.
+
+Who may subscribe: whoever may connect (the ipc:// directory's user, or CURVE's allow-list). A PUB socket
+cannot filter per subscriber, so on a daemon with tenants (and no CURVE) the stream is the operator's: a
+subscriber authenticates with ZeroMQ PLAIN, user ``admin`` and the admin token as password
+(:data:`EVENTS_USER`); a tenant's process that reaches the socket gets nothing.
 """
 
 from __future__ import annotations
@@ -19,8 +24,12 @@ import zmq.asyncio
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.daemon.stats import DaemonStats
-from kvbm.daemon.transport import curve_server, prepare_ipc
+from kvbm.daemon.transport import curve_server
 from kvbm.manager import BlockManager
+from kvbm.security import prepare_ipc
+
+EVENTS_USER = "admin"  # the PLAIN user name of an events subscriber on a daemon with tenants
+EVENTS_DOMAIN = "kvbm-events"  # its ZAP domain (pyzmq's "*" covers only requests that name no domain)
 
 
 class EventPublisher:
@@ -32,17 +41,28 @@ class EventPublisher:
         self.shared = shared  # the shared (S3) tier's name, "" without one
         self.endpoint = ""
         self._pub: zmq.asyncio.Socket | None = None
+        self._auth: Any = None
         self._seq = 0
         self._pending: dict[tuple[str, str, str, int], list[bytes]] = {}
         self._flush_scheduled = False
         self._learning = False  # applying what others did: not this daemon's own change, not republished
 
-    def bind(self, ctx: zmq.asyncio.Context, endpoint: str, public: str, secret: str) -> None:
+    def bind(self, ctx: zmq.asyncio.Context, endpoint: str, public: str, secret: str, admin_token: str = "") -> None:
+        """Bind ``endpoint``: CURVE with the daemon's keys, else, given ``admin_token`` (a daemon with tenants),
+        PLAIN that only the admin token passes."""
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 10_000)
         curve_server(pub, public, secret)  # block events name namespaces and hashes: same protection
-        prepare_ipc(endpoint)
+        if admin_token and not secret:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            self._auth = AsyncioAuthenticator(ctx)
+            self._auth.start()
+            self._auth.configure_plain(domain=EVENTS_DOMAIN, passwords={EVENTS_USER: admin_token})
+            pub.plain_server = True
+            pub.zap_domain = EVENTS_DOMAIN.encode()
+        prepare_ipc(endpoint, "events_endpoint")
         pub.bind(endpoint)
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub = pub
@@ -51,6 +71,8 @@ class EventPublisher:
     def close(self) -> None:
         if self._pub is not None:
             self._pub.close(0)
+        if self._auth is not None:
+            self._auth.stop()
 
     @contextlib.contextmanager
     def learned(self) -> Iterator[None]:

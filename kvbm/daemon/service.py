@@ -18,7 +18,7 @@ from typing import Any
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.config import DaemonConfig
-from kvbm.daemon.auth import authorize, check_store
+from kvbm.daemon.auth import Credentials, authorize, check_store
 from kvbm.daemon.barrier import Barriers
 from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.indexing import BucketIndexer
@@ -30,6 +30,7 @@ from kvbm.errors import KvbmError, TierUnavailableError
 from kvbm.fleet import BucketProbe
 from kvbm.manager import PERSISTENT, BlockManager
 from kvbm.metrics import Metrics
+from kvbm.security import token_matches
 from kvbm.sessions import Sessions, WorkerSession
 from kvbm.tiers.names import FAST, TierName
 from kvbm.tiers.pool import SlotPoolTier
@@ -59,7 +60,7 @@ class Service:
         self.prefetcher = prefetcher
         self.publisher = publisher
         self.barriers = Barriers(dc.barrier_timeout_s)
-        self.admin_token = ""  # set by the daemon at run(); never logged
+        self.creds = Credentials()  # the admin and tenant tokens, set by the daemon at run(); never logged
         self._snapshot = snapshot
         # Quick requests are answered inline by the receive loop; the others each get a task.
         self.inline: dict[type, Callable[[Any, Any], Any]] = {
@@ -84,10 +85,33 @@ class Service:
                 raise Handled(p.E_UNREGISTERED, self.sessions.unknown_token(msg))
             if worker is not None:
                 worker.last_seen = time.monotonic()
-        denied = authorize(msg, worker, self.admin_token)
+        denied = authorize(msg, worker, self.creds)
         if denied:
             raise Handled(p.E_FORBIDDEN, denied)
         return worker
+
+    @property
+    def admin_token(self) -> str:
+        return self.creds.admin_token
+
+    @admin_token.setter
+    def admin_token(self, token: str) -> None:
+        self.creds.admin_token = token
+
+    def client_of(self, msg: Any, worker: WorkerSession | None, conn: bytes) -> tuple[object, int]:
+        """Whose request this is, for the in-flight cap, and that cap: a tenant's requests count together
+        (its ``max_inflight``), another session's on its own, an unregistered one's per connection."""
+        if worker is not None:
+            if worker.admin:
+                return "admin", self.dc.max_inflight  # the operator is bounded by the daemon's cap only
+            if worker.max_inflight:
+                return worker.principal, worker.max_inflight
+            return worker.token, self.dc.max_inflight_per_client
+        if isinstance(msg, p.Register) and msg.tenant_token:
+            for t, tok in self.creds.tenants:
+                if token_matches(msg.tenant_token, tok):
+                    return f"tenant:{t.name}", t.max_inflight
+        return conn, self.dc.max_inflight_per_client
 
     @property
     def generation(self) -> str:
@@ -116,17 +140,23 @@ class Service:
         for name in ("model", "backend", "revision", "dtype"):
             if len(getattr(layout, name)) > p.MAX_STR:
                 raise Handled(p.E_LIMIT, f"layout.{name} is longer than {p.MAX_STR} characters")
+        who = self.creds.principal(msg)  # checked by authorize already: this only names it
         await self.indexer.index_namespace(layout.namespace)
-        if why := self.sessions.refusal(msg, admin=bool(msg.admin_token)):  # no await from here to add
+        # No await from here to add: the checks hold when the session is added.
+        if why := self.sessions.owner_conflict(msg.worker_id, who.name):
+            raise Handled(p.E_FORBIDDEN, why)
+        t = who.tenant
+        if why := self.sessions.refusal(msg, admin=who.admin, principal=who.name, cap=t.max_workers if t else 0,
+                                        field=f"max_workers of tenant {t.name!r}" if t else "daemon.max_workers"):
             raise Handled(p.E_LIMIT, why)
         for old in self.sessions.by_worker_id(msg.worker_id):
             self.drop_worker(old, "re-registered")
         token = secrets.token_hex(16)
-        admin = bool(msg.admin_token)  # checked by authorize
-        self.sessions.add(token, msg, admin=admin)
+        admin = who.admin
+        self.sessions.add(token, msg, admin=admin, principal=who.name, max_inflight=t.max_inflight if t else 0)
         self.stats.registered += 1
         logj("worker.registered", worker=msg.worker_id, engine=msg.engine_id, rank=msg.tp_rank,
-             namespace=layout.namespace, admin=admin)
+             namespace=layout.namespace, admin=admin, tenant=t.name if t else "")
         return p.Registered(
             token=token, namespace=layout.namespace, shm_name=getattr(g2, "shm_name", ""), generation=self.generation,
             slot_bytes=g2.slot_bytes, num_slots=g2.num_slots, capacity_bytes=g2.capacity_bytes,
@@ -143,6 +173,8 @@ class Service:
         return p.StatsReply(stats=self._snapshot(msg.resident))
 
     async def barrier(self, msg: p.Barrier, w: WorkerSession) -> p.BarrierReply:
+        # A Barrier holds an in-flight place while it waits: never longer than daemon.barrier_timeout_s.
+        msg.timeout_s = min(msg.timeout_s or self.dc.barrier_timeout_s, self.dc.barrier_timeout_s)
         return await self.barriers.arrive(msg, msg.world_size or w.tp_size)
 
     # -- blocks ----------------------------------------------------------------------------------------

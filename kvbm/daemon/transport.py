@@ -3,7 +3,10 @@
 Request logic lives in :mod:`kvbm.daemon.service`; this module only moves frames. Admission: with
 ``max_queue`` PrepareStore/CommitStore requests in flight a new PrepareStore is answered
 :class:`~kvbm.protocol.Shed`; with ``max_inflight`` requests of any kind in flight the loop stops reading
-(ZeroMQ queues, then the clients time out). Bad frames get an Error reply (or are dropped) and are counted;
+(ZeroMQ queues, then the clients time out). Before that, each client (a tenant, a worker session, an
+unregistered connection: :meth:`RequestService.client_of`) has its own cap: a request beyond it is answered
+``limit`` at once, so one client's flood (say Barriers that wait) neither stops the loop nor delays others.
+Bad frames get an Error reply (or are dropped) and are counted;
 none stops the daemon.
 """
 
@@ -11,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -23,6 +25,7 @@ from kvbm.config import DaemonConfig
 from kvbm.daemon.logs import logj
 from kvbm.daemon.stats import DaemonStats
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
+from kvbm.security import prepare_ipc
 from kvbm.sessions import WorkerSession
 
 log = logging.getLogger("kvbm.daemon")
@@ -46,19 +49,14 @@ class RequestService(Protocol):
 
     def admit(self, msg: Any) -> WorkerSession | None: ...
 
+    def client_of(self, msg: Any, worker: WorkerSession | None, conn: bytes) -> tuple[object, int]: ...
+
 
 def curve_server(sock: zmq.asyncio.Socket, public: str, secret: str) -> None:
     if secret:
         sock.curve_server = True
         sock.curve_secretkey = secret.encode()
         sock.curve_publickey = public.encode()
-
-
-def prepare_ipc(endpoint: str) -> None:
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://") :]
-        if path and not path.startswith("@"):
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 class Transport:
@@ -70,6 +68,7 @@ class Transport:
         self.endpoint = dc.endpoint
         self.inflight = 0  # requests of any kind in flight
         self.offloads = 0  # PrepareStore/CommitStore in flight (the queue depth)
+        self.per_client: dict[object, int] = {}  # requests in flight per client (RequestService.client_of)
         self._ctx = ctx
         self._spawn = spawn
         self._router: zmq.asyncio.Socket | None = None
@@ -100,7 +99,7 @@ class Transport:
                 self._auth.start()
                 self._auth.configure_curve(domain="*", location=dc.curve_clients_dir)
         curve_server(router, public, secret)
-        prepare_ipc(dc.endpoint)
+        prepare_ipc(dc.endpoint, "endpoint")
         router.bind(dc.endpoint)
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._router = router
@@ -193,30 +192,41 @@ class Transport:
             self.stats.shed += 1
             self._send(route, p.Shed(rid=msg.rid))
             return
+        client, cap = service.client_of(msg, worker, ident)
+        held = self.per_client.get(client, 0)
+        if held >= cap:
+            self.stats.client_limited += 1
+            self._error(route, msg.rid, p.E_LIMIT, f"{held} requests of this client are in flight (its cap: "
+                                                   f"daemon.max_inflight_per_client or its tenant's max_inflight)")
+            return
+        self.per_client[client] = held + 1
         self.inflight += 1
         self.offloads += offload
-        self._spawn(self._handle(route, msg, worker, service.handlers[type(msg)], offload))
+        self._spawn(self._handle(route, msg, worker, service.handlers[type(msg)], offload, client))
 
     async def _handle(self, route: list[bytes], msg: Any, worker: WorkerSession | None, handler: Any,
-                      offload: bool) -> None:
+                      offload: bool, client: object) -> None:
         try:
             reply = await handler(msg, worker)
         except Exception as e:
-            self._done(offload)
+            self._done(offload, client)
             self._fail(route, msg, e)
             return
         except BaseException:
-            self._done(offload)
+            self._done(offload, client)
             raise
         # Counted out before the reply leaves: a request the client sends once it has the reply (a Stats,
         # read in the same loop turn) must not see this one still in flight.
-        self._done(offload)
+        self._done(offload, client)
         reply.rid = msg.rid
         self._send(route, reply)
 
-    def _done(self, offload: bool) -> None:
+    def _done(self, offload: bool, client: object) -> None:
         self.inflight -= 1
         self.offloads -= offload
+        left = self.per_client.pop(client, 1) - 1
+        if left:
+            self.per_client[client] = left
         self._slot_free.set()
 
     def _fail(self, route: list[bytes], msg: Any, e: Exception) -> None:

@@ -31,9 +31,17 @@ def daemon_reachable(endpoint: str, timeout_s: float = 0.3) -> tuple[bool, str]:
             return False, f"nothing listens at {endpoint} ({e.strerror or type(e).__name__})"
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://") :]
-        if path.startswith("@") or os.path.exists(path):
+        if path.startswith("@"):
             return True, ""
-        return False, f"no daemon socket at {path}"
+        if not os.path.exists(path):
+            return False, f"no daemon socket at {path}"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # a killed daemon leaves its socket file
+            s.settimeout(timeout_s)
+            try:
+                s.connect(path)
+            except OSError as e:
+                return False, f"nothing listens at {endpoint} ({e.strerror or type(e).__name__})"
+        return True, ""
     if "://" not in endpoint:
         return False, f"bad daemon endpoint {endpoint!r} (e.g. tcp://127.0.0.1:5557 or ipc:///run/kvbm.sock)"
     return True, ""
@@ -46,12 +54,14 @@ class DaemonLink:
     unregisters, so the daemon's worker count drops back."""
 
     def __init__(self, endpoint: str, timeout_s: float = 2.0, curve_server_key: str = "", *,
-                 curve_keypair: tuple[bytes, bytes] | None = None, admin_token: str = "") -> None:
+                 curve_keypair: tuple[bytes, bytes] | None = None, admin_token: str = "",
+                 tenant_token: str = "") -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.curve_server_key = curve_server_key
         self.curve_keypair = curve_keypair
         self.admin_token = admin_token
+        self.tenant_token = tenant_token  # used only without the admin token (which wins)
         self.client: Any = None
         self.registered: Any = None
 
@@ -77,7 +87,8 @@ class DaemonLink:
                                    curve_keypair=self.curve_keypair, admin_token=self.admin_token)
         try:
             reg = self.client.request(p.Register(worker_id=f"kvbm-cli-{os.getpid()}-{secrets.token_hex(3)}",
-                                                 engine_id="kvbm-cli", layout=layout, admin_token=self.admin_token),
+                                                 engine_id="kvbm-cli", layout=layout, admin_token=self.admin_token,
+                                                 tenant_token="" if self.admin_token else self.tenant_token),
                                       p.Registered)
         except BaseException:
             self.client._reset()

@@ -9,18 +9,17 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvbm.config import _closest
+from kvbm.config import _closest, default_endpoint
 from kvbm.errors import ConfigError
 
 PREFIX = "kv_connector_extra_config"
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 
 
 class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """What ``kv_connector_extra_config`` may set; every field is optional."""
 
     version: Literal[1] = 1  # bumped when a field changes meaning, so an old config is refused, not misread
-    daemon: str | None = None  # the daemon's endpoint; else $KVBM_DAEMON, else tcp://127.0.0.1:5557
+    daemon: str | None = None  # the daemon's endpoint; else $KVBM_DAEMON, else kvbm serve's default (ipc, 0700)
     model_name: str | None = None  # else vLLM's served model name
     vllm_blocks_per_kvbm_block: Annotated[int, msgspec.Meta(ge=1)] | None = None  # None: derived from the daemon
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
@@ -32,6 +31,7 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     curve_server_key: str | None = None  # the daemon's CURVE public key (Z85)
     curve_server_key_file: str | None = None  # ... or its .key file
     curve_client_key_file: str | None = None  # this engine's .key_secret file
+    tenant_token_file: str | None = None  # a tenant's token (the daemon's daemon.tenants[].token_file, a copy)
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -51,7 +51,7 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def endpoint(self) -> str:
         return (self.daemon or os.environ.get("KVBM_DAEMON") or os.environ.get("KVBM_DAEMON_ENDPOINT")
-                or DEFAULT_ENDPOINT)
+                or default_endpoint())
 
 
 def _field_message(e: msgspec.ValidationError) -> str:
@@ -65,12 +65,14 @@ def _field_message(e: msgspec.ValidationError) -> str:
 
 
 def curve_options(extra: ConnectorConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """WorkerClient keyword arguments for the CURVE keys the config names (reads their key files)."""
-    from kvbm.security import load_keypair, load_public_key
+    """WorkerClient keyword arguments for the credentials the config names: CURVE keys and the tenant token
+    (reads their files)."""
+    from kvbm.security import load_keypair, load_public_key, read_tenant_token
 
     cfg = extra if isinstance(extra, ConnectorConfig) else ConnectorConfig.parse(extra)
     server = cfg.curve_server_key or ""
     if not server and cfg.curve_server_key_file:
         server = load_public_key(cfg.curve_server_key_file).decode()
     key_file = cfg.curve_client_key_file
-    return {"curve_server_key": server, "curve_keypair": load_keypair(key_file) if key_file else None}
+    return {"curve_server_key": server, "curve_keypair": load_keypair(key_file) if key_file else None,
+            "tenant_token": read_tenant_token(cfg.tenant_token_file or "", f"{PREFIX}.tenant_token_file")}

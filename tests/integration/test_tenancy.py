@@ -1,0 +1,275 @@
+"""Many tenants on one daemon: who may connect, register, write and listen.
+
+Every daemon is ``kvbm serve`` in a subprocess (tests/serve_proc.py); the clients are this process, and, where
+the question is another local user, a pyzmq script run as uid 65534 (tests/otheruid.py)."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+from needs import require
+from otheruid import PROBE, available, result, spawn_as_other
+from serve_proc import ServeProc
+
+from kvbm import protocol as p
+from kvbm.blocks import BlockKey
+from kvbm.client import DaemonError, WorkerClient
+from kvbm.layout import KVLayout
+
+SLOT = 64 * 1024
+LAYOUT_A = KVLayout(model="team-a/llama", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16",
+                    block_bytes=SLOT)
+LAYOUT_B = KVLayout(model="team-b/qwen", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16",
+                    block_bytes=SLOT)
+NB = LAYOUT_A.block_nbytes
+
+
+def keys(n: int, ns: str, tag: bytes = b"") -> list[BlockKey]:
+    return [BlockKey(ns, (tag + i.to_bytes(4, "big")).ljust(32, b"\x00")) for i in range(n)]
+
+
+def base_cfg(tmp: Path, **daemon: object) -> dict:
+    return {
+        "block_bytes": SLOT, "device": {"enabled": False}, "host": {"capacity": "4MiB"},
+        "disk": {"dir": str(tmp / "disk"), "capacity": "64MiB", "fsync": False, "o_direct": False},
+        "s3": {"enabled": False}, "embedded_s3": {"enabled": False}, "transfer": {"backend": "plain"},
+        "daemon": {"metrics_port": 0, **daemon},
+    }
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every user may enter (pytest's tmp dirs are root's 0700 ones): the other uid must be kept
+    out by the daemon's own socket directory, not by an accident of the test."""
+    d = Path(tempfile.mkdtemp(prefix="kvbm-t-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_default_sockets_keep_other_users_out(open_dir: Path) -> None:
+    """With the default endpoints another uid gets no answer to a Ping and no event batch while the owner
+    stores; the owner (same uid) is served on those same defaults, and the other uid's probe does reach a
+    socket it is allowed to (so the silence is the daemon's doing)."""
+    require("otheruid", *available())
+    cache = open_dir / "c"
+    run = cache / "kvbm" / "run"
+    run.mkdir(parents=True)
+    for path in (cache, cache / "kvbm", run):  # opened by someone before the daemon starts: it closes it again
+        path.chmod(0o755)
+    d = ServeProc(open_dir, base_cfg(open_dir), env={"XDG_CACHE_HOME": str(cache)}).start()
+    assert d.endpoint == f"ipc://{run}/kvbm.sock" and d.info["events"] == f"ipc://{run}/events.sock"
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    ctx = zmq.Context()
+    control = ctx.socket(zmq.ROUTER)  # answers anything: proves the other uid's probe can talk at all
+    control.bind("tcp://127.0.0.1:*")
+    control_ep = control.getsockopt_string(zmq.LAST_ENDPOINT)
+    stop = threading.Event()
+    t = threading.Thread()
+    try:
+        events = d.info["events"]
+        frame = p.encode(p.Ping(rid=1)).hex()
+        stop = threading.Event()
+        probe = spawn_as_other(PROBE, requests=[d.endpoint, control_ep], events=[events], frame=frame, wait_s=4.0)
+
+        def echo() -> None:
+            while not stop.is_set():
+                if control.poll(100):
+                    ident, *_rest = control.recv_multipart()
+                    control.send_multipart([ident, b"pong"])
+
+        t = threading.Thread(target=echo, daemon=True)
+        t.start()
+        time.sleep(1.0)  # the probe connects and subscribes
+        with WorkerClient(d.endpoint, timeout_s=10) as c:  # the owner, on the same default endpoint
+            c.ping()
+            c.register(LAYOUT_A)
+            for i in range(40):
+                ks = keys(1, c.namespace, tag=bytes([i]))
+                c.store(ks, [np.full(NB, i, dtype=np.uint8)])
+                time.sleep(0.05)
+        got = result(probe, timeout=30)
+        assert "error" not in got, got
+        assert got["replies"][control_ep] == 1, got
+        assert got["replies"][d.endpoint] == 0, f"another uid was answered by the daemon: {got}"
+        assert got["events"][events] == 0, f"another uid read the event stream: {got}"
+        (open_dir / "second").mkdir()
+        second = ServeProc(open_dir / "second", base_cfg(open_dir / "second"), env={"XDG_CACHE_HOME": str(cache)})
+        with pytest.raises(RuntimeError, match="another process listens there"):
+            second.start()  # with TCP the port was taken; an ipc path must be refused the same way
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join()
+        control.close(0)
+        ctx.term()
+        d.stop()
+
+
+# -- tenants ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
+    """A daemon serving two tenants: a (models team-a/*, 2 workers, 4 requests in flight) and b (one namespace)."""
+    tmp = tmp_path_factory.mktemp("ten")
+    cfg = base_cfg(tmp, endpoint=f"ipc://{tmp}/d.sock", events_endpoint=f"ipc://{tmp}/ev.sock", barrier_timeout_s=1.0,
+                   tenants=[
+        {"name": "a", "token_file": str(tmp / "a.token"), "models": ["team-a/*"], "max_workers": 2, "max_inflight": 4},
+        {"name": "b", "token_file": str(tmp / "b.token"), "namespaces": [LAYOUT_B.namespace]},
+    ])
+    d = ServeProc(tmp, cfg).start()  # creates a.token and b.token (0600) at first start
+    yield d
+    d.stop()
+
+
+def tenant_client(d: ServeProc, name: str, **kw: object) -> WorkerClient:
+    return d.client(tenant_token=(d.tmp / f"{name}.token").read_text().strip(), **kw)
+
+
+def refusal(fn: object, *args: object, **kw: object) -> str:
+    with pytest.raises(DaemonError) as e:
+        fn(*args, **kw)  # type: ignore[operator]
+    return e.value.code
+
+
+def test_a_tenant_registers_only_what_its_credential_names(tenants: ServeProc) -> None:
+    with tenant_client(tenants, "a") as a, tenant_client(tenants, "b") as b, tenants.client() as anon:
+        a.register(LAYOUT_A)
+        b.register(LAYOUT_B)
+        with tenant_client(tenants, "a") as a2:
+            assert refusal(a2.register, LAYOUT_B) == p.E_FORBIDDEN  # b's model: whatever layout a sends
+        with tenant_client(tenants, "b") as b2:
+            assert refusal(b2.register, LAYOUT_A) == p.E_FORBIDDEN
+        assert refusal(anon.register, LAYOUT_A) == p.E_FORBIDDEN  # no credential on a daemon with tenants
+        with tenants.client(tenant_token="x" * 43) as bad:
+            assert refusal(bad.register, LAYOUT_A) == p.E_FORBIDDEN
+        with tenants.client(admin=True) as admin:
+            admin.register(LAYOUT_B)  # the operator may look at any namespace
+        ks = keys(2, a.namespace)
+        a.store(ks, [np.full(NB, 7, dtype=np.uint8)] * 2)
+        assert a.lookup(ks).matched == 2
+        assert refusal(b.lookup, ks) == p.E_FORBIDDEN  # a's namespace is not b's to probe
+
+
+def test_on_a_daemon_with_tenants_only_the_admin_token_subscribes_to_events(tenants: ServeProc) -> None:
+    """A PUB socket cannot filter per subscriber: with tenants a subscriber needs the admin token (PLAIN), and a
+    tenant's process, though it reaches the socket, reads nothing of anyone's stores."""
+    ctx = zmq.Context()
+    subs = {}
+    for who, password in (("none", None), ("tenant", (tenants.tmp / "b.token").read_text().strip()),
+                          ("admin", tenants.admin_token())):
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        if password is not None:
+            sub.plain_username, sub.plain_password = b"admin", password.encode()
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{tenants.tmp}/ev.sock")
+        subs[who] = sub
+    try:
+        got = dict.fromkeys(subs, 0)
+        with tenant_client(tenants, "a") as a:
+            a.register(LAYOUT_A)
+            for i in range(20):  # until the admin's subscription has seen stores (it joins asynchronously)
+                a.store(keys(1, a.namespace, bytes([0xE0, i])), [np.full(NB, i, dtype=np.uint8)])
+                for who, sub in subs.items():
+                    while sub.poll(50):
+                        sub.recv_multipart()
+                        got[who] += 1
+                if got["admin"] >= 3:
+                    break
+        assert got["admin"] >= 3 and got["none"] == 0 and got["tenant"] == 0, got
+    finally:
+        for sub in subs.values():
+            sub.close(0)
+        ctx.term()
+
+
+def test_a_worker_id_belongs_to_the_credential_that_created_it(tenants: ServeProc) -> None:
+    with tenant_client(tenants, "a") as a, tenant_client(tenants, "b") as b:
+        a.register(LAYOUT_A, worker_id="shared-name")
+        assert refusal(b.register, LAYOUT_B, worker_id="shared-name") == p.E_FORBIDDEN
+        a.ping()  # a's session survived the attempt
+        assert a.lookup(keys(1, a.namespace, b"\xff")).matched == 0
+        with tenant_client(tenants, "a") as again:  # the same credential may replace it (a restarted worker)
+            again.register(LAYOUT_A, worker_id="shared-name")
+            again.ping()
+
+
+def test_a_tenant_floods_only_its_own_registrations_and_requests(tenants: ServeProc) -> None:
+    """a's third worker is refused `limit` (b still registers); a's fifth request in flight is refused `limit`
+    at once while b is served; a Barrier naming an hour waits only daemon.barrier_timeout_s."""
+    with tenant_client(tenants, "a") as a1, tenant_client(tenants, "a") as a2, tenant_client(tenants, "a") as a3:
+        a1.register(LAYOUT_A)
+        a2.register(LAYOUT_A)
+        assert refusal(a3.register, LAYOUT_A) == p.E_LIMIT
+        with tenant_client(tenants, "b") as b:
+            b.register(LAYOUT_B)
+            ctx = zmq.Context()
+            flood = ctx.socket(zmq.DEALER)
+            flood.setsockopt(zmq.LINGER, 0)
+            flood.connect(tenants.endpoint)
+            try:
+                for i in range(20):  # a's Barriers that would wait an hour, 4 of them at most in flight
+                    flood.send(p.encode(p.Barrier(token=a1.token, rid=i + 1, engine_id="engine", step=i, rank=0,
+                                                  world_size=2, timeout_s=3600)))
+                b.lookup(keys(4, b.namespace))  # served while a's flood is in flight
+                b.ping()
+                codes: dict[str, int] = {}
+                while sum(codes.values()) < 20:
+                    # A generous deadline (the Barriers asked for an hour; the daemon bounds them to 1 s).
+                    assert flood.poll(15_000), f"a's flood was not answered within 15 s: {codes}"
+                    rep = p.decode_reply(flood.recv())
+                    key = rep.code if isinstance(rep, p.Error) else type(rep).__name__
+                    codes[key] = codes.get(key, 0) + 1
+                assert codes == {p.E_LIMIT: 16, "BarrierReply": 4}, codes
+            finally:
+                flood.close(0)
+                ctx.term()
+        assert a1.stats()["daemon"]["client_limited"] >= 16
+
+
+def flood_barriers(endpoint: str, token: str, n: int) -> zmq.Socket:
+    """``n`` Barriers asking to wait an hour for a rank that never comes, sent without waiting for replies."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    for i in range(n):
+        sock.send(p.encode(p.Barrier(token=token, rid=i + 1, engine_id="engine", step=i, rank=0, world_size=2,
+                                     timeout_s=3600)))
+    return sock
+
+
+def test_one_workers_barrier_flood_leaves_other_workers_served(tmp_path: Path) -> None:
+    """Without tenants: 1,100 hour-long Barriers from one worker (more than daemon.max_inflight, 1,024) neither
+    stop the daemon reading nor delay another worker's Lookup; beyond the worker's cap they are refused `limit`,
+    and those admitted end after daemon.barrier_timeout_s."""
+    d = ServeProc(tmp_path, base_cfg(tmp_path, endpoint=f"ipc://{tmp_path}/d.sock", events_endpoint="",
+                                     barrier_timeout_s=1.0)).start()
+    try:
+        with d.client() as flooder, d.client() as other:
+            flooder.register(LAYOUT_A)
+            other.register(LAYOUT_B, worker_id="other")
+            sock = flood_barriers(d.endpoint, flooder.token, 1100)
+            try:
+                time.sleep(1.0)  # the daemon reads the whole flood before the other worker asks
+                assert other.lookup(keys(4, other.namespace)).matched == 0  # served (else DaemonUnavailable)
+                codes: dict[str, int] = {}
+                while sum(codes.values()) < 1100:
+                    # A generous deadline: the Barriers asked for an hour, the daemon bounds them to 1 s.
+                    assert sock.poll(20_000), f"the flood was not answered within 20 s: {codes}"
+                    rep = p.decode_reply(sock.recv())
+                    key = rep.code if isinstance(rep, p.Error) else type(rep).__name__
+                    codes[key] = codes.get(key, 0) + 1
+                assert codes == {"BarrierReply": 256, p.E_LIMIT: 844}, codes  # daemon.max_inflight_per_client
+            finally:
+                sock.close(0)
+    finally:
+        d.stop()
