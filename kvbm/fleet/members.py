@@ -1,14 +1,17 @@
 """Discovery: daemons sharing a bucket announce themselves in it and follow each other without a peer list.
 
 Each daemon keeps one small JSON object, ``{s3.prefix}/_members/{node}.json`` (a :class:`Membership`: node
-id, event endpoint, CURVE public key, expiry), rewritten every ``discovery_ttl_s / 3`` and deleted when the
-daemon stops cleanly. Every ``discovery_interval_s`` it lists ``_members/``, reads the objects and reports
-the live ones to the daemon (``join``), and the ones that vanished or expired (``leave``).
+id, event endpoint, CURVE public key, TTL), PUT again every ``discovery_ttl_s / 3`` and deleted when the
+daemon stops cleanly. Every ``discovery_interval_s`` it lists ``_members/`` and reports new members to the
+daemon (``join``), and members whose object vanished or stopped being refreshed (``leave``).
 
-A member counts as expired when its ``expires_at`` (the writer's clock) has passed on the reader's clock, or
-when its ``seq`` has not moved for one TTL as this reader saw it (a writer whose clock runs ahead). Clocks
-must therefore agree to well within the TTL (NTP does). A failed LIST or GET changes nothing: members are
-dropped only on what the bucket says, never because the bucket could not be asked.
+The body never changes while a daemon runs, so the LIST alone (key, size, last-modified) says who is there
+and who still refreshes: a member is read (GET) when it first appears, when its size changes, and at most once
+per TTL otherwise (a restart on another endpoint of the same length); a refresh moves its last-modified. A
+member whose last-modified has not moved for one TTL (the writer's, as this reader's monotonic clock sees
+it) has expired: only equality of the server's timestamps is used, so no two clocks need to agree. A failed
+LIST or GET changes nothing: members are dropped on what the bucket says, never because it could not be asked.
+The cost per daemon: one LIST per interval and about one GET per member per TTL.
 
 ``_members`` is not a namespace (namespaces start with a letter or digit), so block listings skip it.
 """
@@ -36,17 +39,16 @@ MAX_MEMBER_BYTES = 4096  # a membership object is ~300 bytes; anything larger is
 
 
 class Membership(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
-    """One node's announcement (JSON in the bucket). Unknown fields are ignored: newer writers may add some."""
+    """One node's announcement (JSON in the bucket), the same bytes for the daemon's whole life. Unknown
+    fields are ignored: newer writers may add some."""
 
     v: int = MEMBERSHIP_VERSION
     node_id: str
-    instance: str  # random per daemon process: tells two daemons claiming one node id apart
+    instance: str  # random per daemon process: tells a restart, and two daemons claiming one node id, apart
     events_endpoint: str
     curve_public_key: str = ""  # Z85; empty: its PUB socket is plain
-    started_at: float
-    updated_at: float
-    expires_at: float
-    seq: int = 0  # bumped at every refresh
+    started_at: float  # unix time (informational)
+    ttl_s: float  # refreshed every ttl_s / 3; gone when not refreshed for ttl_s
 
 
 def members_prefix(prefix: str) -> str:
@@ -73,10 +75,22 @@ def decode_member(body: bytes) -> Membership | None:
     return m if m.v == MEMBERSHIP_VERSION and m.events_endpoint and m.node_id else None
 
 
+class _Seen(msgspec.Struct):
+    """One membership object as this reader saw it."""
+
+    size: int
+    mtime: object  # the LIST's last-modified: compared for equality only
+    moved_at: float  # monotonic time this reader saw mtime change (or the object appear)
+    member: Membership | None = None
+    read_at: float = 0.0  # monotonic time of the last GET
+    ttl_s: float = 0.0  # the member's own TTL, from its body
+
+
 class DiscoveryStats(msgspec.Struct):
     announces: int = 0  # membership objects written
     scans: int = 0  # listings of the members directory
     failed: int = 0  # announces or scans that could not reach the bucket
+    reads: int = 0  # membership objects read (GET)
     joined: int = 0  # members reported new (or changed: another endpoint or key)
     left: int = 0  # members reported gone (object deleted) or expired
     bad: int = 0  # objects under _members/ that are not memberships
@@ -102,14 +116,13 @@ class Discovery:
         self.refresh_s = ttl_s / 3
         self._join = join
         self._leave = leave
-        self._clock = clock
         self._mono = monotonic
-        now = clock()
         self.me = Membership(node_id=self.node, instance=secrets.token_hex(8), events_endpoint=events_endpoint,
-                             curve_public_key=curve_public_key, started_at=now, updated_at=now,
-                             expires_at=now + ttl_s)
-        self.members: dict[str, Membership] = {}  # followed: node -> its last membership
-        self._moved: dict[str, tuple[int, float]] = {}  # node -> (seq, monotonic time this reader saw it change)
+                             curve_public_key=curve_public_key, started_at=clock(), ttl_s=ttl_s)
+        self._body = msgspec.json.encode(self.me)
+        self._clock = clock
+        self.members: dict[str, Membership] = {}  # followed: node -> its membership
+        self._seen: dict[str, _Seen] = {}  # object key -> what the listings and the last GET said
         self._next_announce = 0.0
         self.stats = DiscoveryStats()
 
@@ -125,12 +138,8 @@ class Discovery:
         await self.scan()
 
     async def announce(self) -> bool:
-        now = self._clock()
-        self.me.seq += 1
-        self.me.updated_at = now
-        self.me.expires_at = now + self.ttl_s
         try:
-            await self.tier.put_aux(self.key, msgspec.json.encode(self.me))
+            await self.tier.put_aux(self.key, self._body)
         except TierUnavailableError as e:
             self.stats.failed += 1
             log.debug("discovery: announce failed: %s", e)
@@ -147,51 +156,77 @@ class Discovery:
         except TierUnavailableError as e:
             log.info("discovery: membership %s not withdrawn (it expires in %.0f s): %s", self.key, self.ttl_s, e)
 
-    async def read_all(self) -> dict[str, Membership] | None:
-        """Every readable membership under ``_members/`` (own included), or None when the bucket cannot tell."""
-        okeys: list[str] = []
+    async def _list(self) -> dict[str, tuple[int, object]] | None:
+        """``{object key: (size, last-modified)}`` under ``_members/``, or None when the bucket cannot tell."""
+        out: dict[str, tuple[int, object]] = {}
         try:
             async for page in self.tier._list_pages(members_prefix(self.tier.prefix)):
-                okeys.extend(okey for _bk, okey, size, _mt in page
-                             if okey.endswith(MEMBER_SUFFIX) and 0 < size <= MAX_MEMBER_BYTES)
-            bodies = await asyncio.gather(*(self.tier.get_aux(k) for k in okeys))
+                for _bk, okey, size, mtime in page:
+                    if okey.endswith(MEMBER_SUFFIX):
+                        out[okey] = (size, mtime)
         except TierUnavailableError as e:
             log.debug("discovery: scan failed: %s", e)
             return None
-        out: dict[str, Membership] = {}
-        for okey, body in zip(okeys, bodies, strict=True):
-            if body is None:  # deleted between the LIST and the GET: gone
-                continue
-            m = decode_member(body)
-            if m is None or member_key(self.tier.prefix, m.node_id) != okey:
-                self.stats.bad += 1
-                continue
-            out[m.node_id] = m
         return out
 
-    def expired(self, m: Membership) -> bool:
-        now_mono = self._mono()
-        seq, since = self._moved.get(m.node_id, (-1, now_mono))
-        if m.seq != seq:
-            self._moved[m.node_id] = (m.seq, now_mono)
-            since = now_mono
-        ttl = max(m.expires_at - m.updated_at, 0.0)
-        return self._clock() >= m.expires_at or now_mono - since > ttl
+    async def _read(self, okey: str) -> Membership | bool | None:
+        """The membership at ``okey``; None when it is gone or not one; False when it could not be read."""
+        try:
+            body = await self.tier.get_aux(okey)
+        except TierUnavailableError as e:
+            log.debug("discovery: read of %s failed: %s", okey, e)
+            return False
+        self.stats.reads += 1
+        if body is None:
+            return None
+        m = decode_member(body)
+        if m is None or member_key(self.tier.prefix, m.node_id) != okey:
+            self.stats.bad += 1
+            return None
+        return m
 
     async def scan(self) -> bool:
-        found = await self.read_all()
-        if found is None:
+        listed = await self._list()
+        if listed is None:
             self.stats.failed += 1
             return False
+        now = self._mono()
+        for okey in [k for k in self._seen if k not in listed]:
+            del self._seen[okey]
+        stale: list[str] = []  # to GET: new, resized, or not read for a TTL
+        for okey, (size, mtime) in listed.items():
+            seen = self._seen.get(okey)
+            if seen is None:
+                seen = self._seen[okey] = _Seen(size=size, mtime=mtime, moved_at=now)
+                stale.append(okey)
+                continue
+            if mtime != seen.mtime:
+                seen.mtime, seen.moved_at = mtime, now
+            if size != seen.size or seen.member is None or now - seen.read_at >= seen.ttl_s:
+                seen.size = size
+                stale.append(okey)
+        got = await asyncio.gather(*(self._read(k) for k in stale))
+        for okey, m in zip(stale, got, strict=True):
+            if m is False:
+                continue  # keep what we knew
+            seen = self._seen[okey]
+            seen.member, seen.read_at = m or None, now
+            if m:
+                seen.ttl_s = max(m.ttl_s, 0.0)
+        live: dict[str, Membership] = {}
+        for okey, seen in self._seen.items():
+            m = seen.member
+            if m is None or (okey != self.key and now - seen.moved_at > seen.ttl_s):
+                continue  # unreadable, or not refreshed for a TTL: expired
+            live[m.node_id] = m
         self.stats.scans += 1
         self.stats.last_scan_at = self._clock()
-        own = found.pop(self.node, None)
+        own = live.pop(self.node, None)
         if own is not None and own.instance != self.me.instance:
             self.stats.conflicts += 1
             log.warning("discovery: node id %r is also announced by another daemon (events %s); give each daemon "
                         "its own daemon.node_id", self.node, own.events_endpoint)
             self._next_announce = 0.0  # put ours back: a fleet of two claimants flaps, and says so
-        live = {n: m for n, m in found.items() if not self.expired(m)}
         for node in [n for n in self.members if n not in live]:
             del self.members[node]
             self.stats.left += 1
@@ -203,8 +238,6 @@ class Discovery:
                     m.events_endpoint, m.curve_public_key, m.instance):
                 self.stats.joined += 1
                 self._join(m)
-        for node in [n for n in self._moved if n not in found]:
-            del self._moved[node]
         return True
 
     def describe(self) -> dict[str, object]:
