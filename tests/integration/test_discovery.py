@@ -8,6 +8,8 @@ import json
 import re
 
 import pytest
+import zmq
+from needs import needs
 from test_fleet import Node, loads_exact, poll, prompt, store
 
 from kvbm.config import S3Config, load_config
@@ -112,3 +114,24 @@ def test_discovery_config_is_validated(tmp_path):
     path.write_text(json.dumps({"s3": {"enabled": False}, **good}))
     with pytest.raises(ConfigError, match=re.escape("needs s3.enabled")):
         load_config(path, environ={})
+
+
+@needs("curve", zmq.has("curve"), "libzmq without CURVE")
+def test_members_with_their_own_curve_keys_are_followed_by_the_announced_key(tmp_path, s3_server, s3_prefix, nodes):
+    """Each daemon has its own CURVE key pair (no shared fleet key, no peer_curve_server_key): a follower can
+    only complete the handshake with the public key the member announced in the bucket."""
+
+    def own_keys() -> dict:
+        pub, sec = (k.decode() for k in zmq.curve_keypair())
+        return {"curve_public_key": pub, "curve_secret_key": sec, "curve_allow_any_client": True}
+
+    a = Node(tmp_path, "a", s3_server, s3_prefix, node_id="a", **FAST, **own_keys())
+    b = Node(tmp_path, "b", s3_server, s3_prefix, node_id="b", **FAST, **own_keys())
+    nodes.extend([a.start(), b.start()])
+    keys = prompt(2)
+    with a.client() as ca, b.client() as cb:
+        assert poll(lambda: connected_to(ca, {"b"}) and connected_to(cb, {"a"}))
+        assert bucket_members(s3_server, s3_prefix)["a"]["curve_public_key"] == a.cfg["daemon"]["curve_public_key"]
+        store(ca, keys)
+        assert poll(lambda: cb.lookup(keys).matched == 2)  # by A's encrypted events: probes are off
+        assert loads_exact(cb, keys) == 2
