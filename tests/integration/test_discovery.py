@@ -9,9 +9,11 @@ import re
 
 import pytest
 import zmq
+from click.testing import CliRunner
 from needs import needs
 from test_fleet import Node, loads_exact, poll, prompt, store
 
+from kvbm.cli.main import main
 from kvbm.config import S3Config, load_config
 from kvbm.errors import ConfigError
 from kvbm.fleet.members import decode_member, members_prefix
@@ -91,6 +93,9 @@ def test_nodes_find_each_other_in_the_bucket_join_and_leave(tmp_path, s3_server,
         # the static entry for B stays (it is configured), the discovered one is gone
         peers = ca.stats()["daemon"]["fleet"]["peers"]
         assert [p["endpoint"] for p in peers] == [b.events] and peers[0]["node_id"] == ""
+    env = {"KVBM_CONFIG": str(a.proc.cfg_path)}
+    text = CliRunner().invoke(main, ["status"], env=env, catch_exceptions=False).output
+    assert f"discovery: node a announced as {a.events}; 0 members (none)" in text
 
 
 def test_discovery_config_is_validated(tmp_path):
