@@ -124,6 +124,7 @@ class Discovery:
         self.members: dict[str, Membership] = {}  # followed: node -> its membership
         self._seen: dict[str, _Seen] = {}  # object key -> what the listings and the last GET said
         self._next_announce = 0.0
+        self._blind = False  # the last scan failed
         self.stats = DiscoveryStats()
 
     async def run(self) -> None:
@@ -189,8 +190,13 @@ class Discovery:
         listed = await self._list()
         if listed is None:
             self.stats.failed += 1
+            self._blind = True
             return False
         now = self._mono()
+        if self._blind:  # refreshes made while we could not look went unseen: give everyone a fresh TTL
+            self._blind = False
+            for seen in self._seen.values():
+                seen.moved_at = now
         for okey in [k for k in self._seen if k not in listed]:
             del self._seen[okey]
         stale: list[str] = []  # to GET: new, resized, or not read for a TTL
