@@ -125,6 +125,8 @@ class Discovery:
         self._seen: dict[str, _Seen] = {}  # object key -> what the listings and the last GET said
         self._next_announce = 0.0
         self._blind = False  # the last scan failed
+        self._writing = asyncio.Lock()
+        self._withdrawn = False
         self.stats = DiscoveryStats()
 
     async def run(self) -> None:
@@ -139,23 +141,32 @@ class Discovery:
         await self.scan()
 
     async def announce(self) -> bool:
-        try:
-            await self.tier.put_aux(self.key, self._body)
-        except TierUnavailableError as e:
-            self.stats.failed += 1
-            log.debug("discovery: announce failed: %s", e)
-            self._next_announce = self._mono() + min(self.interval_s, self.refresh_s)
-            return False
+        async with self._writing:  # never after (or across) the withdrawal
+            if self._withdrawn:
+                return False
+            try:
+                await self.tier.put_aux(self.key, self._body)
+            except TierUnavailableError as e:
+                return self._announce_failed(e)
         self.stats.announces += 1
         self._next_announce = self._mono() + self.refresh_s
         return True
 
+    def _announce_failed(self, e: TierUnavailableError) -> bool:
+        self.stats.failed += 1
+        log.debug("discovery: announce failed: %s", e)
+        self._next_announce = self._mono() + min(self.interval_s, self.refresh_s)
+        return False
+
     async def withdraw(self) -> None:
-        """Delete this node's membership (a clean stop), so the others drop it at their next scan."""
-        try:
-            await self.tier.delete_many([self.key])
-        except TierUnavailableError as e:
-            log.info("discovery: membership %s not withdrawn (it expires in %.0f s): %s", self.key, self.ttl_s, e)
+        """Delete this node's membership (a clean stop), so the others drop it at their next scan; no announce
+        follows it."""
+        async with self._writing:
+            self._withdrawn = True
+            try:
+                await self.tier.delete_many([self.key])
+            except TierUnavailableError as e:
+                log.info("discovery: membership %s not withdrawn (it expires in %.0f s): %s", self.key, self.ttl_s, e)
 
     async def _list(self) -> dict[str, tuple[int, object]] | None:
         """``{object key: (size, last-modified)}`` under ``_members/``, or None when the bucket cannot tell."""

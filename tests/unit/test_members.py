@@ -108,5 +108,8 @@ def test_conflicting_node_id_and_bad_objects_are_counted() -> None:
         assert d.stats.conflicts == 1 and d.stats.bad == 1 and d.members == {}
         await d.step()  # it puts its own membership back
         assert msgspec.json.decode(bucket.objects[d.key][0])["instance"] == d.me.instance
+        await d.withdraw()  # a clean stop: gone, and no later step puts it back
+        await d.step()
+        assert d.key not in bucket.objects
 
     asyncio.run(go())
