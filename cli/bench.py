@@ -276,26 +276,40 @@ def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: st
 @click.option("--listing-prefix", default="", help="Keep the listing objects under this prefix and reuse them.")
 @click.option("--put-concurrency", default=128, show_default=True, help="PUTs in flight creating listing objects.")
 @click.option("--list-concurrency", default=16, show_default=True, help="s3.list_concurrency of the parallel listing.")
-@click.option("--groups", default="fleet,listing", show_default=True)
+@click.option("--groups", default="fleet,listing", show_default=True, help="Of fleet, listing, fanout.")
+@click.option("--fanout-daemons", default=8, show_default=True, help="fanout: daemons that discover each other.")
+@click.option("--rounds", default=16, show_default=True, help="fanout: blocks stored (each by the next daemon).")
+@click.option("--modes", default="events,probe", show_default=True, help="fanout: events (discovery), probe.")
+@click.option("--negative-ttl", default=1.0, show_default=True, help="fanout: daemon.probe_negative_ttl_s.")
+@click.option("--cluster", is_flag=True, help="Run on a fresh SeaweedFS cluster (3 volume servers, 001, 2 gateways).")
+@click.option("--kill-volume", is_flag=True, help="With --cluster: kill a volume server halfway (fanout, events).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go.")
 @with_s3
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--markdown", is_flag=True, help="Print the table as markdown.")
 def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block_size: str, listing_sizes: str,
-              listing_prefix: str, put_concurrency: int, list_concurrency: int, groups: str, workdir: str | None,
+              listing_prefix: str, put_concurrency: int, list_concurrency: int, groups: str, fanout_daemons: int,
+              rounds: int, modes: str, negative_ttl: float, cluster: bool, kill_volume: bool, workdir: str | None,
               s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str, s3_bucket: str,
               json_path: str | None, markdown: bool) -> None:
     """N daemons on one bucket: A's durable ack to B's hit, lookup cost, and listing 100k/1M block objects."""
     from kvbm.bench.fleet import FleetOptions, fleet_table, run_fleet
 
-    if daemons < 2 or blocks < 1 or lookups < 1:
-        raise click.BadParameter("--daemons must be >= 2, --blocks and --lookups >= 1")
+    if daemons < 2 or blocks < 1 or lookups < 1 or fanout_daemons < 2 or rounds < 1:
+        raise click.BadParameter("--daemons and --fanout-daemons must be >= 2, --blocks, --lookups, --rounds >= 1")
+    bad = [m for m in _csv(modes) if m not in ("events", "probe")]
+    if bad or (kill_volume and not cluster) or (cluster and s3_endpoint):
+        raise click.BadParameter(f"--modes: events/probe, not {bad}" if bad else
+                                 "--kill-volume needs --cluster" if kill_volume and not cluster else
+                                 "--cluster starts its own store: no --s3-endpoint")
     opts = FleetOptions(
         daemons=daemons, blocks=blocks, hit_timeout_s=hit_timeout, lookups=lookups,
         block_bytes=parse_size(block_size, "--block-size"),
         listing_sizes=tuple(int(x) for x in _csv(listing_sizes)), listing_prefix=listing_prefix.strip("/"),
         put_concurrency=put_concurrency, list_concurrency=list_concurrency, groups=_csv(groups), workdir=workdir,
-        s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
+        fanout_daemons=fanout_daemons, fanout_rounds=rounds, fanout_modes=_csv(modes), negative_ttl_s=negative_ttl,
+        cluster=cluster, kill_volume=kill_volume, s3_endpoint=s3_endpoint, s3_access_key=s3_access_key,
+        s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
     )
     report = asyncio.run(run_fleet(opts, click.echo))
     click.echo("")

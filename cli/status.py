@@ -83,16 +83,20 @@ def daemon_report(link: DaemonLink) -> dict[str, Any]:
     }
 
 
+PEER_FIELDS = ("endpoint", "node_id", "connected", "connects", "batches", "stored", "removed", "gaps", "lost",
+               "resets", "last_seq")
+
+
 def _fleet(f: dict[str, Any] | None) -> dict[str, Any] | None:
     """Peers followed and bucket-probe counters (None for a daemon without a shared tier or that predates them)."""
     if not f or not f.get("shared_tier"):
         return None
     probe = f.get("probe")
     return {
-        "peers": [{k: pr.get(k) for k in ("endpoint", "connected", "connects", "batches", "stored", "removed",
-                                          "gaps", "lost", "resets", "last_seq")} for pr in f.get("peers") or []],
+        "peers": [{k: pr.get(k) for k in PEER_FIELDS} for pr in f.get("peers") or []],
         "probe": None if probe is None else {k: probe.get(k) for k in (
             "probes", "probed", "found", "missed", "hit_rate", "negative_cache", "negative_hits", "late", "failed")},
+        "discovery": f.get("discovery"),
     }
 
 
@@ -157,10 +161,17 @@ def render_fleet(f: dict[str, Any] | None) -> list[str]:
                  f"(hit rate {'-' if hr is None else f'{hr:.1%}'}), negative cache {pr['negative_cache']} "
                  f"({pr['negative_hits']} lookups spared a HEAD), {pr['late']} answered before their probe")
     lines = [f"fleet: {len(f['peers'])} peers followed; {probe}"]
+    disc = f.get("discovery")
+    if disc:
+        lines.append(f"  discovery: node {disc['node']} announced as {disc['events_endpoint']}; "
+                     f"{len(disc['members'])} members ({', '.join(disc['members']) or 'none'}), "
+                     f"{disc['joined']} joins, {disc['left']} leaves, {disc['failed']} failed bucket calls"
+                     + (f", {disc['conflicts']} NODE ID CONFLICTS" if disc.get("conflicts") else ""))
     if f["peers"]:
         rows = [["peer", "state", "batches", "stored", "removed", "gaps", "resets"]]
         for p in f["peers"]:
-            rows.append([str(p["endpoint"]), "connected" if p["connected"] else "DISCONNECTED", str(p["batches"]),
+            name = f"{p['endpoint']} ({p['node_id']})" if p.get("node_id") else str(p["endpoint"])
+            rows.append([name, "connected" if p["connected"] else "DISCONNECTED", str(p["batches"]),
                          str(p["stored"]), str(p["removed"]), str(p["gaps"]), str(p["resets"])])
         lines += ["  " + line for line in _table(rows, {2, 3, 4, 5, 6})]
     return lines

@@ -214,6 +214,13 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     probe_max_blocks: int = 64  # blocks one probe asks about at most
     probe_negative_ttl_s: float = 1.0  # a block the bucket lacked is not probed again for this long
     probe_negative_max: int = 100_000  # entries of the negative cache (the oldest leave first)
+    # Discovery (kvbm.fleet.members): announce this daemon in the bucket ({s3.prefix}/_members/{node_id}.json:
+    # events endpoint, CURVE public key, expiry) and follow every other daemon announced there, with or
+    # without a static `peers` list. Needs G4 and an events_endpoint; give every daemon its own node_id.
+    discovery: bool = False
+    discovery_interval_s: float = 2.0  # how often the members directory is listed (joins/leaves seen within this)
+    discovery_ttl_s: float = 15.0  # a membership not refreshed for this long is dropped; refreshed every ttl/3
+    announce_endpoint: str = ""  # the events endpoint others connect to; empty: the bound one (0.0.0.0: the FQDN)
     # Fleet-wide recency: every this many seconds the daemon writes the hashes hit since the last write to
     # {s3.prefix}/_access/{namespace}/{node}/{epoch}.log (kvbm.recency); purge and prewarm read them. 0: off.
     access_log_interval_s: float = 300.0
@@ -380,6 +387,7 @@ def _validate(cfg: Config) -> Config:
     if cfg.daemon.max_inflight_per_client < 1:
         raise ConfigError("daemon.max_inflight_per_client: must be >= 1")
     _validate_tenants(cfg.daemon.tenants)
+    _validate_discovery(cfg)
     return cfg
 
 
@@ -398,6 +406,24 @@ def _validate_tenants(tenants: list[TenantConfig]) -> None:
             raise ConfigError(f"{at}.max_workers: must be >= 1")
         if t.max_inflight < 1:
             raise ConfigError(f"{at}.max_inflight: must be >= 1")
+
+
+def _validate_discovery(cfg: Config) -> None:
+    dc = cfg.daemon
+    if not dc.discovery:
+        return
+    if not cfg.s3.enabled:
+        raise ConfigError("daemon.discovery: needs s3.enabled (members announce themselves in the shared bucket)")
+    if not dc.events_endpoint:
+        raise ConfigError("daemon.discovery: needs daemon.events_endpoint (what the other members subscribe to)")
+    if not dc.discovery_interval_s > 0:
+        raise ConfigError("daemon.discovery_interval_s: must be > 0")
+    if not dc.discovery_ttl_s > dc.discovery_interval_s:
+        raise ConfigError(f"daemon.discovery_ttl_s: must be longer than daemon.discovery_interval_s "
+                          f"({dc.discovery_ttl_s} <= {dc.discovery_interval_s}): members would expire between scans")
+    ep = dc.announce_endpoint
+    if ep and not re.match(r"^(tcp|ipc)://.+", ep):
+        raise ConfigError(f"daemon.announce_endpoint: {ep!r} is not a tcp:// or ipc:// endpoint")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None) -> Config:

@@ -8,6 +8,10 @@ Figures:
   within ``hit_timeout_s`` is counted as ``never_found``, not timed.
 * **lookup cost**: round-trip time of a Lookup on B for blocks nobody holds (a miss, with whatever probe a
   miss costs) next to one for blocks B holds in G2.
+* **fan-out** (group ``fanout``, :mod:`kvbm.bench.fanout`): ``fanout_daemons`` daemons that found each other
+  through the bucket; how long until a block any of them stores is found by every other, with events
+  (discovery) and with bucket probes alone (bounded by the negative TTL); with ``cluster`` on a distributed
+  SeaweedFS (two gateways, nodes alternating), with ``kill_volume`` a volume server killed halfway.
 * **listing**: time to list ``n`` block objects serially (``S3Tier.list_objects``, one page after another)
   and by shard directory (``S3Tier.list_objects_parallel``), for each ``n`` of ``listing_sizes``. Objects
   are tiny (a LIST costs the same whatever the object size); they are created with many concurrent PUTs,
@@ -17,11 +21,12 @@ Figures:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +48,12 @@ class FleetOptions(BenchTarget):
     put_concurrency: int = 128
     list_concurrency: int = 16
     groups: tuple[str, ...] = ("fleet", "listing")
+    fanout_daemons: int = 8
+    fanout_rounds: int = 16
+    fanout_modes: tuple[str, ...] = ("events", "probe")
+    negative_ttl_s: float = 1.0
+    cluster: bool = False  # a SeaweedCluster (3 volume servers, replication 001, 2 gateways) instead of one server
+    kill_volume: bool = False  # with cluster: kill the volume server holding most blocks halfway (events mode)
 
 
 def _daemon_cfg(root: Path, srv: dict[str, Any], prefix: str, block_bytes: int, i: int) -> dict[str, Any]:
@@ -183,14 +194,44 @@ async def _listing(opts: FleetOptions, srv: dict[str, Any], say: Callable[[str],
     return rows
 
 
+@contextlib.contextmanager
+def _store(opts: FleetOptions, root: Path) -> Iterator[tuple[dict[str, Any], Any]]:
+    """The S3 store under the fleet: ``s3_server`` (given or one fresh SeaweedFS), or a fresh cluster."""
+    if not opts.cluster:
+        with s3_server(root, endpoint=opts.s3_endpoint, access_key=opts.s3_access_key, secret_key=opts.s3_secret_key,
+                       bucket=opts.s3_bucket) as srv:
+            yield srv, None
+        return
+    from kvbm.s3server.cluster import SeaweedCluster
+
+    with SeaweedCluster(root / "cluster", replication="001", bucket=opts.s3_bucket, access_key="kvbm-bench",
+                        secret_key=uuid.uuid4().hex) as c:
+        yield {"endpoint": c.endpoint, "endpoints": c.endpoints, "access_key": c.access_key,
+               "secret_key": c.secret_key, "bucket": c.bucket, "pid": None,
+               "prefix": f"kvbm-bench-{uuid.uuid4().hex[:10]}", "embedded": True}, c
+
+
 async def run_fleet(opts: FleetOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
     report: dict[str, Any] = {"bench": "fleet", "machine": machine(), "options": asdict(opts),
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with temp_dir("kvbm-bench-", opts.workdir) as root, s3_server(
-            root, endpoint=opts.s3_endpoint, access_key=opts.s3_access_key, secret_key=opts.s3_secret_key,
-            bucket=opts.s3_bucket) as srv:
-        if not opts.s3_endpoint:
+    with temp_dir("kvbm-bench-", opts.workdir) as root, _store(opts, root) as (srv, cluster):
+        if cluster is not None:
+            report["s3"] = (f"SeaweedFS cluster (fresh): 1 master, {cluster.volumes} volume servers, replication "
+                            f"{cluster.replication}, {cluster.gateways} S3 gateways")
+        elif not opts.s3_endpoint:
             report["s3"] = "embedded SeaweedFS (fresh)"
+        if "fanout" in opts.groups:
+            from kvbm.bench.fanout import run_fanout
+
+            report["fanout"] = {}
+            for mode in opts.fanout_modes:
+                try:
+                    report["fanout"][mode] = await asyncio.to_thread(run_fanout, opts, srv, root, mode, say, cluster)
+                finally:
+                    delete_prefix(srv, f"{srv['prefix']}-fanout-{mode}/")
+            ev, pr = report["fanout"].get("events"), report["fanout"].get("probe")
+            if ev and pr and ev.get("found_s") and pr.get("found_s"):
+                report["fanout"]["probe_over_events_p50"] = round(pr["found_s"]["p50"] / ev["found_s"]["p50"], 1)
         if "fleet" in opts.groups:
             report["fleet"] = await asyncio.to_thread(_fleet, opts, srv, root, say)
         if "listing" in opts.groups:
@@ -202,6 +243,17 @@ async def run_fleet(opts: FleetOptions, say: Callable[[str], None] = print) -> d
 def fleet_table(report: dict[str, Any], markdown: bool = False) -> str:
     """The figures as a small table."""
     rows: list[tuple[str, str]] = []
+    for mode, fo in (report.get("fanout") or {}).items():
+        if not isinstance(fo, dict):
+            continue
+        st = fo.get("found_s")
+        how = "events (discovery)" if mode == "events" else f"probes only (negative TTL {fo['negative_ttl_s']:g} s)"
+        val = (f"p50 {st['p50'] * 1e3:.1f} ms, p95 {st['p95'] * 1e3:.1f} ms, max {st['max'] * 1e3:.1f} ms "
+               f"({fo['samples']} finds)" if st else "never found")
+        val += f"; {fo['never_found']} never, {fo['wrong_bytes']} wrong bytes"
+        if fo.get("killed"):
+            val += f"; {fo['killed']['server']} killed at round {fo['killed']['at_round']}, {fo['refused']} refused"
+        rows.append((f"{fo['daemons']} daemons: store -> found by every other, {how}", val))
     f = report.get("fleet")
     if f:
         ah = f.get("ack_to_hit_s")

@@ -116,7 +116,7 @@ class Daemon:
             sub.open()
             self._subs.append(sub)
             self._spawn(sub.run())
-        self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn)
+        self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn, self.publisher.endpoint)
         if self.dc.metrics_port:
             self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
             self.metrics_port = await self._metrics.start()
@@ -144,6 +144,7 @@ class Daemon:
         self._stop.set()
 
     async def _shutdown(self) -> None:
+        await self.fleet_member.withdraw()  # while the bucket client is still up
         await self.warmth.close()
         for t in list(self._tasks):
             t.cancel()

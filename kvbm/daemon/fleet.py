@@ -1,11 +1,15 @@
 """The daemon's part in a fleet (see :mod:`kvbm.fleet`): what other daemons sharing the bucket store and delete.
 
-It owns the bucket probe and the peer followers, and applies what they learn to the manager's index of the
-shared tier, inside :meth:`EventPublisher.learned` so it is not republished.
+It owns the bucket probe, the peer followers (``daemon.peers`` and the members discovery finds) and the
+discovery loop, and applies what they learn to the manager's index of the shared tier, inside
+:meth:`EventPublisher.learned` so it is not republished.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
 from typing import Any
 
 import zmq
@@ -17,8 +21,12 @@ from kvbm.config import DaemonConfig
 from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.transport import Spawn
 from kvbm.fleet import BucketProbe, PeerFollower
+from kvbm.fleet.members import Discovery, Membership
 from kvbm.manager import BlockManager
 from kvbm.tiers.s3 import S3Tier
+
+log = logging.getLogger(__name__)
+WITHDRAW_S = 3.0  # how long a stopping daemon tries to delete its membership (else it expires)
 
 
 def shared_tier(manager: BlockManager) -> S3Tier | None:
@@ -39,15 +47,70 @@ class FleetMember:
             self.probe = BucketProbe(shared, self._learn_probed, concurrency=dc.probe_concurrency,
                                      max_blocks=dc.probe_max_blocks, negative_ttl_s=dc.probe_negative_ttl_s,
                                      negative_max=dc.probe_negative_max)
-        self.peers: list[PeerFollower] = []
+        self.peers: list[PeerFollower] = []  # every follower: static ones first, then discovered ones
+        self.discovery: Discovery | None = None
+        self._found: dict[str, tuple[PeerFollower, asyncio.Task[Any]]] = {}  # node -> its follower and task
+        self._static: set[str] = set(dc.peers)
+        self._named: dict[str, PeerFollower] = {}  # node -> the configured follower its endpoint matched
+        self._ctx: zmq.asyncio.Context | None = None
+        self._curve_keys = ("", "")
+        self._spawn: Spawn | None = None
 
-    def follow(self, ctx: zmq.asyncio.Context, curve_keys: tuple[str, str], spawn: Spawn) -> None:
-        """Open a follower per ``daemon.peers`` endpoint."""
+    def follow(self, ctx: zmq.asyncio.Context, curve_keys: tuple[str, str], spawn: Spawn,
+               events_endpoint: str = "") -> None:
+        """Open a follower per ``daemon.peers`` endpoint; with ``daemon.discovery``, announce this daemon
+        (its bound ``events_endpoint``) and follow the members found in the bucket."""
+        self._ctx, self._curve_keys, self._spawn = ctx, curve_keys, spawn
         for ep in self.dc.peers:
             peer = PeerFollower(ep, ctx, self._apply_peer, self._peer_gap, curve=self._peer_curve(curve_keys))
             peer.open()
             self.peers.append(peer)
             spawn(peer.run())
+        shared = shared_tier(self.manager)
+        if self.dc.discovery and shared is not None and events_endpoint:
+            self.discovery = Discovery(shared, self.dc.node_id, announced_endpoint(self.dc, events_endpoint),
+                                       curve_keys[0], join=self._join, leave=self._leave,
+                                       interval_s=self.dc.discovery_interval_s, ttl_s=self.dc.discovery_ttl_s)
+            spawn(self.discovery.run())
+
+    def _join(self, m: Membership) -> None:
+        """Follow a member discovery found (again, when its endpoint, key or process changed)."""
+        self._leave(m.node_id)
+        if m.events_endpoint in self._static:  # already followed as a configured peer: name it
+            for peer in self.peers[: len(self.dc.peers)]:
+                if peer.endpoint == m.events_endpoint:
+                    peer.stats.node_id = m.node_id
+                    self._named[m.node_id] = peer
+            return
+        assert self._ctx is not None and self._spawn is not None
+        curve = self._peer_curve(self._curve_keys, m.curve_public_key) if m.curve_public_key else None
+        peer = PeerFollower(m.events_endpoint, self._ctx, self._apply_peer, self._peer_gap, curve=curve,
+                            node_id=m.node_id)
+        peer.open()
+        self.peers.append(peer)
+        self._found[m.node_id] = (peer, self._spawn(peer.run()))
+        log.info("fleet: following %s at %s", m.node_id, m.events_endpoint)
+
+    def _leave(self, node: str) -> None:
+        named = self._named.pop(node, None)
+        if named is not None:
+            named.stats.node_id = ""  # the configured follower stays
+        got = self._found.pop(node, None)
+        if got is None:
+            return
+        peer, task = got
+        self.peers.remove(peer)
+        task.cancel()
+        task.add_done_callback(lambda _t: peer.close())  # its sockets close once nothing awaits them
+        log.info("fleet: dropped %s at %s", node, peer.endpoint)
+
+    async def withdraw(self) -> None:
+        """At a clean stop: delete this daemon's membership, so the others drop it at once."""
+        if self.discovery is not None:
+            try:
+                await asyncio.wait_for(self.discovery.withdraw(), WITHDRAW_S)
+            except asyncio.TimeoutError:
+                log.info("fleet: membership not withdrawn in %.0f s; it expires", WITHDRAW_S)
 
     def close(self) -> None:
         for peer in self.peers:
@@ -82,12 +145,13 @@ class FleetMember:
         if self.probe is not None:
             self.probe.negative.clear()
 
-    def _peer_curve(self, curve_keys: tuple[str, str]) -> tuple[str, str, str] | None:
-        """CURVE for following peers: their PUB's public key (``peer_curve_server_key``, else this daemon's own:
-        a fleet sharing one server key pair) and this daemon's key pair as the client's (an ephemeral one when
-        it has none; a peer with a client allow-list must list this daemon's public key)."""
+    def _peer_curve(self, curve_keys: tuple[str, str], announced: str = "") -> tuple[str, str, str] | None:
+        """CURVE for following peers: their PUB's public key (``announced`` in a membership, else
+        ``peer_curve_server_key``, else this daemon's own: a fleet sharing one server key pair) and this
+        daemon's key pair as the client's (an ephemeral one when it has none; a peer with a client allow-list
+        must list this daemon's public key)."""
         own_public, own_secret = curve_keys
-        server = self.dc.peer_curve_server_key or own_public
+        server = announced or self.dc.peer_curve_server_key or own_public
         if not server:
             return None
         if own_secret and own_public:
@@ -101,4 +165,16 @@ class FleetMember:
             "shared_tier": self.shared or None,
             "peers": [peer.describe() for peer in self.peers],
             "probe": self.probe.describe() if self.probe is not None else None,
+            "discovery": self.discovery.describe() if self.discovery is not None else None,
         }
+
+
+def announced_endpoint(dc: DaemonConfig, bound: str) -> str:
+    """What the others connect to: ``daemon.announce_endpoint``, else the bound endpoint with a wildcard
+    address replaced by this host's name."""
+    if dc.announce_endpoint:
+        return dc.announce_endpoint
+    for wild in ("0.0.0.0", "[::]", "*"):
+        if f"//{wild}:" in bound:
+            return bound.replace(f"//{wild}:", f"//{socket.getfqdn()}:")
+    return bound

@@ -30,6 +30,7 @@ _UP_EVENT = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)  # CU
 
 class PeerStats(msgspec.Struct):
     endpoint: str
+    node_id: str = ""  # the member's node id when discovery found it; "" for a daemon.peers entry
     connected: bool = False
     connects: int = 0  # times the connection (re)started
     batches: int = 0
@@ -47,9 +48,10 @@ class PeerFollower:
     """Follows one peer's PUB socket; ``apply(self, batch)`` for each batch, ``on_gap(self)`` after lost ones."""
 
     def __init__(self, endpoint: str, ctx: zmq.asyncio.Context, apply: Callable[[PeerFollower, p.EventBatch], None],
-                 on_gap: Callable[[PeerFollower], None], *, curve: tuple[str, str, str] | None = None) -> None:
+                 on_gap: Callable[[PeerFollower], None], *, curve: tuple[str, str, str] | None = None,
+                 node_id: str = "") -> None:
         self.endpoint = endpoint
-        self.stats = PeerStats(endpoint=endpoint)
+        self.stats = PeerStats(endpoint=endpoint, node_id=node_id)
         self._ctx = ctx
         self._apply = apply
         self._on_gap = on_gap

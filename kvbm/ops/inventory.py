@@ -22,6 +22,7 @@ from typing import Any
 from kvbm.blocks import BlockKey
 from kvbm.config import Config
 from kvbm.errors import ConfigError
+from kvbm.fleet.members import is_member_key
 from kvbm.keys import check_namespace, is_namespace, model_slug, parse_disk_relpath
 from kvbm.recency import is_access_key
 
@@ -192,7 +193,8 @@ async def iter_bucket(tier: Any, sel: Selector | None = None, foreign: list[int]
         listing = tier.list_objects(namespace=ns, key_prefix=kp) if kp else tier.list_objects_parallel(ns)
         async for bkey, okey, size, mtime in listing:
             if bkey is None or tier.object_key(bkey) != okey:
-                if foreign is not None and not is_access_key(tier.prefix, okey):  # access logs are kvbm's own
+                own = is_access_key(tier.prefix, okey) or is_member_key(tier.prefix, okey)  # logs, memberships
+                if foreign is not None and not own:
                     foreign[0] += 1
                 continue
             e = Entry("bucket", bkey, okey, size, mtime.timestamp() if mtime else 0.0)

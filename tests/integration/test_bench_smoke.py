@@ -242,3 +242,23 @@ def test_bench_fleet_smoke(s3_server, tmp_path):
     assert not _objects(s3_server), "bench objects left in the bucket"
     _no_secrets(s3_server, tmp_path, text)
     _no_leftovers(tmp_path)
+
+
+def test_bench_fleet_fanout_smoke(s3_server, tmp_path):
+    """Two daemons that find each other through the bucket: each block one stores is found by the other, with
+    events and with probes alone (after the negative TTL), and loads byte-exact; nothing is left behind."""
+    out = tmp_path / "fanout.json"
+    text = _run(["fleet", "--groups", "fanout", "--fanout-daemons", "2", "--rounds", "2", "--negative-ttl", "0.3",
+                 "--hit-timeout", "20", "--workdir", str(tmp_path), *_s3_args(s3_server), "--json", str(out)])
+    r = json.loads(out.read_text())
+    _check_machine(r)
+    for mode in ("events", "probe"):
+        f = r["fanout"][mode]
+        assert f["daemons"] == 2 and f["acked"] == 2 and f["samples"] == 2 and f["never_found"] == 0
+        assert f["verified_loads"] == 2 and f["wrong_bytes"] == 0 and f["missing_loads"] == 0
+        assert set(f["found_s"]) >= {"p50", "p95", "max"}
+    assert r["fanout"]["events"]["mesh_s"] >= 0 and "probe_over_events_p50" in r["fanout"]
+    assert "found by every other" in text
+    assert not _objects(s3_server), "bench objects (blocks or memberships) left in the bucket"
+    _no_secrets(s3_server, tmp_path, text)
+    _no_leftovers(tmp_path)
