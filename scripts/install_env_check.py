@@ -7,8 +7,11 @@
    without network gets its wheels: ``pip download`` them elsewhere, carry the folder in.
 2. The user's environment: a fresh venv with only that torch (built by uv from its cache: seconds, where
    pip takes minutes to write torch 2.11's 4.6 GB of CUDA libraries again).
-3. ``python -m pip install SRC``: the one command a user runs. Every package that was there before must be
-   there after, same version (torch above all), and ``pip check`` must pass.
+3. Install kvbm into it. ``--mode online``: ``python -m pip install SRC``, the one command a user runs.
+   ``--mode offline`` (default; what a GPU host without network does, and fast): kvbm's wheel plus the wheels
+   the environment lacks, downloaded with its ``pip freeze`` as constraints into the wheelhouse, installed with
+   ``--no-index``. Every package that was there before must be there after, same version (torch above all),
+   and ``pip check`` must pass.
 4. kvbm imports from that environment; without NIXL, ``transfer.backend: nixl`` is a clear error naming the
    extras and ``auto`` takes the plain movers; then kvbm's unit tests ``--tests`` run there.
 
@@ -18,6 +21,7 @@ Prints one JSON object (steps, seconds, what changed) and exits 0 only when ever
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -102,9 +106,33 @@ def check(args: argparse.Namespace, report: dict[str, Any]) -> None:
          f"torch=={args.torch}"], "user_env_torch", report)
     before = packages(py, report, "list_before")
     report["torch_before"] = before.get("torch")
-    # The user's command: the environment's own pip, its own configuration, no constraints of ours.
-    run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(args.src)], "pip_install_kvbm",
-        report)
+    report["mode"] = args.mode
+    quiet = ["-q", "--disable-pip-version-check"]
+    if args.mode == "online":
+        # The user's command: the environment's own pip, its own configuration, no constraints of ours.
+        run([str(py), "-m", "pip", "install", *quiet, str(args.src)], "pip_install_kvbm", report)
+    else:
+        # A host without network: kvbm's wheel and the wheels it lacks, fetched elsewhere with the host's own
+        # `pip freeze` as constraints, then installed with --no-index (README, Install on a GPU host).
+        dist = Path(args.work) / "dist"
+        run([*pip, "wheel", *quiet, "--no-deps", "--no-build-isolation", "-w", str(dist), str(args.src)],
+            "build_kvbm_wheel", report)
+        (wheel,) = dist.glob("kvbm-*.whl")
+        freeze = Path(args.work) / "host-freeze.txt"
+        freeze.write_text(run([str(py), "-m", "pip", "freeze", "--disable-pip-version-check"], "freeze",
+                              report).stdout)
+        # pip download re-reads every file already in the wheelhouse (2.6 GB for torch 2.11): skip it when
+        # neither kvbm's requirements nor the environment changed since the last run.
+        key = hashlib.sha256((Path(args.src) / "pyproject.toml").read_bytes() + freeze.read_bytes()).hexdigest()
+        marker = wh / f".deps-{key[:16]}"
+        if not marker.exists():
+            run([*pip, "download", *quiet, "-c", str(freeze), "-d", str(wh), str(wheel), "pytest"],
+                "download_missing", report)
+            marker.touch()
+        for stale in wh.glob("kvbm-*.whl"):  # pip download copied our wheel in; the explicit path installs
+            stale.unlink()
+        run([str(py), "-m", "pip", "install", *quiet, "--no-index", "--find-links", str(wh), str(wheel)],
+            "pip_install_kvbm", report)
     after = packages(py, report, "list_after")
     changed = {n: [v, after.get(n)] for n, v in before.items() if after.get(n) != v}
     report["changed"] = changed
@@ -123,20 +151,26 @@ def check(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if not probe["nixl"][0] and "kvbm[cu12] or kvbm[cu13]" not in (probe.get("nixl_error") or ""):
         raise CheckFailed(f"without NIXL, backend 'nixl' did not fail naming the extras: {probe.get('nixl_error')}")
     if args.tests:
-        run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "pytest"], "pytest_install", report)
+        offline = ["--no-index", "--find-links", str(wh)] if args.mode == "offline" else []
+        run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *offline, "pytest"],
+            "pytest_install", report)
         tests = [str(Path(args.src) / t) for t in args.tests]
         # Only the components this environment lacks on purpose may skip here (NIXL, vLLM); the caller's
         # KVBM_REQUIRE is for its own environment.
         penv = {k: v for k, v in os.environ.items() if k != "KVBM_REQUIRE"}
         p = run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *tests], "unit_tests", report,
                 cwd=args.work, env=penv)
-        report["unit_tests"] = p.stdout.strip().splitlines()[-1]
+        lines = p.stdout.strip().splitlines()
+        report["unit_tests"] = lines[-1]
+        report["unit_test_skips"] = [ln for ln in lines if ln.startswith("SKIPPED")]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--torch", default="2.11.0", help="the torch the user's environment has")
-    ap.add_argument("--src", default=str(ROOT), help="the kvbm source tree (or wheel) to install")
+    ap.add_argument("--src", default=str(ROOT), help="the kvbm source tree to install")
+    ap.add_argument("--mode", choices=["offline", "online"], default="offline",
+                    help="offline: from a wheelhouse with --no-index (a GPU host); online: `pip install SRC`")
     ap.add_argument("--work", default="", help="where the environment is built (default: a temp dir, removed)")
     ap.add_argument("--wheelhouse", default="", help="torch's wheels (default ~/.cache/kvbm/wheelhouse/torch-V)")
     ap.add_argument("--tests", nargs="*", default=DEFAULT_TESTS, help="unit tests to run there (relative to --src)")
