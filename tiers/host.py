@@ -28,6 +28,7 @@ from kvbm.errors import KvbmError
 from kvbm.tiers.pool import SlotPoolTier
 
 log = logging.getLogger(__name__)
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
@@ -96,22 +97,22 @@ def _allocate(fd: int, size: int, name: str) -> None:
 
 
 def _pin(ptr: int, size: int) -> bool:
-    """Page-lock host memory for async DMA (cudaHostRegister); False where CUDA is absent."""
+    """Page-lock host memory for async DMA (cudaHostRegister); False where CUDA is absent.
+
+    Through torch's own CUDA runtime bindings, so the runtime is always the one torch was built with
+    (no separate cuda-python to match against CUDA 12 or 13)."""
     if not torch.cuda.is_available():
         return False
-    from cuda.bindings import runtime as cudart
-
-    (err,) = cudart.cudaHostRegister(ptr, size, cudart.cudaHostRegisterPortable)
-    if err != cudart.cudaError_t.cudaSuccess:
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
+    if int(err) != 0:
         log.warning("cudaHostRegister failed (%s); G2 stays pageable", err)
         return False
     return True
 
 
 def _unpin(ptr: int) -> None:
-    from cuda.bindings import runtime as cudart
-
-    cudart.cudaHostUnregister(ptr)
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class HostTier(SlotPoolTier):

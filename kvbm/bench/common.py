@@ -56,7 +56,7 @@ def machine() -> dict[str, Any]:
         d["numpy"] = numpy.__version__
     except ImportError:
         pass
-    for mod in ("nixl_cu12", "aiobotocore", "boto3"):
+    for mod in ("nixl_cu12", "nixl_cu13", "aiobotocore", "boto3"):
         with contextlib.suppress(Exception):
             from importlib.metadata import version
 

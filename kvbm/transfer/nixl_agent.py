@@ -20,15 +20,29 @@ class TransferBackendError(KvbmError):
     """The requested transfer backend cannot be used (NIXL missing, a backend failed to create)."""
 
 
+def nixl_modules() -> tuple[str, ...]:
+    """The NIXL packages to try, in order: the build matching torch's CUDA major first (the ``cu12``/``cu13``
+    extras install one of them), then the other, then the ``nixl`` meta package."""
+    try:
+        import torch
+
+        cuda = torch.version.cuda or ""
+    except ImportError:
+        cuda = ""
+    order = ("nixl_cu13", "nixl_cu12") if cuda.startswith("13") else ("nixl_cu12", "nixl_cu13")
+    return (*order, "nixl")
+
+
 def nixl_api() -> Any:
-    """The nixl ``_api`` module: the cu12 wheel first (the pinned one), then the meta package, then cu13."""
-    last: Exception | None = None
-    for mod in ("nixl_cu12._api", "nixl._api", "nixl_cu13._api"):
+    """The ``_api`` module of the first NIXL package that imports (see :func:`nixl_modules`)."""
+    errors: list[str] = []
+    for mod in nixl_modules():
         try:
-            return __import__(mod, fromlist=["nixl_agent"])
+            return __import__(f"{mod}._api", fromlist=["nixl_agent"])
         except Exception as e:  # ImportError, or a missing shared library raising OSError
-            last = e
-    raise ImportError(f"no NIXL python package imports ({last})")
+            errors.append(f"{mod}: {type(e).__name__}: {e}")
+    raise ImportError("no NIXL package imports (install kvbm[cu12] or kvbm[cu13], matching torch's CUDA): "
+                      + "; ".join(errors))
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,7 +61,7 @@ def require_nixl() -> Any:
     if not ok:
         raise TransferBackendError(
             f"transfer.backend is 'nixl' but NIXL is unavailable ({reason}); "
-            "install nixl-cu12 or set transfer.backend to 'auto' or 'plain'"
+            "install kvbm[cu12] or kvbm[cu13] (matching torch's CUDA) or set transfer.backend to 'auto' or 'plain'"
         )
     return nixl_api()
 

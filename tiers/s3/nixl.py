@@ -17,6 +17,7 @@ from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.tiers.s3.bodies import OFFLOOP_BYTES, BodyBuffers, copy_payload
 from kvbm.tiers.s3.codes import _one_line, probe_failure
+from kvbm.transfer.nixl_agent import nixl_api
 
 if TYPE_CHECKING:
     from kvbm.tiers.s3.session import S3Session
@@ -145,13 +146,13 @@ class _NixlObj:
 
     async def start(self) -> None:
         try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+            api = nixl_api()
         except ImportError as e:
             raise ConfigError(f"s3.client is 'nixl' but NIXL cannot be imported: {e}") from None
 
         def make() -> Any:
-            conf = nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-            agent = nixl_agent(f"kvbm-s3-{os.getpid()}-{next(self._agent_ids)}", conf)
+            conf = api.nixl_agent_config(backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            agent = api.nixl_agent(f"kvbm-s3-{os.getpid()}-{next(self._agent_ids)}", conf)
             agent.create_backend("OBJ", self._params())
             return agent
 

@@ -17,6 +17,7 @@ from kvbm.integrations.vllm.geometry import Geometry
 from kvbm.integrations.vllm.link import Links
 from kvbm.integrations.vllm.scheduler import SchedulerSide
 from kvbm.integrations.vllm.worker import WorkerSide
+from kvbm.integrations.vllm_compat import check_vllm
 from kvbm.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class KvbmConnector(KVConnectorBase_V1):
     """vLLM v1 KV connector backed by the kvbm daemon: a scheduler side or a worker side, by role."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        check_vllm()  # an unsupported vLLM fails here, naming the supported range
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self.config = cfg = ConnectorConfig.parse(ktc.kv_connector_extra_config)
