@@ -114,6 +114,7 @@ def test_mla_at_tp_2_stores_one_copy_per_tp_group_and_loads_the_computed_latent(
                         digest_blocks=full * k, attention_backend="CPU_MLA")[0]
         assert load["num_cached_tokens"] == full * k * bs
         assert load["kv_digests"] == store["kv_digests"]  # both ranks loaded the computed bytes
+        assert load["tokens"] == store["tokens"]  # ... so the completion is the computed one
         assert g2_blocks(daemon) == full
     finally:
         daemon.stop()
