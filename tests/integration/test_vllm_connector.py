@@ -196,3 +196,55 @@ def _empty_scheduler_output():
                            num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
                            scheduled_encoder_inputs={}, num_common_prefix_blocks=[], finished_req_ids=set(),
                            free_encoder_mm_hashes=[])
+
+
+def test_a_block_a_sliding_window_already_freed_is_not_saved(tiny_model, daemon_1mib):
+    """Under vLLM's hybrid KV cache manager a sliding-window group frees blocks that fall out of its window,
+    and vLLM may hand them to another request in the same step. A kvbm block whose first vLLM blocks were
+    computed in an earlier chunk and are out of the window by now is skipped; the rest are saved with the
+    block ids of every group, group after group."""
+    import dataclasses
+
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import CachedRequestData
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.request import Request
+
+    from kvbm.integrations.vllm import KvbmConnector
+
+    _conn, cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, "vllm_blocks_per_kvbm_block": 2})
+    _conn.shutdown()
+    spec = {"block_size": 16, "num_kv_heads": 2, "head_size": 32, "dtype": torch.bfloat16}
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**spec)),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], SlidingWindowSpec(**spec, sliding_window=16))])
+
+    conn = KvbmConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config=kv)
+    try:
+        fn = get_hash_fn_by_name("sha256")
+        kcu.init_none_hash(fn)
+        req = Request("swa", list(range(5000, 5064)), SamplingParams(max_tokens=1), None,
+                      block_hasher=kcu.get_request_block_hasher(16, fn))
+        assert len(req.block_hashes) == 4  # 4 vLLM blocks of 16 tokens: 2 kvbm blocks
+        assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+        full, swa = [10, 11, 12, 13], [20, 21, 22, 23]
+        conn.update_state_after_alloc(req, KVCacheBlocks((tuple(map(KVCacheBlock, full)),
+                                                          tuple(map(KVCacheBlock, swa)))), 0)
+        # Step 2 of a chunked prefill: tokens 0-39 computed, 24 scheduled. vLLM has freed the sliding blocks
+        # before token 40 - 16 + 1 = 25, i.e. vLLM block 0 (tokens 0-15): kvbm block 0 cannot be saved.
+        cached = CachedRequestData(req_ids=[req.request_id], resumed_req_ids=set(), new_token_ids=[],
+                                   all_token_ids={}, new_block_ids=[None], num_computed_tokens=[40],
+                                   num_output_tokens=[0])
+        out = dataclasses.replace(_empty_scheduler_output(), num_scheduled_tokens={req.request_id: 24},
+                                  scheduled_cached_reqs=cached)
+        meta = conn.build_connector_meta(out)
+        assert [tr.block_ids for tr in meta.saves] == [[[12, 13, 22, 23]]]  # one kvbm block: k ids per group
+        assert meta.saves[0].hashes == [bytes(req.block_hashes[3])]
+    finally:
+        conn.shutdown()

@@ -80,12 +80,13 @@ class Daemon(ServeProc):
             time.sleep(0.5)
 
 
-def run_vllm(tmp: Path, name: str, model: str, daemon: Daemon | None, steps: list[dict], *, tp: int = 1,
-             prompt: list[int] = PROMPT, digest_blocks: int = 0, events: str | None = None,
-             extra: dict | None = None) -> list[dict]:
+def run_vllm(tmp: Path, name: str, model: str, daemon: ServeProc | None, steps: list[dict], *, tp: int = 1,
+             pp: int = 1, prompt: list[int] = PROMPT, digest_blocks: int = 0, events: str | None = None,
+             extra: dict | None = None, group_digest_blocks: int = 0, attention_backend: str = "") -> list[dict]:
     """One engine in a fresh process; ``daemon`` None runs it without the connector."""
-    spec = {"model": model, "prompt": prompt, "steps": steps, "events": events, "tp": tp,
-            "digest_blocks": digest_blocks}
+    spec = {"model": model, "prompt": prompt, "steps": steps, "events": events, "tp": tp, "pp": pp,
+            "digest_blocks": digest_blocks, "group_digest_blocks": group_digest_blocks,
+            "attention_backend": attention_backend}
     if daemon is not None:
         # Default settings: no vllm_blocks_per_kvbm_block, the connector derives it from the daemon.
         spec["connector"] = {"daemon": daemon.endpoint, "model_name": "tiny-llama-e2e", "timeout_s": 5,
@@ -94,11 +95,11 @@ def run_vllm(tmp: Path, name: str, model: str, daemon: Daemon | None, steps: lis
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": HASH_SEED, "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2" if tp == 1 else "1",
+           "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "2" if tp * pp == 1 else "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # EngineCore in the runner: it reads the block table
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    if tp > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
+    if tp * pp > 1:  # one thread per worker process, each bound to its own core
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp * pp))
     with open(tmp / f"{name}.log", "wb") as log:
         proc = subprocess.run([sys.executable, str(HERE / "vllm_runner.py"), str(spec_path), str(out_path)],
                               stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600)

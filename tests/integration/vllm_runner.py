@@ -37,6 +37,45 @@ class KVDigest:
         return out
 
 
+    def kvbm_test_group_digests(self, ids_by_group: list[list[int | None]]) -> list[list[str | None]]:
+        """Per KV-cache group (vLLM's hybrid KV cache manager): SHA-256 of that group's layers' bytes of each
+        given block id (None stays None)."""
+        import torch
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        groups = runner.kv_cache_config.kv_cache_groups
+        names = sorted((n for g in groups for n in g.layer_names), key=extract_layer_index)
+        cache_of = dict(zip(names, runner.kv_caches, strict=True))  # the runner's list is in layer order
+        num_blocks = runner.kv_cache_config.num_blocks
+        out: list[list[str | None]] = []
+        for group, ids in zip(groups, ids_by_group, strict=True):
+            digests: list[str | None] = []
+            for b in ids:
+                if b is None:
+                    digests.append(None)
+                    continue
+                h = hashlib.sha256()
+                for name in sorted(group.layer_names, key=extract_layer_index):
+                    cache = cache_of[name]
+                    bdim = next((d for d, s in enumerate(cache.shape) if s == num_blocks), 0)
+                    h.update(cache.select(bdim, b).contiguous().view(torch.uint8).numpy().tobytes())
+                digests.append(h.hexdigest())
+            out.append(digests)
+        return out
+
+    def kvbm_test_pp_buffers(self) -> None:
+        """Allocate a later PP stage's buffer for the activations it receives, as vLLM's dummy run does:
+        with enforce_eager vLLM's CPU worker skips that run, and its first step then fails
+        (``assert self.intermediate_tensors is not None``)."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if not get_pp_group().is_first_rank and runner.intermediate_tensors is None:
+            runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+                batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+
 def prompt_block_ids(llm: Any, prompt: list[int], n: int) -> list[int]:
     """The vLLM block ids of the prompt's first ``n`` full blocks, from the prefix cache's hash map."""
     from kvbm.vllm_hash import vllm_block_hashes
@@ -52,19 +91,39 @@ def prompt_block_ids(llm: Any, prompt: list[int], n: int) -> list[int]:
     return ids
 
 
+class AllocatedBlocks:
+    """The vLLM block ids, per KV-cache group, that the scheduler allocated to the last admitted request,
+    recorded from the scheduler's connector: how the prompt's blocks are found where vLLM's prefix cache
+    does not hold them (MLA on CPU turns it off; a sliding-window group frees blocks outside its window).
+    Nothing reuses them before the runner reads their digests: one request runs at a time."""
+
+    def __init__(self, llm: Any) -> None:
+        self.ids: list[list[int]] = []
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        inner = conn.update_state_after_alloc
+
+        def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            self.ids = [list(ids) for ids in blocks.get_block_ids()]
+            return inner(request, blocks, num_external_tokens)
+
+        conn.update_state_after_alloc = update_state_after_alloc
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     with open(spec_path) as f:
         spec = json.load(f)
-    tp = spec.get("tp", 1)
+    tp, pp = spec.get("tp", 1), spec.get("pp", 1)
     # Prefix caching stays on so the prompt's blocks can be found after a step; it is reset between steps
     # so that a later step can only be served by kvbm.
     kw: dict[str, Any] = dict(model=spec["model"], enforce_eager=True, enable_prefix_caching=True,
                               skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=4, seed=0,
                               worker_extension_cls="vllm_runner.KVDigest")
-    if tp > 1:
-        kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    if tp * pp > 1:
+        kw.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="mp")
+    if spec.get("attention_backend"):
+        kw["attention_config"] = {"backend": spec["attention_backend"]}
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = {"kv_connector": "KvbmConnector", "kv_role": "kv_both",
                                     "kv_connector_extra_config": spec["connector"]}
@@ -72,6 +131,10 @@ def main(spec_path: str, out_path: str) -> None:
         kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": spec["events"],
                                   "topic": "kv"}
     llm = LLM(**kw)
+    if pp > 1:
+        llm.collective_rpc("kvbm_test_pp_buffers")
+    prefix_cache = llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    allocated = AllocatedBlocks(llm) if spec.get("connector") is not None else None
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
     results = []
     for step in spec["steps"]:
@@ -97,9 +160,23 @@ def main(spec_path: str, out_path: str) -> None:
             "kv_transfer_params": out.kv_transfer_params,
         }
         if spec.get("digest_blocks"):
-            ids = prompt_block_ids(llm, spec["prompt"], spec["digest_blocks"])
-            res["kv_digests"] = llm.collective_rpc("kvbm_test_digest", args=(ids,))  # one list per TP rank
-        res["prefix_cache_reset"] = llm.reset_prefix_cache()
+            if not prefix_cache:
+                assert allocated is not None, "without vLLM's prefix cache the blocks come from the connector"
+                ids = allocated.ids[0][: spec["digest_blocks"]]
+            else:
+                ids = prompt_block_ids(llm, spec["prompt"], spec["digest_blocks"])
+            # One list per worker, in rank order (PP stage-major, then TP rank).
+            res["kv_digests"] = llm.collective_rpc("kvbm_test_digest", args=(ids,))
+        if spec.get("group_digest_blocks"):
+            assert allocated is not None, "group digests read the blocks the connector saw allocated"
+            null = 0  # vLLM's null block: a sliding-window block outside the window, never loaded
+            group_ids = [[None if b == null else b for b in ids[: spec["group_digest_blocks"]]]
+                         for ids in allocated.ids]
+            res["group_block_ids"] = group_ids
+            res["group_digests"] = llm.collective_rpc("kvbm_test_group_digests", args=(group_ids,))
+            res["group_windows"] = [getattr(g.kv_cache_spec, "sliding_window", None) for g in
+                                    llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups]
+        res["prefix_cache_reset"] = llm.reset_prefix_cache() if prefix_cache else None
         results.append(res)
     with open(out_path, "w") as f:
         json.dump({"results": results}, f)

@@ -43,8 +43,12 @@ def test_fingerprint_separates_models_dtypes_and_tp_shapes():
         llama8b(tp_size=2).fingerprint,
         llama8b(tp_size=2, tp_rank=1).fingerprint,
         KVLayout(model="other", num_layers=32, num_kv_heads=8, head_size=128).fingerprint,
+        # Pipeline stages of one model: same shape, different layers.
+        llama8b(num_layers=16, pp_size=2).fingerprint,
+        llama8b(num_layers=16, pp_size=2, pp_rank=1, first_layer=16).fingerprint,
+        llama8b(num_layers=16).fingerprint,
     }
-    assert len(prints) == 5
+    assert len(prints) == 8
     assert llama8b().fingerprint == llama8b().fingerprint
     assert llama8b().namespace.endswith(llama8b().fingerprint)
     assert llama8b().namespace.startswith("meta-llama-llama-3.1-8b-")
@@ -53,6 +57,7 @@ def test_fingerprint_separates_models_dtypes_and_tp_shapes():
 @pytest.mark.parametrize(
     "kw,field",
     [({"num_layers": 0}, "num_layers"), ({"dtype": "float64"}, "dtype"), ({"tp_rank": 2, "tp_size": 2}, "tp_rank"),
+     ({"pp_rank": 1}, "pp_rank"), ({"first_layer": -1}, "first_layer"),
      ({"kv_factor": 3}, "kv_factor"), ({"block_bytes": 10}, "block_bytes")],
 )
 def test_bad_layout_names_the_field(kw, field):

@@ -61,3 +61,28 @@ def test_backend_block_size_and_revision_are_fingerprinted(tiny_model):
 def test_any_model_name_gives_a_valid_namespace(tiny_model, name):
     lay = layout(tiny_model, name=name)
     assert check_namespace(lay.namespace) == lay.namespace
+
+
+def test_each_pipeline_stage_has_its_own_namespace(tiny_model):
+    """PP=2 splits the tiny model's 2 layers one per stage: the stages hold different layers of the same
+    tokens, so their namespaces differ; a PP=1 layout keeps the namespace it had before stages were named."""
+    from kvbm.integrations.vllm import layout_for
+
+    cfg = vllm_config(tiny_model, pipeline_parallel_size=2, distributed_executor_backend="mp")
+    bs = cfg.cache_config.block_size
+    s0, s1 = layout_for(cfg, 0, bs, "tiny"), layout_for(cfg, 1, bs, "tiny")
+    assert (s0.pp_rank, s0.first_layer, s0.num_layers) == (0, 0, 1)
+    assert (s1.pp_rank, s1.first_layer, s1.num_layers) == (1, 1, 1)
+    assert s0.tp_rank == s1.tp_rank == 0 and s0.block_nbytes == s1.block_nbytes
+    assert s0.namespace != s1.namespace
+    assert layout(tiny_model).namespace == "tiny-" + _v2_fingerprint(layout(tiny_model))
+
+
+def _v2_fingerprint(lay) -> str:
+    """The fingerprint as kvbm computed it before pipeline stages were part of it."""
+    import hashlib
+    import json
+
+    ident = json.dumps(["kvbm-layout-v2", lay.model, lay.revision, lay.num_layers, lay.num_kv_heads, lay.head_size,
+                        lay.dtype, lay.kv_factor, lay.tp_rank, lay.tp_size, lay.block_tokens, lay.backend])
+    return hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()

@@ -18,8 +18,10 @@ wrong types are errors naming the field). The parts, one module each:
 * ``geometry``: a kvbm block spans ``k`` vLLM blocks and is keyed by vLLM's own hash of its last vLLM block.
   ``k`` is read from the daemon when the connector first reaches it (its G2 slot size); a vLLM block bigger
   than the daemon's blocks is reported in ``kv_transfer_params`` and logged once with what to change.
-* ``fingerprint``: the layout of each TP rank (cache dtype, attention backend / CPU ISA, block size), whose
-  fingerprint is in the namespace.
+* ``fingerprint``: the layout of each worker (TP rank and PP stage; under MLA one per TP group; cache dtype,
+  attention backend / CPU ISA, block size), whose fingerprint is in the namespace.
+* ``groups``: vLLM's KV-cache groups (``SupportsHMA``): full attention, MLA and sliding window are stored;
+  any other kind is an error at startup.
 * ``link``: the daemon sessions. Every kvbm failure (daemon down, a checksum miss, S3 down) turns into a
   miss or a load error that vLLM recomputes (``kv_load_failure_policy`` becomes ``recompute`` unless the
   config asks for ``fail``); it is logged once and never raises into the engine.

@@ -9,11 +9,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvbm.integrations.vllm.config import ConnectorConfig, curve_options
-from kvbm.integrations.vllm.fingerprint import layout_for
+from kvbm.integrations.vllm.fingerprint import layout_for, storing_ranks
 from kvbm.integrations.vllm.geometry import Geometry
+from kvbm.integrations.vllm.groups import kv_groups
 from kvbm.integrations.vllm.link import Links
 from kvbm.integrations.vllm.scheduler import SchedulerSide
 from kvbm.integrations.vllm.worker import WorkerSide
@@ -27,8 +29,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KvbmConnector(KVConnectorBase_V1):
-    """vLLM v1 KV connector backed by the kvbm daemon: a scheduler side or a worker side, by role."""
+class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM v1 KV connector backed by the kvbm daemon: a scheduler side or a worker side, by role.
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``) for the KV-cache group kinds
+    :mod:`kvbm.integrations.vllm.groups` handles; any other kind is an error at startup."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         check_vllm()  # an unsupported vLLM fails here, naming the supported range
@@ -45,20 +50,26 @@ class KvbmConnector(KVConnectorBase_V1):
             ktc.kv_load_failure_policy = "recompute"
         model_name = str(cfg.model_name or vllm_config.model_config.served_model_name or vllm_config.model_config.model)
         bs = vllm_config.cache_config.block_size
-        # Layout arithmetic, identical on the scheduler and every rank, so all derive the same k.
-        vblock = layout_for(vllm_config, 0, bs, model_name).block_nbytes
+        groups = kv_groups(self._kv_cache_config, bs)  # at startup: a group kvbm cannot store is an error
+        pc = vllm_config.parallel_config
+        # Every worker of the engine: PP stage-major, then TP rank (vLLM's rank order).
+        ranks = range(pc.pipeline_parallel_size * pc.tensor_parallel_size)
+        # Layout arithmetic, identical on the scheduler and every rank, so all derive the same k; the
+        # biggest stage's block (stages may hold unequal numbers of layers) must fit a daemon block.
+        vblock = max(layout_for(vllm_config, r, bs, model_name).block_nbytes for r in ranks)
         geometry = Geometry(bs, vblock, cfg.vllm_blocks_per_kvbm_block)
         links = Links(cfg.endpoint(), geometry, str(ktc.engine_id or "vllm"), cfg.timeout_s,
                       lambda rank, k: layout_for(vllm_config, rank, k * bs, model_name), curve_options(cfg))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(cfg, links, vllm_config.parallel_config.tensor_parallel_size)
+            self._scheduler = SchedulerSide(cfg, links, storing_ranks(vllm_config), groups)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-            self._worker = WorkerSide(cfg, links, get_tensor_model_parallel_rank(),
-                                      getattr(self._kv_cache_config, "num_blocks", None))
+            rank = get_pp_group().rank_in_group * pc.tensor_parallel_size + get_tensor_model_parallel_rank()
+            self._worker = WorkerSide(cfg, links, rank, getattr(self._kv_cache_config, "num_blocks", None),
+                                      saves=rank in storing_ranks(vllm_config), groups=groups)
 
     @property
     def scheduler(self) -> SchedulerSide:
@@ -74,7 +85,7 @@ class KvbmConnector(KVConnectorBase_V1):
 
     # Scheduler side (EngineCore process).
     def layouts(self) -> list[KVLayout]:
-        """The layout (and so the namespace) of each TP rank; empty until the daemon was reached."""
+        """The layout (and so the namespace) of each worker; empty until the daemon was reached."""
         return self.scheduler.layouts()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -91,6 +102,11 @@ class KvbmConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook under its hybrid KV cache manager (every group's blocks): the same bookkeeping."""
+        return self.scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # Worker side (one per TP rank); the metadata is the one vLLM bound for this step.
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -72,21 +72,54 @@ def kv_backend(vllm_config: VllmConfig) -> str:
     return "/".join(parts)
 
 
-def layout_for(vllm_config: VllmConfig, tp_rank: int, block_tokens: int, model_name: str) -> KVLayout:
-    """The kvbm layout of one TP rank's KV cache; its fingerprint keys everything that rank stores."""
+def is_mla(vllm_config: VllmConfig) -> bool:
+    """Whether the engine caches MLA's joint latent (the same on every TP rank) rather than K and V heads."""
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
+def storing_ranks(vllm_config: VllmConfig) -> list[int]:
+    """The workers that store (and that a lookup asks): every one, or under MLA TP rank 0 of each stage,
+    since the other ranks of its TP group hold the same bytes under the same namespace."""
+    pc = vllm_config.parallel_config
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    return [s * tp for s in range(pp)] if is_mla(vllm_config) else list(range(pp * tp))
+
+
+def stage_layers(vllm_config: VllmConfig, pp_rank: int) -> tuple[int, int]:
+    """The first layer and the number of layers pipeline stage ``pp_rank`` holds, as vLLM splits them
+    (``VLLM_PP_LAYER_PARTITION`` included)."""
+    from vllm.distributed.utils import get_pp_indices
+
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    start, end = get_pp_indices(mc.get_total_num_hidden_layers(), pp_rank, pc.pipeline_parallel_size)
+    return start, end - start
+
+
+def layout_for(vllm_config: VllmConfig, rank: int, block_tokens: int, model_name: str) -> KVLayout:
+    """The kvbm layout of one worker's KV cache; its fingerprint keys everything that worker stores.
+
+    ``rank`` is the worker's index in the engine, ``pp_rank * tp_size + tp_rank`` (vLLM's order). Under MLA
+    every TP rank holds the same latent KV (one joint "head", not split by TP), so the layout is that of
+    the whole TP group: one namespace per stage, whatever the TP rank or size."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    pp_rank, tp_rank = divmod(rank, pc.tensor_parallel_size)
+    mla = is_mla(vllm_config)
+    first_layer, num_layers = stage_layers(vllm_config, pp_rank)
     revision = mc.revision or getattr(mc.hf_config, "_commit_hash", None) or ""
     return KVLayout(
         model=model_name,
         revision=str(revision),
         backend=kv_backend(vllm_config),
-        num_layers=mc.get_num_layers(pc),
-        num_kv_heads=mc.get_total_num_kv_heads(),
+        num_layers=num_layers,
+        num_kv_heads=1 if mla else mc.get_total_num_kv_heads(),
         head_size=mc.get_head_size(),
         dtype=kv_cache_dtype(vllm_config),
-        kv_factor=1 if getattr(mc, "use_mla", False) else 2,
-        tp_rank=tp_rank,
-        tp_size=pc.tensor_parallel_size,
+        kv_factor=1 if mla else 2,
+        tp_rank=0 if mla else tp_rank,
+        tp_size=1 if mla else pc.tensor_parallel_size,
+        pp_rank=pp_rank,
+        pp_size=pc.pipeline_parallel_size,
+        first_layer=first_layer,
         tokens_per_block=block_tokens,
         block_bytes=max(1, block_tokens) * 1,  # unused when tokens_per_block is set
     )

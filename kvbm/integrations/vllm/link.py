@@ -97,15 +97,16 @@ class Link:
 
 @dataclass(frozen=True)
 class Links:
-    """What every link of one engine shares; :meth:`open` makes the link of one TP rank and role."""
+    """What every link of one engine shares; :meth:`open` makes the link of one worker rank and role."""
 
     endpoint: str
     geometry: Geometry
     engine_id: str
     timeout_s: float
-    layout_of: Callable[[int, int], KVLayout]  # (tp_rank, k) -> that rank's layout for kvbm blocks of k
+    layout_of: Callable[[int, int], KVLayout]  # (rank, k) -> that worker's layout for kvbm blocks of k
     client_kw: dict[str, Any] = field(default_factory=dict)
 
-    def open(self, tp_rank: int, worker_id: str) -> Link:
-        return Link(self.endpoint, self.geometry, lambda k: self.layout_of(tp_rank, k), self.engine_id,
+    def open(self, rank: int, worker_id: str) -> Link:
+        """The link of worker ``rank`` (``pp_rank * tp_size + tp_rank``)."""
+        return Link(self.endpoint, self.geometry, lambda k: self.layout_of(rank, k), self.engine_id,
                     f"{self.engine_id}-{worker_id}", self.timeout_s, self.client_kw)

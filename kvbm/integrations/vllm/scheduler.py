@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from kvbm.blocks import BlockKey
 from kvbm.integrations.vllm.config import ConnectorConfig
 from kvbm.integrations.vllm.geometry import K_SETTING
+from kvbm.integrations.vllm.groups import NULL_BLOCK, SINGLE, KVGroups
 from kvbm.integrations.vllm.link import LINK_ERRORS, Links
 from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
 from kvbm.layout import KVLayout
@@ -23,22 +24,27 @@ class ReqState:
     hashes: list[bytes]  # one per kvbm block (vLLM hash of the last vLLM block in it)
     num_tokens: int
     local_tokens: int = 0  # vLLM's own prefix-cache hit when the request was admitted
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     load: BlockTransfer | None = None
     saved_blocks: int = 0  # kvbm blocks of this request already handed to the worker to save
 
     def transfer(self, req_id: str, idx: range, k: int) -> BlockTransfer:
-        """The kvbm blocks ``idx`` of this request with the ``k`` vLLM block ids each covers."""
-        return BlockTransfer(req_id, [self.hashes[i] for i in idx], [self.block_ids[i * k : (i + 1) * k] for i in idx])
+        """The kvbm blocks ``idx`` of this request with the ``k`` vLLM block ids each covers, per group."""
+        return BlockTransfer(req_id, [self.hashes[i] for i in idx],
+                             [[b for ids in self.block_ids for b in ids[i * k : (i + 1) * k]] for i in idx])
+
+    def held_vblocks(self) -> int:
+        """vLLM blocks allocated to the request in every group."""
+        return min((len(ids) for ids in self.block_ids), default=0)
 
 
 class SchedulerSide:
     """Asks the daemon for each new request's stored prefix, plans loads and saves, reports health."""
 
-    def __init__(self, cfg: ConnectorConfig, links: Links, tp_size: int) -> None:
-        self.cfg, self.endpoint, self.geometry = cfg, links.endpoint, links.geometry
-        # One scheduler serves all TP ranks: a prefix counts only if every rank stored it.
-        self._links = [links.open(r, f"scheduler-r{r}") for r in range(tp_size)]
+    def __init__(self, cfg: ConnectorConfig, links: Links, ranks: list[int], groups: KVGroups = SINGLE) -> None:
+        self.cfg, self.endpoint, self.geometry, self.groups = cfg, links.endpoint, links.geometry, groups
+        # One scheduler serves every worker (TP rank x PP stage): a prefix counts only if each stored it.
+        self._links = [links.open(r, f"scheduler-r{r}") for r in ranks]
         self._reqs: dict[str, ReqState] = {}
         self._stats = {"lookups": 0, "hit_blocks": 0, "loads": 0, "saves": 0}
         # Requests whose blocks the worker may still be reading (async saves) or writing (async loads).
@@ -56,7 +62,7 @@ class SchedulerSide:
         return all(link.get() is not None for link in self._links)
 
     def layouts(self) -> list[KVLayout]:
-        """The layout (and so the namespace) of each TP rank; empty until the daemon was reached."""
+        """The layout (and so the namespace) of each worker; empty until the daemon was reached."""
         return [link.layout for link in self._links if link.layout is not None]
 
     def _kvbm_hashes(self, request: Request) -> list[bytes]:
@@ -100,7 +106,7 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             return
-        st.block_ids = list(blocks.get_block_ids()[0])
+        st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if num_external_tokens <= 0:
             return
         # External tokens follow the local prefix-cache hit (request.num_computed_tokens is still 0 here).
@@ -135,12 +141,19 @@ class SchedulerSide:
         if st is None:
             return
         if new_block_ids:
-            st.block_ids.extend(new_block_ids[0])
+            if not st.block_ids:
+                st.block_ids = [[] for _ in new_block_ids]
+            for ids, new in zip(st.block_ids, new_block_ids, strict=True):
+                ids.extend(new)
         if not st.hashes:
             return
         # Blocks whose every token is computed by the end of this step, prompt and output alike.
         k = self.geometry.known_k
-        done = min(len(st.hashes), (computed + scheduled) // self.geometry.block_tokens, len(st.block_ids) // k)
+        done = min(len(st.hashes), (computed + scheduled) // self.geometry.block_tokens, st.held_vblocks() // k)
+        while self.groups.sliding and st.saved_blocks < done and not self._intact(st, st.saved_blocks, computed):
+            # A sliding-window group already freed part of this block (or never held it: a hit's blocks
+            # outside the window): it cannot be saved. A gap; a later hit stops before it.
+            st.saved_blocks += 1
         if done > st.saved_blocks:
             meta.saves.append(st.transfer(req_id, range(st.saved_blocks, done), k))
             self._stats["saves"] += done - st.saved_blocks
@@ -148,13 +161,21 @@ class SchedulerSide:
             if self.cfg.async_save:
                 self._save_pending.add(req_id)
 
+    def _intact(self, st: ReqState, i: int, computed: int) -> bool:
+        """Whether every group still holds all vLLM blocks of the request's kvbm block ``i``."""
+        k = self.geometry.known_k
+        if any(NULL_BLOCK in ids[i * k : (i + 1) * k] for ids in st.block_ids):
+            return False
+        return self.groups.intact(i * k, self.geometry.vllm_block_size, computed)
+
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():
             self._load_pending.discard(rid)
         self._load_failed.update(getattr(connector_output, "failed_recving", None) or ())
         bad = getattr(connector_output, "invalid_block_ids", None)
         if bad:
-            self._load_failed.update(rid for rid, st in self._reqs.items() if not bad.isdisjoint(st.block_ids))
+            self._load_failed.update(rid for rid, st in self._reqs.items()
+                                     if any(not bad.isdisjoint(ids) for ids in st.block_ids))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id

@@ -13,6 +13,7 @@ from kvbm import protocol as p
 from kvbm.client import DaemonError, WorkerClient
 from kvbm.integrations.vllm.config import ConnectorConfig
 from kvbm.integrations.vllm.geometry import K_SETTING, warn_once
+from kvbm.integrations.vllm.groups import NULL_BLOCK, SINGLE, KVGroups
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link, Links
 from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
 from kvbm.integrations.vllm.paged import PagedCache
@@ -23,8 +24,13 @@ log = logging.getLogger("kvbm.vllm")
 class WorkerSide:
     """Runs the transfers the scheduler side planned; reports loads that failed and copies still running."""
 
-    def __init__(self, cfg: ConnectorConfig, links: Links, tp_rank: int, num_blocks: int | None) -> None:
-        self.cfg, self.geometry, self.num_blocks = cfg, links.geometry, num_blocks
+    def __init__(self, cfg: ConnectorConfig, links: Links, tp_rank: int, num_blocks: int | None,
+                 saves: bool = True, groups: KVGroups = SINGLE) -> None:
+        # tp_rank: this worker's rank in the engine, pp_rank * tp_size + tp_rank. saves: False on a rank
+        # whose TP group stores one copy from another rank (MLA); it still loads, and reports its saves
+        # done so vLLM frees the blocks as on any rank.
+        self.cfg, self.geometry, self.num_blocks, self.saves = cfg, links.geometry, num_blocks, saves
+        self.groups = groups
         pid = os.getpid()
         self._link = links.open(tp_rank, f"worker-r{tp_rank}-{pid}")
         self._cache = PagedCache({}, None)  # until register_kv_caches
@@ -45,7 +51,7 @@ class WorkerSide:
         return self._cache.vblock_bytes * self.geometry.known_k
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._cache = PagedCache(kv_caches, self.num_blocks)
+        self._cache = PagedCache(kv_caches, self.num_blocks, self.groups)
         per_block, computed = self._cache.vblock_bytes, self.geometry.vblock_nbytes
         if per_block != computed:
             log.info("kvbm: engine block is %d B, layout arithmetic says %d B; storing the engine's bytes",
@@ -73,10 +79,14 @@ class WorkerSide:
         return False
 
     def start_load_kv(self, meta: Any) -> None:
+        if self.groups.sliding:
+            # A sliding-window group frees blocks mid-request, and this step may reuse them: the copies
+            # out of them (async saves of earlier steps) finish before this step's forward writes.
+            self.handle_preemptions()
         if not isinstance(meta, KvbmConnectorMetadata) or not meta.loads:
             return
         if not self._same_k(meta):
-            self._load_errors.update(i for tr in meta.loads for ids in tr.block_ids for i in ids)
+            self._load_errors.update(i for tr in meta.loads for ids in tr.block_ids for i in ids if i != NULL_BLOCK)
             return
         for tr in meta.loads:
             if self.cfg.async_load:
@@ -112,7 +122,7 @@ class WorkerSide:
         if loaded < len(tr.hashes):
             # vLLM recomputes from the first block that did not arrive.
             for ids in tr.block_ids[loaded:]:
-                failed.update(ids)
+                failed.update(i for i in ids if i != NULL_BLOCK)  # the null block holds no request's KV
             log.info("kvbm: request %s loaded %d/%d blocks; the rest is recomputed", tr.req_id, loaded,
                      len(tr.hashes))
         return failed
@@ -184,6 +194,8 @@ class WorkerSide:
                 f.result()
 
     def _save_one(self, client: WorkerClient, tr: BlockTransfer, stream: Any = None) -> None:
+        if not self.saves:
+            return
         ns = client.namespace
         try:
             slots = client.request(p.PrepareStore(namespace=ns, hashes=tr.hashes, nbytes=self._block_bytes),
