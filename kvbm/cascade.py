@@ -64,8 +64,12 @@ class WriteThrough:
         durable = False
         for tier in policy.below(self.m.tiers, where[0]):
             if self.registry.holds(tier.name, key):
-                durable = durable or policy.is_persistent(tier)
-                continue
+                # Counted only if it is known to be there (a shared tier's entry may be stale: kvbm.knowledge).
+                if key in await self.m.index.real_copies(tier.name, [key]):
+                    durable = durable or policy.is_persistent(tier)
+                    continue
+                if self.registry.holds(tier.name, key):
+                    continue  # the bucket did not answer whether it is there: neither counted nor rewritten now
             if self.m.filtered(tier, key):
                 self.stats.filtered += 1
                 continue

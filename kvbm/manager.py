@@ -188,6 +188,9 @@ class BlockManager:
         self.stats.offloads += 1
         self.stats.offload_blocks += len(keys)
         if durable:
+            for tier in self.tiers:  # stale shared-tier entries re-checked in one batch, not one HEAD per cascade
+                if tier.kind == "s3":
+                    await self.index.real_copies(tier.name, keys)
             results = await asyncio.gather(*(self.write_through.cascade(k) for k in keys))
             return sum(results)
         started = 0

@@ -2,7 +2,8 @@
 
 Eviction demotes: a block no lower tier holds is first written to the next tier that can take it. A
 persistent tier never lets go of a block no lower tier really holds (it is *kept*, and the write that needed
-the room fails with TierFullError); a memory tier drops it (counted in ``dropped``).
+the room fails with TierFullError); a memory tier drops it (counted in ``dropped``). "Really holds" for a shared
+(S3) tier means seen there lately or confirmed by a HEAD now: another node may have purged it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Room:
                         raise TierFullError(str(e)) from None
                     if not victims:
                         break
+                    if policy.is_persistent(tier):  # the victims' copies below, re-checked in one batch
+                        for t in policy.below(self.m.tiers, tier.name):
+                            await self.m.index.real_copies(t.name, victims)
                     for victim in victims:
                         gone = await self.evict(tier, victim)
                         if gone is None:
@@ -101,7 +105,7 @@ class Room:
         tier's only copy and no lower tier could take it (S3 down, disk full): it is never dropped.
         """
         below = policy.below(self.m.tiers, tier.name)
-        if below and not any(self.registry.holds(t.name, key) for t in below):
+        if below and not await self._copy_below(tier, key, below):
             with self.registry.pinned([key]):
                 for t in below:
                     if self.m.filtered(t, key):
@@ -115,7 +119,7 @@ class Room:
                     except Exception as e:  # any failure: count it; the block stays until it is demoted
                         self.stats.demotion_failures += 1
                         self.m.failures.record("demotion", key, t.name, e)
-            demoted = any(self.registry.holds(t.name, key) for t in below)
+            demoted = await self._copy_below(tier, key, below)
             filtered_only = all(self.m.filtered(t, key) for t in below)
             if not demoted and not filtered_only:
                 if policy.is_persistent(tier):
@@ -128,3 +132,13 @@ class Room:
         await tier.delete(key)
         self.stats.evictions += 1
         return True
+
+    async def _copy_below(self, tier: Tier, key: BlockKey, below: list[Tier]) -> bool:
+        """Whether a lower tier holds ``key``. For a persistent tier's eviction the copy must be known to exist
+        (a shared tier's entry may be stale, :meth:`IndexSync.real_copies`); a memory tier trusts the registry."""
+        if not policy.is_persistent(tier):
+            return any(self.registry.holds(t.name, key) for t in below)
+        for t in below:
+            if self.registry.holds(t.name, key) and key in await self.m.index.real_copies(t.name, [key]):
+                return True
+        return False

@@ -130,6 +130,7 @@ class S3Tier(S3Bulk):
             return None
         okey = self.object_key(key)
         view = memoryview(out).cast("B")
+        expected = self._index.get(key)  # the length the caller sized ``out`` (and a G2 slot) by
         try:
             assert self._sem is not None and self._body is not None
             async with self._sem:
@@ -158,6 +159,14 @@ class S3Tier(S3Bulk):
         if n is None:
             self._index_drop(key)
             self.stats.misses += 1
+            return None
+        if expected is not None and n != expected:
+            # A valid block of another length (overwritten since it was indexed): what the caller sized its
+            # buffer or slot by is not what is there, so nothing of it is served. Forgotten: a miss, recomputed.
+            log.warning("S3 object %s holds %d payload bytes, %d indexed: refused", okey, n, expected)
+            self.stats.short_reads += 1
+            self.stats.misses += 1
+            self._index_drop(key)
             return None
         self._index_set(key, n)
         self.stats.hits += 1
@@ -191,8 +200,9 @@ class S3Tier(S3Bulk):
         return existed
 
     def remember(self, key: BlockKey, nbytes: int) -> None:
-        """Index a block another node wrote (learned from its event or a probe), without I/O."""
-        self._index_set(key, nbytes)
+        """Index a block another node wrote (learned from its event or a probe), without I/O. It is not marked
+        seen here: a probe's HEAD already did that (:meth:`exists_many`), an event alone does not."""
+        self._index_hearsay(key, nbytes)
 
     def forget(self, key: BlockKey) -> None:
         """Drop a block another node deleted from the index, without I/O."""
