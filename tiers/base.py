@@ -32,6 +32,7 @@ class TierStats(msgspec.Struct):
     shed: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    short_reads: int = 0  # reads that returned another length than the index's: refused, never served
 
 
 class Tier(abc.ABC):

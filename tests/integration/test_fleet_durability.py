@@ -161,8 +161,9 @@ def test_durable_store_of_blocks_another_node_purged_really_writes(tmp_path, s3_
 
 
 def test_disk_eviction_keeps_its_only_copy_when_another_node_purged_s3(tmp_path, s3_server, s3_prefix, nodes):
-    """A (G2 of 4 slots, G3 of 4 blocks of 16 KiB + header, G4) stores blocks durably; B's node purges them from the bucket. When
-    A's disk must make room it may not drop them believing S3 holds them: it demotes them to S3 again first."""
+    """A (G2 of 4 slots, G3 of 4 blocks of 16 KiB + header, G4) stores blocks durably; B's node purges them from
+    the bucket. When A's disk must make room it may not drop them believing S3 holds them: it demotes them to S3
+    again first."""
     a = Node(tmp_path, "a", s3_server, s3_prefix, host="256KiB", disk="80KiB", s3={"copy_max_age_s": 0},
              probe=False, prefetch=False)
     b = Node(tmp_path, "b", s3_server, s3_prefix)
@@ -179,3 +180,36 @@ def test_disk_eviction_keeps_its_only_copy_when_another_node_purged_s3(tmp_path,
         assert disk["stats"]["deletes"] >= 4, json.dumps(disk)  # the disk did evict them ...
     got = in_bucket(s3_server, s3_prefix, first)
     assert all(got[k] == payload(k).tobytes() for k in first), "evicted from disk, but not in the bucket"  # ... to S3
+
+
+# -- item 5: the length read is the length committed ---------------------------------------------------------
+def test_a_shorter_valid_object_is_refused_never_served_with_a_stale_tail(tmp_path, s3_server, s3_prefix, nodes):
+    """A (G2+G4) indexed two blocks at their full length; one object is then overwritten in the bucket by a valid
+    block of half the length (another writer). Onboarding it into a G2 slot sized by the index must refuse it (a
+    miss, counted) rather than commit the slot with a stale tail; the block before it is served exactly."""
+    a = Node(tmp_path, "a", s3_server, s3_prefix, probe=False, prefetch=False)
+    nodes.append(a.start())
+    keys = prompt(2)
+    with a.client(admin=True) as ca:
+        assert ca.store(keys, [payload(k) for k in keys], durable=True).durable == 2
+        assert ca.evict(keys, tiers=["G2"]).removed == 2
+        assert ca.lookup(keys).tiers == ["G4", "G4"]
+        short = np.full(LAYOUT.block_nbytes // 2, 7, np.uint8)
+
+        async def overwrite() -> None:
+            t = bucket_tier(s3_server, s3_prefix)
+            await t.start()
+            try:
+                await t.put(keys[1], memoryview(short))
+            finally:
+                await t.close()
+
+        asyncio.run(overwrite())
+        outs = [np.zeros(LAYOUT.block_nbytes, np.uint8) for _ in keys]
+        n = ca.load(keys, outs)
+        for k, o in zip(keys[:n], outs[:n], strict=True):
+            assert np.array_equal(o, payload(k)), f"wrong bytes served for {k}"
+        assert n == 1
+        st = g4(ca)["stats"]
+        assert st["short_reads"] == 1 and st["corrupt"] == 0
+        assert ca.lookup(keys).matched == 1  # forgotten: the next request recomputes and stores it again

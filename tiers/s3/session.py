@@ -51,7 +51,6 @@ class S3Stats(TierStats):
     heads: int = 0
     reconfirms: int = 0  # blocks HEADed again before a durability decision relied on them (kvbm.knowledge)
     stale: int = 0  # of them, blocks the bucket no longer held (deleted by another node): forgotten
-    short_reads: int = 0  # objects whose length was not the indexed one: refused (a miss), never served
 
 
 class S3Session(Tier):
