@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvbm import policy
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierUnavailableError
-from kvbm.owed import OwedWrites
+from kvbm.owed import DEFAULT_MAX_OWED, OwedWrites
 
 if TYPE_CHECKING:
     from kvbm.manager import BlockManager
@@ -23,14 +23,15 @@ if TYPE_CHECKING:
 class WriteThrough:
     """Owns the background cascades (``pending``) and the writes owed after an outage (``owed``)."""
 
-    def __init__(self, manager: BlockManager, max_pending: int, max_concurrent: int) -> None:
+    def __init__(self, manager: BlockManager, max_pending: int, max_concurrent: int,
+                 max_owed: int = DEFAULT_MAX_OWED) -> None:
         self.m = manager
         self.registry = manager.registry
         self.stats = manager.stats
         self.max_pending = max_pending
         self.pending: set[asyncio.Task[bool]] = set()
         self._slots = asyncio.Semaphore(max(1, max_concurrent))
-        self.owed = OwedWrites(manager.by_name, manager.registry, self._catch_up_one)
+        self.owed = OwedWrites(manager.by_name, manager.registry, self.cascade, manager.stats, max_blocks=max_owed)
 
     def schedule(self, key: BlockKey) -> bool:
         """Start a background cascade of ``key``; False (shed, counted) when too many are queued."""
@@ -41,11 +42,6 @@ class WriteThrough:
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
         return True
-
-    def _catch_up_one(self, key: BlockKey) -> bool:
-        started = self.schedule(key)
-        self.stats.catch_up_writes += started
-        return started
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""

@@ -38,11 +38,12 @@ from kvbm.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.knowledge import IndexSync
 from kvbm.metrics import no_observe
 from kvbm.moves import Moves, forget_if_gone
-from kvbm.owed import CATCH_UP_EVERY_S
+from kvbm.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED, JOURNAL_NAME
 from kvbm.policy import PERSISTENT
 from kvbm.registry import Registry
 from kvbm.room import Room
 from kvbm.tiers.base import Tier
+from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
 
@@ -70,6 +71,9 @@ class ManagerStats(msgspec.Struct):
     dropped: int = 0  # memory-tier blocks evicted although no lower tier could take them
     filtered: int = 0
     catch_up_writes: int = 0  # owed write-throughs retried once their tier took writes again
+    owed_paid: int = 0  # owed write-throughs that reached their tier
+    owed_dropped: int = 0  # write-throughs not owed: s3.max_owed_blocks were owed already
+    owed_resumed: int = 0  # owed write-throughs read back from the journal at start (a restart after an outage)
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
 
 
@@ -84,6 +88,7 @@ class BlockManager:
         min_hits_to_offload: int = 0,
         max_pending_cascades: int = 1024,
         max_concurrent_cascades: int = 32,
+        max_owed_blocks: int = DEFAULT_MAX_OWED,
     ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
@@ -97,7 +102,7 @@ class BlockManager:
         self.observe_copy = no_observe  # (src tier, dst tier, seconds) per block copy; see kvbm.metrics
         self.failures = FailureLog(self.stats.errors)
         # Background cascades (bounded; see kvbm.cascade) and the write-throughs owed after an outage.
-        self.write_through = WriteThrough(self, max_pending_cascades, max_concurrent_cascades)
+        self.write_through = WriteThrough(self, max_pending_cascades, max_concurrent_cascades, max_owed_blocks)
         self.owed_writes = self.write_through.owed
         self._pools_registered = False
         self.room = Room(self, lambda key, dst: self.moves.move(key, dst))  # reservations and eviction
@@ -120,6 +125,9 @@ class BlockManager:
             for tier in self.tiers:
                 if index is True or tier.kind in index:
                     await self.index_tier(tier.name)
+                    if isinstance(tier, DiskTier) and self.owed_writes.journal is None:
+                        # What was owed to S3 when the last run stopped (kvbm.owed), now that the disk is indexed.
+                        await self.owed_writes.resume(tier.dir / JOURNAL_NAME)
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
         """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`)."""
@@ -130,7 +138,8 @@ class BlockManager:
         await self.write_through.drain()
 
     async def close(self) -> None:
-        self.owed_writes.cancel()
+        await self.drain()
+        await self.owed_writes.close()
         await self.drain()
         for tier in self.tiers:
             await tier.close()
