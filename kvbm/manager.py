@@ -309,14 +309,18 @@ class BlockManager:
         g1 = self.by_name.get(TierName.G1)
         return g1.block_tensor(key) if isinstance(g1, SlotPoolTier) else None
 
-    async def delete(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None) -> int:
-        """Remove blocks from the given tiers (default all); returns copies removed."""
-        removed = 0
+    async def delete(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None, *,
+                     gone: bool = False) -> int:
+        """Remove blocks from the given tiers (default all), a batch per tier; returns copies removed. ``gone``:
+        another process already deleted them from disk/S3 (a purge), so only the indexes are updated."""
+        by_tier: dict[str, list[BlockKey]] = {}
         for key in keys:
             for name in self.registry.where(key) if tiers is None else tiers:
-                if self.registry.remove(name, key):
-                    removed += 1
-                await self.by_name[name].delete(key)
+                by_tier.setdefault(name, []).append(key)
+        removed = 0
+        for name, ks in by_tier.items():
+            removed += self.registry.remove_many(name, ks)
+            await self.by_name[name].delete_blocks(ks, gone=gone)
         return removed
 
     # -- reporting -------------------------------------------------------------------------------------

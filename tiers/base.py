@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 
@@ -75,6 +75,14 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: BlockKey) -> bool:
         """Remove block ``key``; True if it was there."""
+
+    async def delete_blocks(self, keys: Sequence[BlockKey], *, gone: bool = False) -> int:
+        """Remove many blocks (tiers with a backing store batch it); ``gone``: another process already deleted
+        them from the backing store (a purge), so only this tier's index is updated. Returns how many it held."""
+        n = 0
+        for key in keys:
+            n += await self.delete(key)
+        return n
 
     # -- index ----------------------------------------------------------------------------------
     @abc.abstractmethod

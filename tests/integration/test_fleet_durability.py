@@ -213,3 +213,43 @@ def test_a_shorter_valid_object_is_refused_never_served_with_a_stale_tail(tmp_pa
         st = g4(ca)["stats"]
         assert st["short_reads"] == 1 and st["corrupt"] == 0
         assert ca.lookup(keys).matched == 1  # forgotten: the next request recomputes and stores it again
+
+
+# -- item 3: a purge is reflected in the daemon in batches ---------------------------------------------------
+def test_a_purge_through_the_daemon_is_forgotten_without_a_request_per_block(tmp_path, s3_server, s3_prefix, nodes):
+    """1,200 blocks in the bucket, indexed by a daemon. `kvbm purge` deletes them (DeleteObjects) and tells the
+    daemon, which drops them from its index without asking S3 again (no HEAD, no DELETE per block); an admin Evict
+    of blocks still in the bucket deletes them in DeleteObjects batches, not one request each."""
+    n = 1200
+    keys = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(n)]
+
+    async def seed() -> None:
+        t = bucket_tier(s3_server, s3_prefix)
+        await t.start()
+        try:
+            for i in range(0, n, 50):  # within s3.max_pending_writes
+                await asyncio.gather(*(t.put(k, k.hash * 64) for k in keys[i : i + 50]))
+        finally:
+            await t.close()
+
+    asyncio.run(seed())
+    a = Node(tmp_path, "a", s3_server, s3_prefix, probe=False, prefetch=False, index_bucket="start")
+    nodes.append(a.start())
+    with a.client(admin=True) as ca:
+        assert g4(ca)["blocks"] == n
+        # An admin Evict of the last 200: deleted from the bucket in one DeleteObjects, no HEAD.
+        assert ca.evict(keys[-200:], tiers=["G4"]).removed == 200
+        st = g4(ca)["stats"]
+        assert st["delete_requests"] == 1 and st["heads"] == 0, st
+        assert set(in_bucket(s3_server, s3_prefix, keys[-3:]).values()) == {None}
+        # The purge of the rest, through the daemon.
+        res = CliRunner().invoke(main, ["purge", "--all", "--namespace", LAYOUT.namespace, "--from", "bucket",
+                                        "--yes", "--json"], env={"KVBM_CONFIG": str(a.proc.cfg_path)},
+                                 catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        out = json.loads(res.output)
+        assert out["deleted"] == n - 200 and f"dropped {n - 200} index entries" in out["daemon"], out
+        st = g4(ca)
+        assert st["blocks"] == 0
+        assert st["stats"]["delete_requests"] == 1 and st["stats"]["deletes"] == 200, st["stats"]  # none for the purge
+        assert ca.lookup(keys[:4]).matched == 0

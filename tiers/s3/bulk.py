@@ -332,6 +332,7 @@ class S3Bulk(S3Listing):
         errors: list[tuple[str, str, str]] = []
         for i in range(0, len(keys), DELETE_CHUNK):
             chunk = keys[i : i + DELETE_CHUNK]
+            self.stats.delete_requests += 1
             try:
                 resp = await self._s3.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True}

@@ -49,6 +49,7 @@ class S3Stats(TierStats):
     """The tier's counters plus HEAD requests (existence probes, listing tools)."""
 
     heads: int = 0
+    delete_requests: int = 0  # DELETE and DeleteObjects requests (one per 1,000 keys)
     reconfirms: int = 0  # blocks HEADed again before a durability decision relied on them (kvbm.knowledge)
     stale: int = 0  # of them, blocks the bucket no longer held (deleted by another node): forgotten
 

@@ -55,6 +55,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kvbm.blocks import FORMAT_VERSION, BlockKey
@@ -190,6 +191,7 @@ class S3Tier(S3Bulk):
         try:
             if not existed:
                 existed = await self._head_size(okey) is not None
+            self.stats.delete_requests += 1
             await self._s3.delete_object(Bucket=self.bucket, Key=okey)
         except Exception as e:
             self.stats.errors += 1
@@ -198,6 +200,23 @@ class S3Tier(S3Bulk):
         if existed:
             self.stats.deletes += 1
         return existed
+
+    async def delete_blocks(self, keys: Sequence[BlockKey], *, gone: bool = False) -> int:
+        """:meth:`delete` of many: DeleteObjects of 1,000 keys a request and no HEAD (a key the index lacks is
+        deleted all the same, idempotently); with ``gone`` (a purge already deleted them) no request at all."""
+        held = sum(k in self._index for k in keys)
+        if gone:
+            for k in keys:
+                self._index_drop(k)
+            return held
+        self._require_online()
+        _deleted, errors = await self.delete_many([self.object_key(k) for k in keys])
+        if errors:
+            self.stats.errors += len(errors)
+            key, code, msg = errors[0]
+            raise TierUnavailableError(f"S3 DeleteObjects at {self.endpoint_name}: {len(errors)} keys failed, e.g. "
+                                       f"{key}: {code} {msg}".strip())
+        return held
 
     def remember(self, key: BlockKey, nbytes: int) -> None:
         """Index a block another node wrote (learned from its event or a probe), without I/O. It is not marked
