@@ -253,3 +253,59 @@ def test_a_purge_through_the_daemon_is_forgotten_without_a_request_per_block(tmp
         assert st["blocks"] == 0
         assert st["stats"]["delete_requests"] == 1 and st["stats"]["deletes"] == 200, st["stats"]  # none for the purge
         assert ca.lookup(keys[:4]).matched == 0
+
+
+# -- item 4: access logs are decoded, merged and encoded off the event loop ----------------------------------
+def test_access_log_compaction_reading_and_prewarm_ranking_run_off_the_event_loop(s3_server, s3_prefix,
+                                                                                    monkeypatch):
+    """A daemon's access logs can hold millions of lines: writing one, compacting them, merging them for purge or
+    prewarm and ranking a namespace for join-warm must not run on the event loop (its requests would stall). The
+    real recorder against SeaweedFS compacts three logs, reads them back and ranks a prewarm; every encode,
+    decode and sort is seen on a worker thread."""
+    import kvbm.ops.prewarm as prewarm
+    import kvbm.recency as recency
+    from kvbm.manager import BlockManager
+    from kvbm.tiers.host import HostTier
+
+    seen: list[tuple[str, bool]] = []
+
+    def spy(name: str, fn):
+        def wrapped(*a, **kw):
+            try:
+                asyncio.get_running_loop()
+                on_loop = True
+            except RuntimeError:
+                on_loop = False
+            seen.append((name, on_loop))
+            return fn(*a, **kw)
+        return wrapped
+
+    for name in ("encode_log", "encode_merged", "decode_entries"):
+        monkeypatch.setattr(recency, name, spy(name, getattr(recency, name)))
+    monkeypatch.setattr(prewarm, "rank_hottest", spy("rank_hottest", prewarm.rank_hottest))
+    keys = prompt(3)
+    now = [1_000_000.0]
+
+    async def go() -> None:
+        tier = bucket_tier(s3_server, s3_prefix)
+        mgr = BlockManager([HostTier(8 * LAYOUT.block_nbytes, LAYOUT.block_nbytes), tier])
+        await mgr.start(index=False)
+        try:
+            for k in keys:
+                await tier.put(k, payload(k).tobytes())
+            rec = recency.AccessRecorder(tier, "node-a", 1, clock=lambda: now[0], compact_at=3)
+            for k in keys:  # three logs, one hit each: the third flush compacts them into one
+                rec.record([k])
+                assert await rec.flush() == 1
+                now[0] += 10
+            assert rec.compacted == 2
+            times, logs = await recency.read_access_times(tier, [LAYOUT.namespace])
+            assert len(logs) == 1 and set(times) == set(keys)
+            res = await prewarm.prewarm_manager(mgr, tier, [LAYOUT.namespace], 2, "G2")
+            assert res["prewarmed"] == 2
+        finally:
+            await mgr.close()
+
+    asyncio.run(go())
+    assert {n for n, _ in seen} == {"encode_log", "encode_merged", "decode_entries", "rank_hottest"}, seen
+    assert [n for n, on_loop in seen if on_loop] == [], seen
