@@ -227,8 +227,8 @@ class AccessRecorder:
                 self._own[ns] = len(logs)
                 return
             newest = logs[-1]
-            entries = await _read_entries(self.tier, logs)
-            body = await asyncio.to_thread(_merge_encoded, entries, self.clock() - self.keep_s)  # millions of lines
+            read = await _read_logs(self.tier, logs)
+            body = await asyncio.to_thread(_merge_encoded, read, self.clock() - self.keep_s)  # millions of lines
             await self.tier.put_aux(newest.key, body)
             _deleted, errors = await self.tier.delete_many([lg.key for lg in logs[:-1]])
             self.compacted += len(logs) - 1 - len(errors)
@@ -280,12 +280,13 @@ def _merge_times(read: list[tuple[AccessLog, list[tuple[bytes, int]]]], since: f
     return times
 
 
-def _merge_encoded(entries: list[tuple[bytes, int]], horizon: float) -> bytes:
-    """A merged log body of ``entries``: each hash's last access, those before ``horizon`` left out."""
+def _merge_encoded(read: list[tuple[AccessLog, list[tuple[bytes, int]]]], horizon: float) -> bytes:
+    """A merged log body of the logs ``read``: each hash's last access, those before ``horizon`` left out."""
     times: dict[bytes, int] = {}
-    for h, e in entries:
-        if e >= horizon and times.get(h, -1) < e:
-            times[h] = e
+    for _lg, entries in read:
+        for h, e in entries:
+            if e >= horizon and times.get(h, -1) < e:
+                times[h] = e
     return encode_merged(times)
 
 
@@ -301,6 +302,3 @@ async def _read_logs(tier: Any, logs: list[AccessLog],
 
     return list(await asyncio.gather(*(one(lg) for lg in logs)))
 
-
-async def _read_entries(tier: Any, logs: list[AccessLog]) -> list[tuple[bytes, int]]:
-    return [x for _lg, entries in await _read_logs(tier, logs) for x in entries]
