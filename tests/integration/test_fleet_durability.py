@@ -160,6 +160,26 @@ def test_durable_store_of_blocks_another_node_purged_really_writes(tmp_path, s3_
         assert st["reconfirms"] >= 4 and st["stale"] == 4
 
 
+def test_a_bucket_rescan_drops_what_another_node_purged_from_the_index(tmp_path, s3_server, s3_prefix, nodes):
+    """A indexed B's blocks; B's node purges them without telling A; an admin Reindex of G4 on A (a rescan) must
+    drop them from A's index, not only from its S3 tier's own: a lookup no longer finds them."""
+    a = Node(tmp_path, "a", s3_server, s3_prefix, probe=False, prefetch=False)
+    b = Node(tmp_path, "b", s3_server, s3_prefix)
+    nodes.append(a.start())
+    nodes.append(b.start())
+    keys = prompt(3)
+    from kvbm import protocol as p
+
+    with a.client(admin=True) as ca, b.client() as cb:
+        assert cb.store(keys, [payload(k) for k in keys], durable=True).durable == 3
+        ca.request(p.Reindex(namespace=LAYOUT.namespace, tiers=["G4"]), p.Reindexed, timeout_s=60)
+        assert ca.lookup(keys).matched == 3
+        assert purge_direct(b)["deleted"] == 3
+        got = ca.request(p.Reindex(namespace=LAYOUT.namespace, tiers=["G4"]), p.Reindexed, timeout_s=60)
+        assert got.blocks == 0
+        assert ca.lookup(keys).matched == 0 and g4(ca)["blocks"] == 0
+
+
 def test_disk_eviction_keeps_its_only_copy_when_another_node_purged_s3(tmp_path, s3_server, s3_prefix, nodes):
     """A (G2 of 4 slots, G3 of 4 blocks of 16 KiB + header, G4) stores blocks durably; B's node purges them from
     the bucket. When A's disk must make room it may not drop them believing S3 holds them: it demotes them to S3
