@@ -218,7 +218,9 @@ def purge(state: CliState, older_than: float | None, namespaces: tuple[str, ...]
         finally:
             guard.release()
         seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
         notice = _tell_daemon(cfg, res.done, use_disk, use_bucket, daemon_endpoint, direct, daemon_timeout)
+        summary.update(daemon_seconds=round(time.perf_counter() - t1, 3))
         summary.update(deleted=res.deleted, bytes_freed=res.bytes, errors=len(res.errors), seconds=round(seconds, 3),
                        keys_per_s=round(res.deleted / seconds, 1) if seconds > 0 else None,
                        interrupted=res.interrupted or None, daemon=notice, access_logs_deleted=logs_deleted,
@@ -291,7 +293,7 @@ def _tell_daemon(cfg: Any, done: list[Entry], disk: bool, bucket: bool, endpoint
             by_ns.setdefault(e.namespace, {})[e.key.hash] = None
         removed = skipped = 0
         for ns, hashes in by_ns.items():
-            r, s = link.evict(ns, list(hashes), tiers)
+            r, s = link.evict(ns, list(hashes), tiers, gone=True)  # deleted above: the daemon only forgets them
             removed += r
             skipped += s
         return f"{link.endpoint} dropped {removed} index entries from {','.join(tiers)}" + (

@@ -9,27 +9,26 @@ was; one a tier could not take for an outage is owed to it (:class:`~kvbm.owed.O
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 from kvbm import policy
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierUnavailableError
-from kvbm.manager_state import ManagerState
-from kvbm.owed import OwedWrites
-
-Move = Callable[[BlockKey, str], Awaitable[bool]]  # copy a block into a tier (kvbm.moves.Moves.move)
+from kvbm.manager_state import ManagerState, Move, RealCopies
+from kvbm.owed import DEFAULT_MAX_OWED, OwedWrites
 
 
 class WriteThrough:
     """Owns the background cascades (``pending``) and the writes owed after an outage (``owed``)."""
 
-    def __init__(self, state: ManagerState, move: Move, max_pending: int, max_concurrent: int) -> None:
+    def __init__(self, state: ManagerState, move: Move, real_copies: RealCopies, max_pending: int,
+                 max_concurrent: int, max_owed: int = DEFAULT_MAX_OWED) -> None:
         self.s = state
         self._move = move
+        self._real_copies = real_copies
         self.max_pending = max_pending
         self.pending: set[asyncio.Task[bool]] = set()
         self._slots = asyncio.Semaphore(max(1, max_concurrent))
-        self.owed = OwedWrites(state, self._catch_up_one)
+        self.owed = OwedWrites(state, self.cascade, max_blocks=max_owed)
 
     def schedule(self, key: BlockKey) -> bool:
         """Start a background cascade of ``key``; False (shed, counted) when too many are queued."""
@@ -40,11 +39,6 @@ class WriteThrough:
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
         return True
-
-    def _catch_up_one(self, key: BlockKey) -> bool:
-        started = self.schedule(key)
-        self.s.stats.catch_up_writes += started
-        return started
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""
@@ -64,8 +58,12 @@ class WriteThrough:
         durable = False
         for tier in s.below(where[0]):
             if s.registry.holds(tier.name, key):
-                durable = durable or policy.is_persistent(tier)
-                continue
+                # Counted only if it is known to be there (a shared tier's entry may be stale: kvbm.knowledge).
+                if key in await self._real_copies(tier.name, [key]):
+                    durable = durable or policy.is_persistent(tier)
+                    continue
+                if s.registry.holds(tier.name, key):
+                    continue  # the bucket did not answer whether it is there: neither counted nor rewritten now
             if s.filtered(tier, key):
                 s.stats.filtered += 1
                 continue

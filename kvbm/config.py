@@ -130,6 +130,12 @@ class S3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     nixl_timeout_s: float = 10.0
     # LIST requests in flight at once when a namespace is listed by shard directory (re-index, status, purge).
     list_concurrency: int = 16
+    # How long a block this node saw in the bucket (its own PUT, a GET, a HEAD, a listing) counts as a real copy
+    # when a durable store or a disk eviction relies on it; an older sighting (or a peer's event alone) is HEADed
+    # again first, since another node may have purged it since.
+    copy_max_age_s: float = 30.0
+    # Write-throughs owed to S3 while it is down or shedding (kvbm.owed) at most; beyond, blocks stay on disk only.
+    max_owed_blocks: int = 1_000_000
 
 
 class EmbeddedS3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
@@ -376,6 +382,10 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("block_bytes: must be positive")
     if cfg.s3.max_concurrency < 1:
         raise ConfigError("s3.max_concurrency: must be >= 1")
+    if cfg.s3.max_owed_blocks < 0:
+        raise ConfigError("s3.max_owed_blocks: must be >= 0")
+    if cfg.s3.copy_max_age_s < 0:
+        raise ConfigError("s3.copy_max_age_s: must be >= 0")
     if cfg.s3.shard_chars not in range(0, 5):
         raise ConfigError("s3.shard_chars: must be between 0 and 4")
     if len(cfg.s3.bucket) < 3:

@@ -52,15 +52,20 @@ async def slots_to_slots(key: BlockKey, src: SlotPoolTier, dst: SlotPoolTier, n:
 
 
 async def store_to_host_slot(key: BlockKey, src: Tier, dst: SlotPoolTier, n: int, _mover: Any) -> bool:
-    """Disk or S3 into a host slot: read straight into the slot's memory (no intermediate copy)."""
+    """Disk or S3 into a host slot: read straight into the slot's memory (no intermediate copy).
+
+    The slot is committed only when the tier read and checked exactly the ``n`` bytes it was sized for: a block of
+    another length (an object overwritten since it was indexed) would leave the rest of the slot stale."""
     slot = dst.allocate(key, n)
     try:
         got = await src.get_into(key, memoryview(dst.slot_tensor(slot, n).numpy()))
     except BaseException:
         dst.abort(key)
         raise
-    if got is None:
+    if got != n:
         dst.abort(key)
+        if got is not None:
+            src.stats.short_reads += 1
         return False
     dst.commit(key)
     return True

@@ -6,6 +6,10 @@
   them (and tells the tier their sizes), ``forget`` drops the ones it deleted; neither does I/O.
 * **A lookup asked again** after the index learned more (a probe that finished within the lookup's
   budget): ``relookup`` counts only the hits that were added.
+* **Whether a shared-tier entry is a real copy** (``real_copies``), before a durable store or a disk eviction
+  relies on it: another node may have purged the object since this one saw it. An entry seen (written, read,
+  HEADed, listed) within ``s3.copy_max_age_s`` counts; an older one, or one only a peer's event announced, is
+  HEADed again (one batch); the missing ones leave the index.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvbm.blocks import BlockKey
-from kvbm.errors import KvbmError
+from kvbm.errors import KvbmError, TierUnavailableError
 from kvbm.manager_state import ManagerState
 from kvbm.tiers.base import SharedTier
 
@@ -38,7 +42,42 @@ class IndexSync:
         async for sb in tier.scan(namespace):
             self.s.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes))
             n += 1
+        if isinstance(tier, SharedTier):
+            # A listing is the bucket's word: what it no longer holds (another node purged it) leaves the registry
+            # too, not only the tier's own index (which the scan already dropped it from).
+            for key in self.s.registry.keys(name):
+                if (namespace is None or key.namespace == namespace) and tier.nbytes(key) is None:
+                    self.s.registry.remove(name, key)
         return n
+
+    async def real_copies(self, name: str, keys: Sequence[BlockKey]) -> set[BlockKey]:
+        """Of ``keys``, those tier ``name`` really holds as far as this node knows now (see the module docstring).
+
+        A shared (S3) entry not seen within ``s3.copy_max_age_s`` is HEADed again, all of them in one batch; one
+        the bucket lacks is dropped from the index. One whose HEAD failed (S3 down) is not counted, and stays.
+        """
+        held = [k for k, h in zip(keys, self.s.registry.holding(name, keys), strict=True) if h]
+        tier = self.s.by_name[name]
+        if not isinstance(tier, SharedTier):
+            return set(held)
+        real = {k for k in held if tier.seen_within(k)}
+        ask = [k for k in held if k not in real]
+        if not ask:
+            return real
+        tier.stats.reconfirms += len(ask)
+        try:
+            found = await tier.exists_many(ask)
+        except TierUnavailableError:
+            return real
+        for key in ask:
+            if key not in found:
+                continue  # its HEAD failed: unknown, neither counted nor forgotten
+            if found[key] is None:
+                tier.stats.stale += 1
+                self.s.registry.remove(name, key)
+            else:
+                real.add(key)
+        return real
 
     def relookup(self, keys: Sequence[BlockKey], before: Sequence[str]) -> list[str]:
         """A lookup again after the index learned more (a bucket probe): counts only the added hits."""

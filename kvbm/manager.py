@@ -38,11 +38,12 @@ from kvbm.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.knowledge import IndexSync
 from kvbm.manager_state import CopyObserver, ManagerState, ManagerStats, StateField
 from kvbm.moves import Moves, forget_if_gone
-from kvbm.owed import CATCH_UP_EVERY_S
+from kvbm.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED, JOURNAL_NAME
 from kvbm.policy import PERSISTENT
 from kvbm.registry import Registry
 from kvbm.room import Room
 from kvbm.tiers.base import Tier
+from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
 from kvbm.transfer.memory import MemoryMover
@@ -63,19 +64,21 @@ class BlockManager:
         min_hits_to_offload: int = 0,
         max_pending_cascades: int = 1024,
         max_concurrent_cascades: int = 32,
+        max_owed_blocks: int = DEFAULT_MAX_OWED,
     ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise KvbmError(f"duplicate tier names: {names}")
         # The one state every part shares; the parts get it and the callables they use, never the manager.
         self.state = ManagerState(list(tiers), Registry(names), mover=mover, min_hits_to_offload=min_hits_to_offload)
-        self.room = Room(self.state, self._move)  # reservations and eviction
+        self.index = IndexSync(self.state)  # blocks found elsewhere (kvbm.knowledge)
+        self.room = Room(self.state, self._move, self.index.real_copies)  # reservations and eviction
         self.moves = Moves(self.state, self.room)  # coalesced copies between tiers
         # Background cascades (bounded; see kvbm.cascade) and the write-throughs owed after an outage.
-        self.write_through = WriteThrough(self.state, self._move, max_pending_cascades, max_concurrent_cascades)
+        self.write_through = WriteThrough(self.state, self._move, self.index.real_copies, max_pending_cascades,
+                                          max_concurrent_cascades, max_owed_blocks)
         self.owed_writes = self.write_through.owed
         self.external = ExternalStores(self.state, self.room, self.write_through.schedule)  # worker-filled G2 slots
-        self.index = IndexSync(self.state)  # blocks found elsewhere (kvbm.knowledge)
         self._pools_registered = False
 
     def _move(self, key: BlockKey, dst: str) -> Awaitable[bool]:
@@ -104,6 +107,9 @@ class BlockManager:
             for tier in self.tiers:
                 if index is True or tier.kind in index:
                     await self.index_tier(tier.name)
+                    if isinstance(tier, DiskTier) and self.owed_writes.journal is None:
+                        # What was owed to S3 when the last run stopped (kvbm.owed), now that the disk is indexed.
+                        await self.owed_writes.resume(tier.dir / JOURNAL_NAME)
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
         """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`)."""
@@ -114,7 +120,8 @@ class BlockManager:
         await self.write_through.drain()
 
     async def close(self) -> None:
-        self.owed_writes.cancel()
+        await self.drain()
+        await self.owed_writes.close()
         await self.drain()
         for tier in self.tiers:
             await tier.close()
@@ -169,6 +176,9 @@ class BlockManager:
         self.stats.offloads += 1
         self.stats.offload_blocks += len(keys)
         if durable:
+            for tier in self.tiers:  # stale shared-tier entries re-checked in one batch, not one HEAD per cascade
+                if tier.kind == "s3":
+                    await self.index.real_copies(tier.name, keys)
             results = await asyncio.gather(*(self.write_through.cascade(k) for k in keys))
             return sum(results)
         started = 0
@@ -274,14 +284,18 @@ class BlockManager:
         g1 = self.by_name.get(TierName.G1)
         return g1.block_tensor(key) if isinstance(g1, SlotPoolTier) else None
 
-    async def delete(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None) -> int:
-        """Remove blocks from the given tiers (default all); returns copies removed."""
-        removed = 0
+    async def delete(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None, *,
+                     gone: bool = False) -> int:
+        """Remove blocks from the given tiers (default all), a batch per tier; returns copies removed. ``gone``:
+        another process already deleted them from disk/S3 (a purge), so only the indexes are updated."""
+        by_tier: dict[str, list[BlockKey]] = {}
         for key in keys:
             for name in self.registry.where(key) if tiers is None else tiers:
-                if self.registry.remove(name, key):
-                    removed += 1
-                await self.by_name[name].delete(key)
+                by_tier.setdefault(name, []).append(key)
+        removed = 0
+        for name, ks in by_tier.items():
+            removed += self.registry.remove_many(name, ks)
+            await self.by_name[name].delete_blocks(ks, gone=gone)
         return removed
 
     # -- reporting -------------------------------------------------------------------------------------

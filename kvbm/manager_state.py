@@ -7,7 +7,7 @@ read ``state.registry`` per call, so a registry swapped in later (the manager be
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -21,6 +21,9 @@ from kvbm.tiers.base import Tier, no_observe
 from kvbm.transfer.memory import MemoryMover
 
 CopyObserver = Callable[[str, str, float], None]  # (source tier, destination tier, seconds) per block copy
+Move = Callable[[BlockKey, str], Awaitable[bool]]  # copy a block into a tier (kvbm.moves.Moves.move)
+# Of some keys, those a tier is known to really hold (kvbm.knowledge.IndexSync.real_copies)
+RealCopies = Callable[[str, Sequence[BlockKey]], Awaitable[set[BlockKey]]]
 
 
 class ManagerStats(msgspec.Struct):
@@ -42,6 +45,9 @@ class ManagerStats(msgspec.Struct):
     dropped: int = 0  # memory-tier blocks evicted although no lower tier could take them
     filtered: int = 0
     catch_up_writes: int = 0  # owed write-throughs retried once their tier took writes again
+    owed_paid: int = 0  # owed write-throughs that reached their tier
+    owed_dropped: int = 0  # write-throughs not owed: s3.max_owed_blocks were owed already
+    owed_resumed: int = 0  # owed write-throughs read back from the journal at start (a restart after an outage)
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
 
 

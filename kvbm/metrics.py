@@ -40,6 +40,9 @@ _TIER_HELP = {
     "bytes_in": "Bytes written into the tier.",
     "bytes_out": "Bytes read from the tier.",
     "shed": "Writes shed (e.g. S3 circuit breaker open or too many pending writes).",
+    "short_reads": "Reads refused: the block held another length than indexed (never served).",
+    "reconfirms": "Shared-tier blocks HEADed again before a durable store or a disk eviction relied on them.",
+    "stale": "Of them, blocks another node had deleted: forgotten.",
 }
 _MANAGER = (
     ("lookups", "Lookups."),
@@ -54,6 +57,9 @@ _MANAGER = (
     ("shed_offloads", "Write-through cascades shed by the manager."),
     ("cascade_failures", "Write-through copies that failed."),
     ("catch_up_writes", "Write-throughs retried after their tier took writes again (e.g. S3 back)."),
+    ("owed_paid", "Owed write-throughs that reached their tier."),
+    ("owed_dropped", "Write-throughs not owed because s3.max_owed_blocks were owed already."),
+    ("owed_resumed", "Owed write-throughs resumed from the journal at start."),
     ("demotion_failures", "Demotions of eviction victims that failed."),
     ("kept", "Evictions refused: a persistent tier's block that no lower tier could really take."),
     ("dropped", "Memory-tier blocks evicted although no lower tier could take them (e.g. S3 down)."),

@@ -1,57 +1,224 @@
-"""Write-throughs owed after an outage: a tier that could not take a cascade (S3 down or shedding) is owed
-the block, and the cascade is scheduled again once the tier takes writes, so a block stored during an outage
-still ends up durable."""
+"""Write-throughs owed after an outage: a tier that could not take a cascade (S3 down or shedding) is owed the
+block, and the cascade is run again once the tier takes writes, so a block stored during an outage still ends up
+on every tier below it.
+
+* **Bounded**: at most ``max_blocks`` are owed in all (``s3.max_owed_blocks``). Beyond that a block is not owed
+  (counted in ``owed_dropped``, logged): it stays where it is (durable on disk if it got there) but does not reach
+  the lower tier by itself.
+* **Journaled**: with a journal (the disk tier's ``.kvbm-owed.journal``; the blocks a restart can still write are
+  the ones on disk) each block owed and each one paid is appended, by a thread, in batches; :meth:`resume` at the
+  next start owes again what was never paid. The file is rewritten compactly once it is mostly paid lines.
+* **Drained in batches**: once the tier takes writes, the oldest ``batch`` owed blocks are cascaded, awaited, then
+  the next ones; nothing walks the whole set on the event loop, and the journal is written off it.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from itertools import islice
+from pathlib import Path
 
 from kvbm.blocks import BlockKey
 from kvbm.manager_state import ManagerState
 
+log = logging.getLogger(__name__)
+
 CATCH_UP_EVERY_S = 2.0  # how often owed write-throughs check whether their tier takes writes again
+JOURNAL_NAME = ".kvbm-owed.journal"  # in the disk tier's directory (a dot-file: never taken for a block)
+DEFAULT_MAX_OWED = 1_000_000
+DRAIN_BATCH = 64
 
 
 class OwedWrites:
-    """Tier -> keys owed; a loop runs while any are owed. ``schedule`` starts a cascade (False: queue full)."""
+    """Tier -> keys owed (oldest first); a task drains them while any are owed. ``cascade`` writes one block
+    through to every lower tier lacking it (:meth:`WriteThrough.cascade`)."""
 
-    def __init__(self, state: ManagerState, schedule: Callable[[BlockKey], bool]) -> None:
+    def __init__(self, state: ManagerState, cascade: Callable[[BlockKey], Awaitable[bool]], *,
+                 max_blocks: int = DEFAULT_MAX_OWED, batch: int = DRAIN_BATCH) -> None:
         self.s = state
-        self.schedule = schedule
+        self.cascade = cascade
         self.every_s = CATCH_UP_EVERY_S
-        self._owed: dict[str, set[BlockKey]] = {}
+        self.max_blocks = max_blocks
+        self.batch = max(1, batch)
+        self.journal: Path | None = None
+        self._owed: dict[str, dict[BlockKey, None]] = {}
+        self._again: set[tuple[str, BlockKey]] = set()  # owed again while being paid: the tier failed once more
+        self._lines: list[str] = []  # journal lines not written yet
+        self._journal_lines = 0  # lines in the journal file
+        self._dropped_logged = 0.0
         self._task: asyncio.Task[None] | None = None
 
+    # -- owing ------------------------------------------------------------------------------------
     def owe(self, tier: str, key: BlockKey) -> None:
-        self._owed.setdefault(tier, set()).add(key)
+        owed = self._owed.setdefault(tier, {})
+        if key in owed:
+            self._again.add((tier, key))
+            return
+        if self.total() >= self.max_blocks:
+            self.s.stats.owed_dropped += 1
+            now = time.monotonic()
+            if now - self._dropped_logged > 60:
+                self._dropped_logged = now
+                log.warning("%d write-throughs already owed (s3.max_owed_blocks): %s will not reach %s by itself",
+                            self.total(), key, tier)
+            return
+        owed[key] = None
+        self._note("+", tier, key)
+        self._wake()
+
+    def _wake(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def total(self) -> int:
+        return sum(len(keys) for keys in self._owed.values())
 
     def counts(self) -> dict[str, int]:
         """Blocks per tier whose write-through is waiting for that tier to take writes again."""
         return {t: len(keys) for t, keys in self._owed.items() if keys}
 
+    # -- paying -----------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        """While write-throughs are owed: drain those whose tier is writable, batch by batch; else wait."""
+        try:
+            while any(self._owed.values()):
+                await self.flush()
+                paid = 0
+                for name in [n for n, keys in self._owed.items() if keys]:
+                    if self.s.by_name[name].writable():
+                        paid += await self.drain_batch(name)
+                if not paid:
+                    await asyncio.sleep(self.every_s)
+        finally:
+            if self._lines:
+                await asyncio.shield(self.flush())
+
+    async def drain_batch(self, tier: str) -> int:
+        """Cascade the oldest ``batch`` blocks owed to ``tier``; returns how many are paid."""
+        owed = self._owed.get(tier, {})
+        keys = list(islice(owed, self.batch))
+        if not keys:
+            return 0
+        results = await asyncio.gather(*(self._pay(tier, k) for k in keys), return_exceptions=True)
+        return sum(r is True for r in results)
+
+    async def _pay(self, tier: str, key: BlockKey) -> bool:
+        owed = self._owed[tier]
+        if self.s.registry.where(key) and not self.s.registry.holds(tier, key):
+            self._again.discard((tier, key))
+            self.s.stats.catch_up_writes += 1
+            await self.cascade(key)
+            if not self.s.registry.holds(tier, key) and (tier, key) in self._again:
+                self._again.discard((tier, key))
+                return False  # the tier failed again (an outage): still owed
+        # Written now, or by another path meanwhile, or no copy left above to write from: owed no more.
+        paid = self.s.registry.holds(tier, key)
+        owed.pop(key, None)
+        self._note("-", tier, key)
+        if paid:
+            self.s.stats.owed_paid += 1
+        return paid
+
+    def catch_up(self, tier: str) -> int:
+        """Start draining what is owed to ``tier`` now (without waiting for the next check); returns how many
+        blocks are owed to it."""
+        n = len(self._owed.get(tier, {}))
+        if n:
+            self._wake()
+        return n
+
+    # -- the journal -------------------------------------------------------------------------------
+    def _note(self, op: str, tier: str, key: BlockKey) -> None:
+        if self.journal is not None:
+            self._lines.append(f"{op} {tier} {key.hash.hex()} {key.namespace}\n")
+
+    async def flush(self) -> None:
+        """Write the pending journal lines (in a thread); rewrite the file compactly when it is mostly paid."""
+        if self.journal is None or not self._lines:
+            return
+        lines, self._lines = self._lines, []
+        compact = self._journal_lines + len(lines) > 2 * self.total() + 10_000
+        if compact:
+            current = [f"+ {t} {k.hash.hex()} {k.namespace}\n" for t, keys in self._owed.items() for k in keys]
+            await asyncio.to_thread(_rewrite, self.journal, current)
+            self._journal_lines = len(current)
+        else:
+            await asyncio.to_thread(_append, self.journal, lines)
+            self._journal_lines += len(lines)
+
+    async def resume(self, journal: Path) -> int:
+        """Use ``journal`` from now on and owe again what it holds unpaid (a restart after an outage); returns how
+        many blocks that is. Blocks no tier holds any more are left out."""
+        self.journal = journal
+        owed = await asyncio.to_thread(_replay, journal)
+        n = 0
+        for (tier, key) in owed:
+            if tier in self.s.by_name and self.s.registry.where(key) and not self.s.registry.holds(tier, key):
+                if self.total() >= self.max_blocks:
+                    self.s.stats.owed_dropped += 1
+                    continue
+                self._owed.setdefault(tier, {})[key] = None
+                n += 1
+        current = [f"+ {t} {k.hash.hex()} {k.namespace}\n" for t, keys in self._owed.items() for k in keys]
+        await asyncio.to_thread(_rewrite, journal, current)
+        self._journal_lines = len(current)
+        self.s.stats.owed_resumed += n
+        if n:
+            log.info("%d write-throughs owed before the restart resumed", n)
+            self._wake()
+        return n
+
+    async def close(self) -> None:
+        """Stop draining; what is still owed stays in the journal for the next start."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # the cascades logged their failures
+                await self._task
+        await self.flush()
+
     def cancel(self) -> None:
         if self._task is not None:
             self._task.cancel()
 
-    async def _loop(self) -> None:
-        """While write-throughs are owed: every ``every_s``, cascade those whose tier is writable again."""
-        while any(self._owed.values()):
-            await asyncio.sleep(self.every_s)
-            for name in [n for n, keys in self._owed.items() if keys]:
-                if self.s.by_name[name].writable():
-                    self.catch_up(name)
 
-    def catch_up(self, tier: str) -> int:
-        """Schedule the owed write-throughs to ``tier`` for blocks still held above it; returns how many."""
-        keys, self._owed[tier] = self._owed.get(tier, set()), set()
-        started = 0
-        for key in keys:
-            if self.s.registry.where(key) and not self.s.registry.holds(tier, key):
-                if self.schedule(key):
-                    started += 1
-                else:
-                    self._owed[tier].add(key)  # the cascade queue is full: next round
-        return started
+def _append(path: Path, lines: list[str]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rewrite(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _replay(path: Path) -> dict[tuple[str, BlockKey], None]:
+    """The blocks a journal holds owed and not paid, oldest first; a torn or foreign line is skipped."""
+    owed: dict[tuple[str, BlockKey], None] = {}
+    if not path.exists():
+        return owed
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            parts = line.rstrip("\n").split(" ", 3)
+            if len(parts) != 4 or parts[0] not in "+-":
+                continue
+            op, tier, hexhash, namespace = parts
+            try:
+                key = BlockKey(namespace, bytes.fromhex(hexhash))
+            except (ValueError, TypeError):
+                continue
+            if op == "+":
+                owed[(tier, key)] = None
+            else:
+                owed.pop((tier, key), None)
+    return owed

@@ -155,6 +155,7 @@ class Evict(_Req, kw_only=True):
     namespace: Str
     hashes: Hashes | None = None
     tiers: Tiers | None = None
+    gone: bool = False  # already deleted from disk/S3 by the sender (kvbm purge): drop the index entries, no I/O
 
 
 class Reindex(_Req, kw_only=True):

@@ -202,7 +202,8 @@ class AccessRecorder:
             n = 0
             for ns, hashes in batch.items():
                 try:
-                    await self.tier.put_aux(log_key(self.tier.prefix, ns, self.node, epoch), encode_log(hashes))
+                    body = await asyncio.to_thread(encode_log, hashes)  # up to MAX_PENDING lines: off the loop
+                    await self.tier.put_aux(log_key(self.tier.prefix, ns, self.node, epoch), body)
                     n += 1
                     self._own[ns] += 1
                 except Exception as e:  # an outage: keep the hashes for the next interval
@@ -226,12 +227,9 @@ class AccessRecorder:
                 self._own[ns] = len(logs)
                 return
             newest = logs[-1]
-            horizon = self.clock() - self.keep_s
-            times: dict[bytes, int] = {}
-            for h, e in await _read_entries(self.tier, logs):
-                if e >= horizon and times.get(h, -1) < e:
-                    times[h] = e
-            await self.tier.put_aux(newest.key, encode_merged(times))
+            read = await _read_logs(self.tier, logs)
+            body = await asyncio.to_thread(_merge_encoded, read, self.clock() - self.keep_s)  # millions of lines
+            await self.tier.put_aux(newest.key, body)
             _deleted, errors = await self.tier.delete_many([lg.key for lg in logs[:-1]])
             self.compacted += len(logs) - 1 - len(errors)
             self._own[ns] = 1 + len(errors)
@@ -268,13 +266,28 @@ async def read_access_times(tier: Any, namespaces: Iterable[str] | None = None, 
     """Merge the access logs (written after ``since``) into ``{block: last access, unix seconds}``;
     also returns every log found (old ones included, for the purge of logs)."""
     logs = await list_logs(tier, list(namespaces) if namespaces else None)
+    read = await _read_logs(tier, [lg for lg in logs if lg.epoch >= since], concurrency)
+    return await asyncio.to_thread(_merge_times, read, since), logs  # a key per line: off the event loop
+
+
+def _merge_times(read: list[tuple[AccessLog, list[tuple[bytes, int]]]], since: float) -> dict[BlockKey, float]:
     times: dict[BlockKey, float] = {}
-    for lg, entries in await _read_logs(tier, [lg for lg in logs if lg.epoch >= since], concurrency):
+    for lg, entries in read:
         for h, e in entries:
             k = BlockKey(lg.namespace, h)
             if e >= since and times.get(k, 0.0) < e:
                 times[k] = float(e)
-    return times, logs
+    return times
+
+
+def _merge_encoded(read: list[tuple[AccessLog, list[tuple[bytes, int]]]], horizon: float) -> bytes:
+    """A merged log body of the logs ``read``: each hash's last access, those before ``horizon`` left out."""
+    times: dict[bytes, int] = {}
+    for _lg, entries in read:
+        for h, e in entries:
+            if e >= horizon and times.get(h, -1) < e:
+                times[h] = e
+    return encode_merged(times)
 
 
 async def _read_logs(tier: Any, logs: list[AccessLog],
@@ -285,10 +298,7 @@ async def _read_logs(tier: Any, logs: list[AccessLog],
     async def one(lg: AccessLog) -> tuple[AccessLog, list[tuple[bytes, int]]]:
         async with sem:
             body = await tier.get_aux(lg.key)
-        return lg, decode_entries(body or b"", lg.epoch)
+        return lg, await asyncio.to_thread(decode_entries, body or b"", lg.epoch)  # a line each: off the loop
 
     return list(await asyncio.gather(*(one(lg) for lg in logs)))
 
-
-async def _read_entries(tier: Any, logs: list[AccessLog]) -> list[tuple[bytes, int]]:
-    return [x for _lg, entries in await _read_logs(tier, logs) for x in entries]

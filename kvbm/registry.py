@@ -128,6 +128,25 @@ class Registry:
             self._emit("removed", tier, [key])
         return True
 
+    def remove_many(self, tier: str, keys: Sequence[BlockKey]) -> int:
+        """:meth:`remove` of a batch under one lock, heard by listeners as one change; returns how many it held."""
+        i = self._ti[tier]
+        gone: list[BlockKey] = []
+        with self._lock:
+            lru, sizes = self._lru[i], self._sizes[i]
+            for key in keys:
+                code = self._peek(key)
+                c = lru.pop(code, None)
+                if c is None:
+                    continue
+                sizes.pop(c)
+                gone.append(key)
+                if self._hits and not any(code in d for d in self._lru):
+                    self._hits.pop(code, None)
+        if gone and self.listeners:
+            self._emit("removed", tier, gone)
+        return len(gone)
+
     def holds(self, tier: str, key: BlockKey) -> bool:
         return self._peek(key) in self._lru[self._ti[tier]]
 

@@ -2,19 +2,20 @@
 
 Eviction demotes: a block no lower tier holds is first written to the next tier that can take it. A
 persistent tier never lets go of a block no lower tier really holds (it is *kept*, and the write that needed
-the room fails with TierFullError); a memory tier drops it (counted in ``dropped``).
+the room fails with TierFullError); a memory tier drops it (counted in ``dropped``). "Really holds" for a shared
+(S3) tier means seen there lately or confirmed by a HEAD now: another node may have purged it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from kvbm import policy
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierFullError
-from kvbm.manager_state import ManagerState
+from kvbm.manager_state import ManagerState, Move, RealCopies
 from kvbm.tiers.base import Tier
 from kvbm.tiers.pool import SlotPoolTier
 
@@ -22,9 +23,10 @@ from kvbm.tiers.pool import SlotPoolTier
 class Room:
     """Owns the per-tier reservations (``reserved`` bytes beyond what the registry counts) and eviction."""
 
-    def __init__(self, state: ManagerState, move: Callable[[BlockKey, str], Awaitable[bool]]) -> None:
+    def __init__(self, state: ManagerState, move: Move, real_copies: RealCopies) -> None:
         self.s = state
         self._move = move
+        self._real_copies = real_copies
         self._locks: dict[str, asyncio.Lock] = {}
         self._reserved: dict[str, int] = {}
 
@@ -46,6 +48,9 @@ class Room:
                         raise TierFullError(str(e)) from None
                     if not victims:
                         break
+                    if policy.is_persistent(tier):  # the victims' copies below, re-checked in one batch
+                        for t in self.s.below(tier.name):
+                            await self._real_copies(t.name, victims)
                     for victim in victims:
                         gone = await self.evict(tier, victim)
                         if gone is None:
@@ -97,7 +102,7 @@ class Room:
         """
         s = self.s
         below = s.below(tier.name)
-        if below and not any(s.registry.holds(t.name, key) for t in below):
+        if below and not await self._copy_below(tier, key, below):
             with s.registry.pinned([key]):
                 for t in below:
                     if s.filtered(t, key):
@@ -111,7 +116,7 @@ class Room:
                     except Exception as e:  # any failure: count it; the block stays until it is demoted
                         s.stats.demotion_failures += 1
                         s.failures.record("demotion", key, t.name, e)
-            demoted = any(s.registry.holds(t.name, key) for t in below)
+            demoted = await self._copy_below(tier, key, below)
             filtered_only = all(s.filtered(t, key) for t in below)
             if not demoted and not filtered_only:
                 if policy.is_persistent(tier):
@@ -124,3 +129,13 @@ class Room:
         await tier.delete(key)
         s.stats.evictions += 1
         return True
+
+    async def _copy_below(self, tier: Tier, key: BlockKey, below: list[Tier]) -> bool:
+        """Whether a lower tier holds ``key``. For a persistent tier's eviction the copy must be known to exist
+        (a shared tier's entry may be stale, :meth:`IndexSync.real_copies`); a memory tier trusts the registry."""
+        if not policy.is_persistent(tier):
+            return any(self.s.registry.holds(t.name, key) for t in below)
+        for t in below:
+            if self.s.registry.holds(t.name, key) and key in await self._real_copies(t.name, [key]):
+                return True
+        return False

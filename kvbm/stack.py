@@ -93,7 +93,8 @@ async def build_stack(
         # Cascades at once: below S3's own write limit, so write-through bursts wait instead of being shed.
         cascades = min(32, cfg.s3.max_pending_writes) if any(t.kind == "s3" for t in built) else 32
         manager = BlockManager(built, make_memory_mover(cfg.transfer),
-                               min_hits_to_offload=cfg.disk.min_hits_to_offload, max_concurrent_cascades=cascades)
+                               min_hits_to_offload=cfg.disk.min_hits_to_offload, max_concurrent_cascades=cascades,
+                               max_owed_blocks=cfg.s3.max_owed_blocks)
         if start:
             await manager.start(index=index)
     except BaseException:

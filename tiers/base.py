@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -37,6 +37,7 @@ class TierStats(msgspec.Struct):
     shed: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    short_reads: int = 0  # reads that returned another length than the index's: refused, never served
 
 
 class Tier(abc.ABC):
@@ -79,6 +80,14 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: BlockKey) -> bool:
         """Remove block ``key``; True if it was there."""
+
+    async def delete_blocks(self, keys: Sequence[BlockKey], *, gone: bool = False) -> int:
+        """Remove many blocks (tiers with a backing store batch it); ``gone``: another process already deleted
+        them from the backing store (a purge), so only this tier's index is updated. Returns how many it held."""
+        n = 0
+        for key in keys:
+            n += await self.delete(key)
+        return n
 
     # -- index ----------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -125,12 +134,22 @@ class Tier(abc.ABC):
         }
 
 
+class ReconfirmStats(Protocol):
+    reconfirms: int  # entries HEADed again before a durability decision relied on them
+    stale: int  # of them, entries the store no longer held (another node deleted them)
+
+
 @runtime_checkable
 class SharedTier(Protocol):
-    """A tier other nodes write to as well (the bucket): the index learns and forgets its blocks without I/O."""
+    """A tier other nodes write to as well (the bucket): the index learns and forgets its blocks without I/O,
+    and re-checks an entry it has not seen lately before a durability decision relies on it."""
 
     name: str
+    stats: ReconfirmStats
 
     def footprint(self, nbytes: int) -> int: ...
+    def nbytes(self, key: BlockKey) -> int | None: ...
     def remember(self, key: BlockKey, nbytes: int) -> None: ...
     def forget(self, key: BlockKey) -> None: ...
+    def seen_within(self, key: BlockKey, max_age_s: float | None = None) -> bool: ...
+    async def exists_many(self, keys: Iterable[BlockKey]) -> dict[BlockKey, int | None]: ...

@@ -300,7 +300,7 @@ class Service:
             keys = list(seen)
         free = [k for k in keys if not reg.is_pinned(k)]
         present = [k for k in free if any(reg.holds(t, k) for t in tiers)]
-        removed = await self.manager.delete(present, tiers) if present else 0
+        removed = await self.manager.delete(present, tiers, gone=msg.gone) if present else 0
         return p.Evicted(removed=removed, skipped=len(keys) - len(free))
 
     async def reindex(self, msg: p.Reindex, _w: WorkerSession) -> p.Reindexed:

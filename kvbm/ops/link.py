@@ -106,14 +106,15 @@ class DaemonLink:
         return [t.get("tier", "") for t in self.stats().get("tiers", [])]
 
     def evict(self, namespace: str, hashes: Sequence[bytes], tiers: list[str] | None,
-              chunk: int = 8192, timeout_s: float = 60.0) -> tuple[int, int]:
-        """Evict ``hashes`` of ``namespace`` from ``tiers``; returns (removed, skipped as pinned)."""
+              chunk: int = 8192, timeout_s: float = 60.0, *, gone: bool = False) -> tuple[int, int]:
+        """Evict ``hashes`` of ``namespace`` from ``tiers`` (``gone``: already deleted there, drop the index
+        entries only); returns (removed, skipped as pinned)."""
         from kvbm import protocol as p
 
         removed = skipped = 0
         for i in range(0, len(hashes), chunk):
-            rep = self.client.request(p.Evict(namespace=namespace, hashes=list(hashes[i : i + chunk]), tiers=tiers),
-                                      p.Evicted, timeout_s)
+            msg = p.Evict(namespace=namespace, hashes=list(hashes[i : i + chunk]), tiers=tiers, gone=gone)
+            rep = self.client.request(msg, p.Evicted, timeout_s)
             removed += rep.removed
             skipped += rep.skipped
         return removed, skipped

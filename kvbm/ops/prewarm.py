@@ -109,6 +109,10 @@ def rank_hottest(entries: Iterable[Entry], hottest: int | None = None, max_bytes
     return ranked
 
 
+def _rank(entries: list[Entry], times: dict[BlockKey, float], hottest: int) -> list[Entry]:
+    return rank_hottest(with_access(entries, times), hottest)
+
+
 async def prewarm_manager(manager: Any, tier: Any, namespaces: Sequence[str], hottest: int, to: str,
                           concurrency: int = 8) -> dict[str, Any]:
     """A daemon joining warm: bring the ``hottest`` most recently used blocks (fleet-wide, see
@@ -122,13 +126,14 @@ async def prewarm_manager(manager: Any, tier: Any, namespaces: Sequence[str], ho
 
     async def one(key: BlockKey) -> None:
         async with sem:
-            out["prewarmed"] += await manager.onboard([key], to=to)
+            n = await manager.onboard([key], to=to)
+        out["prewarmed"] += n  # not "+= await": concurrent onboards would lose counts
 
     for ns in nss:
         await manager.index_tier(tier.name, ns)  # the manager must know what the bucket holds
         entries = [e async for e in iter_bucket(tier, Selector(namespaces=(ns,), shard_chars=tier.shard_chars))]
         times, _logs = await read_access_times(tier, [ns])
-        ranked = rank_hottest(with_access(entries, times), hottest)
+        ranked = await asyncio.to_thread(_rank, entries, times, hottest)  # a sort of the namespace: off the loop
         out["requested"] += len(ranked)
         await asyncio.gather(*(one(e.key) for e in ranked))
     return out

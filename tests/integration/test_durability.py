@@ -552,3 +552,36 @@ def _reindex_or_none(c, p):
         if e.code != getattr(p, "E_UNAVAILABLE", None):
             raise
         return None
+
+
+def test_blocks_owed_to_s3_when_the_daemon_stopped_reach_it_after_a_restart(outage_s3, tmp_path):
+    """G2+G3+G4 daemon: 4 blocks stored with S3 up, 8 more (acked durable: on disk) with S3 down; the daemon is
+    stopped cleanly, S3 comes back, the daemon starts again: the 8 owed write-throughs resume from the journal
+    and all 12 blocks reach the bucket with their bytes."""
+    srv, prefix = outage_s3, "owedrestart"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True))
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(12)]
+    d.start()
+    try:
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            assert c.store(ks[:4], [payload(k) for k in ks[:4]], durable=True).durable == 4
+            srv.stop(force=True)
+            ack = c.store(ks[4:], [payload(k) for k in ks[4:]], durable=True)
+            assert ack.stored == 8 and ack.durable == 8  # on G3
+            assert wait_until(lambda: c.stats()["manager"]["owed"].get("G4") == 8)
+        d.stop()
+        restart(srv)
+        d.start()
+
+        def in_s3() -> int:
+            return sum(in_bucket(srv, prefix, k) is not None for k in ks)
+
+        assert wait_until(lambda: in_s3() == 12, timeout=60) or in_s3() == 12, f"{in_s3()} of 12 in the bucket"
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            m = c.stats()["manager"]
+            assert m["owed_resumed"] == 8 and m["owed_paid"] == 8 and m["owed"] == {}
+    finally:
+        d.stop()
+    assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks)

@@ -38,6 +38,11 @@ def state_of(*tiers) -> ManagerState:
     return ManagerState(list(tiers), Registry([t.name for t in tiers]))
 
 
+async def trusted(_tier: str, keys) -> set[BlockKey]:
+    """real_copies for tiers without a shared store: every indexed entry counts."""
+    return set(keys)
+
+
 def test_no_part_imports_the_manager():
     """The parts see the manager only through ManagerState: not even a TYPE_CHECKING import of kvbm.manager."""
     for part in PARTS:
@@ -66,7 +71,7 @@ def test_room_alone_demotes_the_lru_block_before_evicting_it(tmp_path):
     async def go() -> None:
         for t in (g2, g3):
             await t.start()
-        room = Room(s, move)
+        room = Room(s, move, trusted)
         for i in range(2):
             async with room.held(g2, SLOT):
                 await g2.put(key(i), bytes([i]) * SLOT)
@@ -91,7 +96,7 @@ def test_write_through_alone_owes_a_tier_that_is_down(tmp_path):
 
     async def go() -> bool:
         await g3.start()
-        wt = WriteThrough(s, down, max_pending=8, max_concurrent=2)
+        wt = WriteThrough(s, down, trusted, max_pending=8, max_concurrent=2)
         ok = await wt.cascade(key(1))
         counts = wt.owed.counts()
         wt.owed.cancel()

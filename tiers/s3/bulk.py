@@ -35,6 +35,7 @@ class S3Listing(S3Session):
     async def scan(self, namespace: str | None = None) -> AsyncIterator[StoredBlock]:  # type: ignore[override]
         """List every block under the prefix, or one namespace of it (paging), and rebuild the index."""
         self._require_online()
+        started = time.monotonic()
         before = {k for k in self._index if namespace is None or k.namespace == namespace}
         seen: set[BlockKey] = set()
         async for bkey, _okey, size, mtime in self.list_objects_parallel(namespace):
@@ -42,10 +43,12 @@ class S3Listing(S3Session):
                 continue
             seen.add(bkey)
             n = size - HEADER_LEN
-            self._index_set(bkey, n)
+            self._index_set(bkey, n, max(started, self._seen.get(bkey, 0.0)))  # seen by the time the listing began
             yield StoredBlock(key=bkey, nbytes=n, mtime=mtime.timestamp() if mtime else 0.0, footprint=size)
         for k in before - seen:
-            self._index_drop(k)
+            # Not listed: gone, unless this node saw it (wrote or read it) after the listing began.
+            if (self._seen.get(k) or 0.0) < started:
+                self._index_drop(k)
 
 
     async def list_objects(
@@ -329,6 +332,7 @@ class S3Bulk(S3Listing):
         errors: list[tuple[str, str, str]] = []
         for i in range(0, len(keys), DELETE_CHUNK):
             chunk = keys[i : i + DELETE_CHUNK]
+            self.stats.delete_requests += 1
             try:
                 resp = await self._s3.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True}

@@ -48,6 +48,9 @@ class S3Stats(TierStats):
     """The tier's counters plus HEAD requests (existence probes, listing tools)."""
 
     heads: int = 0
+    delete_requests: int = 0  # DELETE and DeleteObjects requests (one per 1,000 keys)
+    reconfirms: int = 0  # blocks HEADed again before a durability decision relied on them (kvbm.knowledge)
+    stale: int = 0  # of them, blocks the bucket no longer held (deleted by another node): forgotten
 
 
 class S3Session(Tier):
@@ -87,6 +90,9 @@ class S3Session(Tier):
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
         self.observe = no_observe  # (op, seconds) per successful request; see kvbm.metrics
         self._index: dict[BlockKey, int] = {}
+        # When (monotonic) this node last saw each object exist: its own PUT, a GET, a HEAD or a listing. Blocks
+        # learned from a peer's event have no entry until one of those: they are found, but not counted as copies.
+        self._seen: dict[BlockKey, float] = {}
         self._used = 0
         self._pending_writes = 0
         self._sem: asyncio.Semaphore | None = None
@@ -273,7 +279,18 @@ class S3Session(Tier):
             log.warning("S3 %s %s failed at %s: %s", what, key or "", self.endpoint_name, _one_line(e))
 
     # -- index -----------------------------------------------------------------------------------
-    def _index_set(self, key: BlockKey, n: int) -> None:
+    def _index_set(self, key: BlockKey, n: int, seen: float | None = None) -> None:
+        """Index ``key`` with ``n`` payload bytes, seen to exist at ``seen`` (monotonic; None: now). Use
+        :meth:`_index_hearsay` for what this node was only told about."""
+        old = self._index.get(key)
+        if old is not None:
+            self._used -= self.footprint(old)
+        self._index[key] = n
+        self._used += self.footprint(n)
+        self._seen[key] = time.monotonic() if seen is None else seen
+
+    def _index_hearsay(self, key: BlockKey, n: int) -> None:
+        """Index a block another node says it wrote (its event) without marking it seen here."""
         old = self._index.get(key)
         if old is not None:
             self._used -= self.footprint(old)
@@ -282,8 +299,19 @@ class S3Session(Tier):
 
     def _index_drop(self, key: BlockKey) -> None:
         old = self._index.pop(key, None)
+        self._seen.pop(key, None)
         if old is not None:
             self._used -= self.footprint(old)
+
+    def seen_within(self, key: BlockKey, max_age_s: float | None = None) -> bool:
+        """Whether this node saw ``key``'s object exist in the last ``max_age_s`` (default
+        ``s3.copy_max_age_s``): only then does it count as a copy without asking the bucket again."""
+        t = self._seen.get(key)
+        age = self.cfg.copy_max_age_s if max_age_s is None else max_age_s
+        return t is not None and time.monotonic() - t <= age
+
+    def seen_at(self, key: BlockKey) -> float | None:
+        return self._seen.get(key)
 
     def nbytes(self, key: BlockKey) -> int | None:
         return self._index.get(key)

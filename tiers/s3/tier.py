@@ -55,6 +55,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kvbm.blocks import FORMAT_VERSION, BlockKey
@@ -130,6 +131,7 @@ class S3Tier(S3Bulk):
             return None
         okey = self.object_key(key)
         view = memoryview(out).cast("B")
+        expected = self._index.get(key)  # the length the caller sized ``out`` (and a G2 slot) by
         try:
             assert self._sem is not None and self._body is not None
             async with self._sem:
@@ -159,6 +161,14 @@ class S3Tier(S3Bulk):
             self._index_drop(key)
             self.stats.misses += 1
             return None
+        if expected is not None and n != expected:
+            # A valid block of another length (overwritten since it was indexed): what the caller sized its
+            # buffer or slot by is not what is there, so nothing of it is served. Forgotten: a miss, recomputed.
+            log.warning("S3 object %s holds %d payload bytes, %d indexed: refused", okey, n, expected)
+            self.stats.short_reads += 1
+            self.stats.misses += 1
+            self._index_drop(key)
+            return None
         self._index_set(key, n)
         self.stats.hits += 1
         self.stats.bytes_out += n
@@ -181,6 +191,7 @@ class S3Tier(S3Bulk):
         try:
             if not existed:
                 existed = await self._head_size(okey) is not None
+            self.stats.delete_requests += 1
             await self._s3.delete_object(Bucket=self.bucket, Key=okey)
         except Exception as e:
             self.stats.errors += 1
@@ -190,9 +201,27 @@ class S3Tier(S3Bulk):
             self.stats.deletes += 1
         return existed
 
+    async def delete_blocks(self, keys: Sequence[BlockKey], *, gone: bool = False) -> int:
+        """:meth:`delete` of many: DeleteObjects of 1,000 keys a request and no HEAD (a key the index lacks is
+        deleted all the same, idempotently); with ``gone`` (a purge already deleted them) no request at all."""
+        held = sum(k in self._index for k in keys)
+        if gone:
+            for k in keys:
+                self._index_drop(k)
+            return held
+        self._require_online()
+        _deleted, errors = await self.delete_many([self.object_key(k) for k in keys])
+        if errors:
+            self.stats.errors += len(errors)
+            key, code, msg = errors[0]
+            raise TierUnavailableError(f"S3 DeleteObjects at {self.endpoint_name}: {len(errors)} keys failed, e.g. "
+                                       f"{key}: {code} {msg}".strip())
+        return held
+
     def remember(self, key: BlockKey, nbytes: int) -> None:
-        """Index a block another node wrote (learned from its event or a probe), without I/O."""
-        self._index_set(key, nbytes)
+        """Index a block another node wrote (learned from its event or a probe), without I/O. It is not marked
+        seen here: a probe's HEAD already did that (:meth:`exists_many`), an event alone does not."""
+        self._index_hearsay(key, nbytes)
 
     def forget(self, key: BlockKey) -> None:
         """Drop a block another node deleted from the index, without I/O."""
