@@ -37,7 +37,7 @@ from kvbm.ops import (
 )
 from kvbm.recency import AccessLog, read_access_times
 from kvbm.security import admin_token_path
-from kvbm.tiers.disk import DirLock, DiskDirBusy
+from kvbm.tiers.dirlock import DirLock, DiskDirBusy
 
 
 def _duration(_ctx: Any, param: click.Parameter, value: str | None) -> float | None:

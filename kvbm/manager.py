@@ -207,23 +207,6 @@ class BlockManager:
         """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`)."""
         return self.external.detach(keys)
 
-    # -- write-throughs owed after an outage (kvbm.owed) ----------------------------------------------
-    @property
-    def catch_up_every_s(self) -> float:
-        return self.owed_writes.every_s
-
-    @catch_up_every_s.setter
-    def catch_up_every_s(self, seconds: float) -> None:
-        self.owed_writes.every_s = seconds
-
-    def owed(self) -> dict[str, int]:
-        """Blocks per tier whose write-through is waiting for that tier to take writes again."""
-        return self.owed_writes.counts()
-
-    def catch_up(self, tier: str) -> int:
-        """Schedule the owed write-throughs to ``tier`` for blocks still held above it; returns how many."""
-        return self.owed_writes.catch_up(tier)
-
     async def _store(self, tier: Tier, key: BlockKey, data: memoryview | bytes) -> None:
         fp = tier.footprint(len(data))
         async with self.room.held(tier, fp):
@@ -309,6 +292,6 @@ class BlockManager:
         s["errors"] = dict(self.stats.errors)
         s["hit_rate"] = (self.stats.lookup_hit_blocks / self.stats.lookup_blocks) if self.stats.lookup_blocks else 0.0
         s["pending_cascades"] = len(self.write_through.pending)
-        s["owed"] = self.owed()
+        s["owed"] = self.owed_writes.counts()
         return {"tiers": tiers, "manager": s}
 

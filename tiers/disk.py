@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import logging
 import os
 import secrets
@@ -29,91 +28,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbm.blocks import ALIGNED_HEADER_LEN, BlockKey, pack_header, unpack_header, verify
-from kvbm.errors import CorruptBlockError, KvbmError, TierFullError
+from kvbm.errors import CorruptBlockError, TierFullError
 from kvbm.keys import DISK_SUFFIX, check_namespace, disk_relpath, parse_disk_relpath
 from kvbm.tiers.base import StoredBlock, Tier
+from kvbm.tiers.dirlock import LOCK_FILE, DirLock, DiskDirBusy  # noqa: F401  (LOCK_FILE, DiskDirBusy: re-exported)
 from kvbm.transfer import FileIO, PlainFileIO, round_up
 
 log = logging.getLogger(__name__)
 
 SUFFIX = DISK_SUFFIX
 TMP_PREFIX = ".tmp-"
-LOCK_FILE = ".kvbm.lock"
 T = TypeVar("T")
-
-
-class DiskDirBusy(KvbmError):
-    """Another process holds the disk directory's lock."""
-
-
-class DirLock:
-    """``flock`` on ``<dir>/.kvbm.lock``: exclusive for the owning tier, shared for deleting maintenance.
-
-    The exclusive holder writes its pid and command line into the file, so the error a second process
-    gets names the owner. The kernel drops the lock when the holder exits, however it exits."""
-
-    def __init__(self, dir: str | os.PathLike[str]) -> None:
-        self.dir = Path(dir)
-        self.path = self.dir / LOCK_FILE
-        self._fd: int | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def acquire(self, *, shared: bool = False) -> DirLock:
-        """Take the lock without waiting; :class:`DiskDirBusy` if another process holds it."""
-        if self._fd is not None:
-            return self
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = self.owner(fd)
-            os.close(fd)
-            raise DiskDirBusy(f"disk directory {self.dir} is in use by another kvbm process ({owner})") from None
-        except BaseException:
-            os.close(fd)
-            raise
-        if not shared:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n{_cmdline(os.getpid())}\n".encode(), 0)
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor drops the flock
-            self._fd = None
-
-    def owner(self, fd: int | None = None) -> str:
-        """Who holds it, as far as the file says: the exclusive owner's pid and command if it still runs."""
-        try:
-            if fd is not None:
-                text = os.pread(fd, 4096, 0).decode(errors="replace")
-            else:
-                text = self.path.read_text(errors="replace")
-        except OSError:
-            text = ""
-        first, _, rest = text.partition("\n")
-        if first.strip().isdigit() and os.path.exists(f"/proc/{first.strip()}"):
-            return f"pid {first.strip()}: {rest.strip() or '?'}"
-        return "a kvbm maintenance command"
-
-    def __enter__(self) -> DirLock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:300]
-    except OSError:
-        return ""
 
 
 def _fsync_dir(path: str) -> None:

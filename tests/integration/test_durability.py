@@ -491,7 +491,7 @@ def test_write_throughs_missed_in_an_outage_reach_s3_once_it_is_back(outage_s3):
         g2 = HostTier(16 * SLOT, SLOT)
         g4 = s3_tier(srv, prefix)
         mgr = BlockManager([g2, g4])
-        mgr.catch_up_every_s = 0.2
+        mgr.owed_writes.every_s = 0.2
         await mgr.start()
         try:
             ks = [key(i) for i in range(4)]
@@ -509,7 +509,7 @@ def test_write_throughs_missed_in_an_outage_reach_s3_once_it_is_back(outage_s3):
             assert await until(all_in_g4, timeout=40), [mgr.where(k) for k in ks]
             await mgr.drain()
             assert owed_in_outage == {"G4": len(ks)}  # reported while waiting (status, metrics)
-            assert mgr.owed() == {} and mgr.stats.catch_up_writes >= len(ks)
+            assert mgr.owed_writes.counts() == {} and mgr.stats.catch_up_writes >= len(ks)
         finally:
             await mgr.close()
         return ks

@@ -22,27 +22,11 @@ from kvbm.tiers.s3.codes import _CRED_CODES, _err_code, _one_line, probe_failure
 from kvbm.tiers.s3.fastlist import _fast_list_contents, _fast_timestamp
 from kvbm.tiers.s3.http import HttpBodyClient
 from kvbm.tiers.s3.nixl import _NixlBody, _NixlObj, start_nixl
+from kvbm.tiers.s3.signer import UNSIGNED_SIGV4, _register_unsigned_signer
 
 log = logging.getLogger("kvbm.tiers.s3")
 
 HEADER_LEN = MIN_HEADER_LEN
-
-UNSIGNED_SIGV4 = "s3v4-kvbm-unsigned-payload"
-
-
-def _register_unsigned_signer() -> None:
-    """A SigV4 signer that never hashes the body (headers and URL are still signed)."""
-    import botocore.auth
-
-    if UNSIGNED_SIGV4 in botocore.auth.AUTH_TYPE_MAPS:
-        return
-
-    class UnsignedPayloadS3SigV4Auth(botocore.auth.S3SigV4Auth):
-        def _should_sha256_sign_payload(self, request: Any) -> bool:
-            return False
-
-    botocore.auth.AUTH_TYPE_MAPS[UNSIGNED_SIGV4] = UnsignedPayloadS3SigV4Auth
-
 
 class S3Stats(TierStats):
     """The tier's counters plus HEAD requests (existence probes, listing tools)."""

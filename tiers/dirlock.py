@@ -1,0 +1,86 @@
+"""The disk directory's owner lock (``<dir>/.kvbm.lock``): one daemon owns a G3 directory; maintenance commands
+that delete take it shared, so they cannot run behind a daemon's back (see :mod:`kvbm.tiers.disk`)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from kvbm.errors import KvbmError
+
+LOCK_FILE = ".kvbm.lock"
+
+
+class DiskDirBusy(KvbmError):
+    """Another process holds the disk directory's lock."""
+
+
+class DirLock:
+    """``flock`` on ``<dir>/.kvbm.lock``: exclusive for the owning tier, shared for deleting maintenance.
+
+    The exclusive holder writes its pid and command line into the file, so the error a second process
+    gets names the owner. The kernel drops the lock when the holder exits, however it exits."""
+
+    def __init__(self, dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(dir)
+        self.path = self.dir / LOCK_FILE
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, *, shared: bool = False) -> DirLock:
+        """Take the lock without waiting; :class:`DiskDirBusy` if another process holds it."""
+        if self._fd is not None:
+            return self
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = self.owner(fd)
+            os.close(fd)
+            raise DiskDirBusy(f"disk directory {self.dir} is in use by another kvbm process ({owner})") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if not shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n{_cmdline(os.getpid())}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+    def owner(self, fd: int | None = None) -> str:
+        """Who holds it, as far as the file says: the exclusive owner's pid and command if it still runs."""
+        try:
+            if fd is not None:
+                text = os.pread(fd, 4096, 0).decode(errors="replace")
+            else:
+                text = self.path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        first, _, rest = text.partition("\n")
+        if first.strip().isdigit() and os.path.exists(f"/proc/{first.strip()}"):
+            return f"pid {first.strip()}: {rest.strip() or '?'}"
+        return "a kvbm maintenance command"
+
+    def __enter__(self) -> DirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:300]
+    except OSError:
+        return ""
