@@ -115,18 +115,8 @@ class Registry:
         return new
 
     def remove(self, tier: str, key: BlockKey) -> bool:
-        i = self._ti[tier]
-        code = self._peek(key)
-        with self._lock:
-            c = self._lru[i].pop(code, None)
-            if c is None:
-                return False
-            self._sizes[i].pop(c)
-            if self._hits and not any(code in d for d in self._lru):
-                self._hits.pop(code, None)
-        if self.listeners:
-            self._emit("removed", tier, [key])
-        return True
+        """Forget tier ``tier``'s copy of ``key``; whether it held one."""
+        return self.remove_many(tier, (key,)) == 1
 
     def remove_many(self, tier: str, keys: Sequence[BlockKey]) -> int:
         """:meth:`remove` of a batch under one lock, heard by listeners as one change; returns how many it held."""
@@ -218,19 +208,14 @@ class Registry:
         return self._hits.get(self._peek(key), 0)  # type: ignore[arg-type]
 
     # -- pins ---------------------------------------------------------------------------------------
-    def _pin_tier(self, tier: str | None) -> int | None:
-        return None if tier is None else self._ti[tier]
-
-    def pin(self, keys: Iterable[BlockKey], tier: str | None = None) -> None:
-        """Keep ``keys`` from being evicted from ``tier`` (None: from every tier)."""
-        ti, codes = self._pin_tier(tier), self._codes(list(keys))
+    def pin(self, keys: Iterable[BlockKey], tier: str | None = None, *, unpin: bool = False) -> None:
+        """Keep ``keys`` from being evicted from ``tier`` (None: from every tier); ``unpin``: undo one pin."""
+        ti, codes = None if tier is None else self._ti[tier], self._codes(list(keys))
         with self._lock:
-            self._pins.add(ti, codes)
+            (self._pins.drop if unpin else self._pins.add)(ti, codes)
 
     def unpin(self, keys: Iterable[BlockKey], tier: str | None = None) -> None:
-        ti, codes = self._pin_tier(tier), self._codes(list(keys))
-        with self._lock:
-            self._pins.drop(ti, codes)
+        self.pin(keys, tier, unpin=True)
 
     @contextmanager
     def pinned(self, keys: Sequence[BlockKey], tier: str | None = None) -> Iterator[None]:
@@ -241,7 +226,7 @@ class Registry:
             self.unpin(keys, tier)
 
     def is_pinned(self, key: BlockKey, tier: str | None = None) -> bool:
-        return self._pins.holds(self._pin_tier(tier), self._peek(key))
+        return self._pins.holds(None if tier is None else self._ti[tier], self._peek(key))
 
     # -- capacity -------------------------------------------------------------------------------------
     def used(self, tier: str) -> int:

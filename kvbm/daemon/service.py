@@ -18,6 +18,7 @@ from typing import Any
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.config import DaemonConfig
+from kvbm.daemon.admin import AdminHandlers
 from kvbm.daemon.auth import Credentials, authorize, check_store
 from kvbm.daemon.barrier import Barriers
 from kvbm.daemon.events import EventPublisher
@@ -26,9 +27,9 @@ from kvbm.daemon.logs import logj
 from kvbm.daemon.prefetch import Prefetcher
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import Handled
-from kvbm.errors import KvbmError, TierUnavailableError
+from kvbm.errors import KvbmError
 from kvbm.fleet import BucketProbe
-from kvbm.manager import PERSISTENT, BlockManager
+from kvbm.manager import BlockManager
 from kvbm.metrics import Metrics
 from kvbm.security import token_matches
 from kvbm.sessions import Sessions, WorkerSession
@@ -61,6 +62,7 @@ class Service:
         self.publisher = publisher
         self.barriers = Barriers(dc.barrier_timeout_s)
         self.creds = Credentials()  # the admin and tenant tokens, set by the daemon at run(); never logged
+        self.admin = AdminHandlers(manager)  # Evict, Reindex (authorised for admin sessions only: kvbm.daemon.auth)
         self._snapshot = snapshot
         # Quick requests are answered inline by the receive loop; the others each get a task.
         self.inline: dict[type, Callable[[Any, Any], Any]] = {
@@ -70,7 +72,7 @@ class Service:
             p.Register: self.register,
             p.Lookup: self.lookup,  # a task: it may wait (probe_budget_ms) for a bucket probe
             p.PrepareStore: self.prepare, p.CommitStore: self.commit, p.Onboard: self.onboard,
-            p.Barrier: self.barrier, p.Evict: self.evict, p.Reindex: self.reindex,
+            p.Barrier: self.barrier, p.Evict: self.admin.evict, p.Reindex: self.admin.reindex,
         }
 
     def admit(self, msg: Any) -> WorkerSession | None:
@@ -282,39 +284,3 @@ class Service:
     def release(self, msg: p.Release, w: WorkerSession) -> p.Released:
         self._check_generation(msg)
         return p.Released(count=self.sessions.release(w, msg.keys()))
-
-    # -- admin -----------------------------------------------------------------------------------------
-    async def evict(self, msg: p.Evict, _w: WorkerSession) -> p.Evicted:
-        names = [t.name for t in self.manager.tiers]
-        tiers = msg.tiers or names
-        bad = [t for t in tiers if t not in names]
-        if bad:
-            raise Handled(p.E_BAD_REQUEST, f"unknown tiers {bad}; have {names}")
-        reg = self.manager.registry
-        if msg.hashes is not None:
-            keys = [BlockKey(msg.namespace, h) for h in msg.hashes]
-        else:
-            seen: dict[BlockKey, None] = {}
-            for t in tiers:
-                seen.update((k, None) for k in reg.keys(t) if k.namespace == msg.namespace)
-            keys = list(seen)
-        free = [k for k in keys if not reg.is_pinned(k)]
-        present = [k for k in free if any(reg.holds(t, k) for t in tiers)]
-        removed = await self.manager.delete(present, tiers, gone=msg.gone) if present else 0
-        return p.Evicted(removed=removed, skipped=len(keys) - len(free))
-
-    async def reindex(self, msg: p.Reindex, _w: WorkerSession) -> p.Reindexed:
-        names = msg.tiers or [t.name for t in self.manager.tiers if t.kind in PERSISTENT]
-        unknown = [n for n in names if n not in self.manager.by_name]
-        if unknown:
-            raise Handled(p.E_BAD_REQUEST, f"no tier {unknown[0]!r} here")
-        reg = self.manager.registry
-        blocks = added = 0
-        for name in names:
-            before = reg.count(name)
-            try:
-                blocks += await self.manager.index_tier(name, msg.namespace or None, refresh=True)
-            except TierUnavailableError as e:
-                raise Handled(p.E_UNAVAILABLE, f"{name} cannot be listed now: {e}") from e
-            added += reg.count(name) - before
-        return p.Reindexed(blocks=blocks, added=added)

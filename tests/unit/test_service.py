@@ -145,7 +145,7 @@ def test_evict_skips_pinned_blocks(tmp_path):
             await d.manager.put(BlockKey(reg.namespace, h), payload(h).tobytes(), "G2")
         common = {"token": reg.token, "namespace": reg.namespace, "generation": reg.generation}
         assert (await svc.onboard(p.Onboard(hashes=hs[:1], **common), w)).count == 1
-        ev = await svc.evict(p.Evict(token=admin_reg.token, namespace=reg.namespace, tiers=["G2"]), admin)
+        ev = await svc.admin.evict(p.Evict(token=admin_reg.token, namespace=reg.namespace, tiers=["G2"]), admin)
         assert (ev.removed, ev.skipped) == (1, 1)
 
     run_with_daemon(tmp_path, body)

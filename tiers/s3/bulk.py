@@ -36,19 +36,20 @@ class S3Listing(S3Session):
         """List every block under the prefix, or one namespace of it (paging), and rebuild the index."""
         self._require_online()
         started = time.monotonic()
-        before = {k for k in self._index if namespace is None or k.namespace == namespace}
+        before = {k for k in self.objects.sizes if namespace is None or k.namespace == namespace}
         seen: set[BlockKey] = set()
         async for bkey, _okey, size, mtime in self.list_objects_parallel(namespace):
             if bkey is None or size < HEADER_LEN:
                 continue
             seen.add(bkey)
             n = size - HEADER_LEN
-            self._index_set(bkey, n, max(started, self._seen.get(bkey, 0.0)))  # seen by the time the listing began
+            # seen by the time the listing began
+            self.objects.set(bkey, n, max(started, self.objects.seen.get(bkey, 0.0)))
             yield StoredBlock(key=bkey, nbytes=n, mtime=mtime.timestamp() if mtime else 0.0, footprint=size)
         for k in before - seen:
             # Not listed: gone, unless this node saw it (wrote or read it) after the listing began.
-            if (self._seen.get(k) or 0.0) < started:
-                self._index_drop(k)
+            if (self.objects.seen.get(k) or 0.0) < started:
+                self.objects.drop(k)
 
 
     async def list_objects(
@@ -261,9 +262,9 @@ class S3Bulk(S3Listing):
         out = dict(await asyncio.gather(*(one(k) for k in dict.fromkeys(keys))))
         for k, v in out.items():
             if v is None:
-                self._index_drop(k)
+                self.objects.drop(k)
             elif v["size"] >= HEADER_LEN:
-                self._index_set(k, v["nbytes"])
+                self.objects.set(k, v["nbytes"])
         return out
 
     async def exists_many(self, keys: Iterable[BlockKey], concurrency: int | None = None) -> dict[BlockKey, int | None]:
@@ -315,9 +316,9 @@ class S3Bulk(S3Listing):
                 continue
             out[k] = v
             if v is None:
-                self._index_drop(k)
+                self.objects.drop(k)
             else:
-                self._index_set(k, v)
+                self.objects.set(k, v)
         if failed is not None:
             self._failed("HEAD", None, failed)
         elif out:
@@ -348,6 +349,6 @@ class S3Bulk(S3Listing):
                 deleted += 1
                 bk = self.parse_key(k)
                 if bk is not None:
-                    self._index_drop(bk)
+                    self.objects.drop(bk)
         self.stats.deletes += deleted
         return deleted, errors

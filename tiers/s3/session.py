@@ -21,6 +21,7 @@ from kvbm.tiers.s3.breaker import CircuitBreaker
 from kvbm.tiers.s3.codes import _CRED_CODES, _err_code, _one_line, probe_failure
 from kvbm.tiers.s3.fastlist import _fast_list_contents, _fast_timestamp
 from kvbm.tiers.s3.http import HttpBodyClient
+from kvbm.tiers.s3.index import ObjectIndex
 from kvbm.tiers.s3.nixl import _NixlBody, _NixlObj, start_nixl
 from kvbm.tiers.s3.signer import UNSIGNED_SIGV4, _register_unsigned_signer
 
@@ -73,11 +74,7 @@ class S3Session(Tier):
         self._session_token = session_token if session_token is not None else (cfg.session_token or None)
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
         self.observe = no_observe  # (op, seconds) per successful request; see kvbm.metrics
-        self._index: dict[BlockKey, int] = {}
-        # When (monotonic) this node last saw each object exist: its own PUT, a GET, a HEAD or a listing. Blocks
-        # learned from a peer's event have no entry until one of those: they are found, but not counted as copies.
-        self._seen: dict[BlockKey, float] = {}
-        self._used = 0
+        self.objects = ObjectIndex(HEADER_LEN, cfg.copy_max_age_s)  # sizes and sightings of the bucket's blocks
         self._pending_writes = 0
         self._sem: asyncio.Semaphore | None = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -262,49 +259,18 @@ class S3Session(Tier):
             self._warned_at = now
             log.warning("S3 %s %s failed at %s: %s", what, key or "", self.endpoint_name, _one_line(e))
 
-    # -- index -----------------------------------------------------------------------------------
-    def _index_set(self, key: BlockKey, n: int, seen: float | None = None) -> None:
-        """Index ``key`` with ``n`` payload bytes, seen to exist at ``seen`` (monotonic; None: now). Use
-        :meth:`_index_hearsay` for what this node was only told about."""
-        old = self._index.get(key)
-        if old is not None:
-            self._used -= self.footprint(old)
-        self._index[key] = n
-        self._used += self.footprint(n)
-        self._seen[key] = time.monotonic() if seen is None else seen
-
-    def _index_hearsay(self, key: BlockKey, n: int) -> None:
-        """Index a block another node says it wrote (its event) without marking it seen here."""
-        old = self._index.get(key)
-        if old is not None:
-            self._used -= self.footprint(old)
-        self._index[key] = n
-        self._used += self.footprint(n)
-
-    def _index_drop(self, key: BlockKey) -> None:
-        old = self._index.pop(key, None)
-        self._seen.pop(key, None)
-        if old is not None:
-            self._used -= self.footprint(old)
-
+    # -- index (kvbm.tiers.s3.index) --------------------------------------------------------------
     def seen_within(self, key: BlockKey, max_age_s: float | None = None) -> bool:
-        """Whether this node saw ``key``'s object exist in the last ``max_age_s`` (default
-        ``s3.copy_max_age_s``): only then does it count as a copy without asking the bucket again."""
-        t = self._seen.get(key)
-        age = self.cfg.copy_max_age_s if max_age_s is None else max_age_s
-        return t is not None and time.monotonic() - t <= age
-
-    def seen_at(self, key: BlockKey) -> float | None:
-        return self._seen.get(key)
+        return self.objects.seen_within(key, max_age_s)
 
     def nbytes(self, key: BlockKey) -> int | None:
-        return self._index.get(key)
+        return self.objects.sizes.get(key)
 
     def footprint(self, nbytes: int) -> int:
         return nbytes + HEADER_LEN
 
     def used_bytes(self) -> int:
-        return self._used
+        return self.objects.used
 
 
 async def check_bucket(tier: S3Session) -> None:

@@ -93,9 +93,9 @@ class S3Tier(S3Bulk):
         self._require_started()
         n = memoryview(data).nbytes
         fp = self.footprint(n)
-        old = self._index.get(key)
-        if old is None and self.capacity_bytes and self._used + fp > self.capacity_bytes:
-            raise TierFullError(f"G4 S3: {self._used + fp} bytes would exceed capacity {self.capacity_bytes}")
+        old = self.objects.sizes.get(key)
+        if old is None and self.capacity_bytes and self.objects.used + fp > self.capacity_bytes:
+            raise TierFullError(f"G4 S3: {self.objects.used + fp} bytes would exceed capacity {self.capacity_bytes}")
         if not self.online:
             raise self._shed(key, f"endpoint not reachable yet: {self.last_error}")
         if self._pending_writes >= self.cfg.max_pending_writes:
@@ -119,7 +119,7 @@ class S3Tier(S3Bulk):
         finally:
             self._pending_writes -= 1
         self.breaker.success()
-        self._index_set(key, n)
+        self.objects.set(key, n)
         self.stats.puts += 1
         self.stats.bytes_in += n
 
@@ -131,7 +131,7 @@ class S3Tier(S3Bulk):
             return None
         okey = self.object_key(key)
         view = memoryview(out).cast("B")
-        expected = self._index.get(key)  # the length the caller sized ``out`` (and a G2 slot) by
+        expected = self.objects.sizes.get(key)  # the length the caller sized ``out`` (and a G2 slot) by
         try:
             assert self._sem is not None and self._body is not None
             async with self._sem:
@@ -146,7 +146,7 @@ class S3Tier(S3Bulk):
             log.warning("corrupt S3 object %s: %s (deleted)", okey, e)
             self.stats.corrupt += 1
             self.stats.misses += 1
-            self._index_drop(key)
+            self.objects.drop(key)
             with contextlib.suppress(Exception):
                 await self._s3.delete_object(Bucket=self.bucket, Key=okey)
             return None
@@ -158,7 +158,7 @@ class S3Tier(S3Bulk):
             return None
         self.breaker.success()
         if n is None:
-            self._index_drop(key)
+            self.objects.drop(key)
             self.stats.misses += 1
             return None
         if expected is not None and n != expected:
@@ -167,9 +167,9 @@ class S3Tier(S3Bulk):
             log.warning("S3 object %s holds %d payload bytes, %d indexed: refused", okey, n, expected)
             self.stats.short_reads += 1
             self.stats.misses += 1
-            self._index_drop(key)
+            self.objects.drop(key)
             return None
-        self._index_set(key, n)
+        self.objects.set(key, n)
         self.stats.hits += 1
         self.stats.bytes_out += n
         return n
@@ -187,7 +187,7 @@ class S3Tier(S3Bulk):
     async def delete(self, key: BlockKey) -> bool:
         self._require_online()
         okey = self.object_key(key)
-        existed = key in self._index
+        existed = key in self.objects.sizes
         try:
             if not existed:
                 existed = await self._head_size(okey) is not None
@@ -196,7 +196,7 @@ class S3Tier(S3Bulk):
         except Exception as e:
             self.stats.errors += 1
             raise TierUnavailableError(f"S3 DELETE {okey} at {self.endpoint_name}: {_one_line(e)}") from None
-        self._index_drop(key)
+        self.objects.drop(key)
         if existed:
             self.stats.deletes += 1
         return existed
@@ -204,10 +204,10 @@ class S3Tier(S3Bulk):
     async def delete_blocks(self, keys: Sequence[BlockKey], *, gone: bool = False) -> int:
         """:meth:`delete` of many: DeleteObjects of 1,000 keys a request and no HEAD (a key the index lacks is
         deleted all the same, idempotently); with ``gone`` (a purge already deleted them) no request at all."""
-        held = sum(k in self._index for k in keys)
+        held = sum(k in self.objects.sizes for k in keys)
         if gone:
             for k in keys:
-                self._index_drop(k)
+                self.objects.drop(k)
             return held
         self._require_online()
         _deleted, errors = await self.delete_many([self.object_key(k) for k in keys])
@@ -221,18 +221,18 @@ class S3Tier(S3Bulk):
     def remember(self, key: BlockKey, nbytes: int) -> None:
         """Index a block another node wrote (learned from its event or a probe), without I/O. It is not marked
         seen here: a probe's HEAD already did that (:meth:`exists_many`), an event alone does not."""
-        self._index_hearsay(key, nbytes)
+        self.objects.hearsay(key, nbytes)
 
     def forget(self, key: BlockKey) -> None:
         """Drop a block another node deleted from the index, without I/O."""
-        self._index_drop(key)
+        self.objects.drop(key)
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
         d.update(
             endpoint=self.endpoint_name, bucket=self.bucket, prefix=self.prefix, client=self.client_kind,
             breaker=self.breaker.describe(), online=self.online, last_error=self.last_error,
-            pending_writes=self._pending_writes, indexed_blocks=len(self._index),
+            pending_writes=self._pending_writes, indexed_blocks=len(self.objects.sizes),
         )
         return d
 
