@@ -26,7 +26,8 @@ from typing import Any
 
 KVBM_CONNECTOR = {"kv_connector": "KvbmConnector", "kv_role": "kv_both"}
 VLLM_BLOCK = 128  # tokens per vLLM block: the CPU backend's default (it takes multiples of 32 only)
-FIRST_WORD = 3  # token ids below are <unk>, <s>, </s>
+FIRST_WORD = 3  # token ids below are the unknown token, <s>, </s>
+UNK = "<unk:word-level-tokenizer>"
 
 
 @dataclass
@@ -63,11 +64,13 @@ def write_model(path: Path, spec: ModelSpec) -> str:
     # One word per token and no special tokens added: a prompt of n words is exactly n tokens, so a bench
     # sizes its prompts in words and blocks line up with what it asked for.
     # Ids 0-2 are the special tokens, named apart from the words: an added token is matched inside words
-    # too ("w1" would split "w17").
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(FIRST_WORD, spec.vocab)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # too ("w1" would split "w17"). vLLM refuses a prompt longer than (max input tokens x its longest token)
+    # characters before tokenizing it; the separating spaces make "w8191 " 6 characters a token, so the unknown
+    # token's long name keeps a prompt near max_len from being refused.
+    vocab = {UNK: 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(FIRST_WORD, spec.vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK, bos_token="<s>", eos_token="</s>",
                             model_max_length=spec.max_len).save_pretrained(path)
     return str(path)
 
