@@ -325,10 +325,18 @@ def phase_summary(outs: list[Completion], wall_s: float) -> dict[str, Any]:
     }
 
 
+GENERIC_ERRORS = ("See root cause above", "Failed core proc", "EngineDeadError", "Exception caught")
+
+
 def error_line(log: str) -> str:
-    """The most telling error line of a server log: the last ``SomethingError: ...`` line."""
+    """The most telling error line of a server log: the last ``SomethingError: ...`` line that is not a wrapper
+    pointing elsewhere ("Engine core initialization failed. See root cause above")."""
     lines = [ln.strip() for ln in log.splitlines() if re.search(r"\b\w+(Error|Exception)\b: ", ln)]
-    return lines[-1][-400:] if lines else log.strip().splitlines()[-1][-400:] if log.strip() else ""
+    roots = [ln for ln in lines if not any(g in ln for g in GENERIC_ERRORS)]
+    pick = roots or lines
+    if pick:
+        return pick[-1][-400:]
+    return log.strip().splitlines()[-1][-400:] if log.strip() else ""
 
 
 # -- one server per source ------------------------------------------------------------------------------

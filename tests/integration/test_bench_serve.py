@@ -22,6 +22,9 @@ def test_error_line_is_the_last_exception() -> None:
            "RuntimeError: No supported cpu connector found.\nINFO shutting down\n")
     assert error_line(log) == "RuntimeError: No supported cpu connector found."
     assert error_line("just one line") == "just one line"
+    wrapped = ("RuntimeError: Worker failed with error 'CPU Offloading is currently only supported on CUDA-alike'\n"
+               "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert error_line(wrapped).startswith("RuntimeError: Worker failed with error 'CPU Offloading")
 
 
 def test_timeline_is_bandwidth_between_samples() -> None:
