@@ -69,11 +69,13 @@ class OwedWrites:
             return
         owed[key] = None
         self._note("+", tier, key)
-        self._wake()
+        self._wake(delay=True)
 
-    def _wake(self) -> None:
+    def _wake(self, *, delay: bool = False) -> None:
+        """Start draining unless already draining. ``delay``: a write just failed there, so the first try waits
+        ``every_s`` (retrying at once would only meet the same outage, or the breaker opening on it)."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task = asyncio.get_running_loop().create_task(self._loop(self.every_s if delay else 0.0))
 
     def total(self) -> int:
         return sum(len(keys) for keys in self._owed.values())
@@ -83,9 +85,10 @@ class OwedWrites:
         return {t: len(keys) for t, keys in self._owed.items() if keys}
 
     # -- paying -----------------------------------------------------------------------------------
-    async def _loop(self) -> None:
+    async def _loop(self, delay: float = 0.0) -> None:
         """While write-throughs are owed: drain those whose tier is writable, batch by batch; else wait."""
         try:
+            await asyncio.sleep(delay)
             while any(self._owed.values()):
                 await self.flush()
                 paid = 0
