@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from typing import Any
 
 
@@ -35,6 +36,13 @@ class KVDigest:
                 h.update(cache.select(bdim, b).contiguous().view(torch.uint8).numpy().tobytes())
             out.append(h.hexdigest())
         return out
+
+    def kvbm_test_saves_done(self) -> bool:
+        """Whether every save the connector's worker side started has finished (committed or dropped)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group().worker
+        return all(f.done() for futs in worker._saving.values() for f in futs)
 
 
 def prompt_block_ids(llm: Any, prompt: list[int], n: int) -> list[int]:
@@ -74,6 +82,7 @@ def main(spec_path: str, out_path: str) -> None:
     llm = LLM(**kw)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
     results = []
+    prompt = spec["prompt"]
     for step in spec["steps"]:
         if step.get("evict"):
             from pathlib import Path
@@ -90,7 +99,14 @@ def main(spec_path: str, out_path: str) -> None:
                     removed += c.evict(namespace=layout.namespace, tiers=step["evict"]).removed
             results.append({"evicted": removed})
             continue
-        out = llm.generate([{"prompt_token_ids": spec["prompt"]}], params, use_tqdm=False)[0]
+        if "follow_up" in step:
+            # The next turn of a conversation: the previous prompt, its answer, and the new question.
+            prompt = prompt + results[-1]["tokens"] + step["follow_up"]
+        step_params = params
+        if "max_tokens" in step:
+            step_params = SamplingParams(max_tokens=step["max_tokens"], ignore_eos=True,
+                                         temperature=0.0, detokenize=False)
+        out = llm.generate([{"prompt_token_ids": prompt}], step_params, use_tqdm=False)[0]
         res: dict[str, Any] = {
             "tokens": list(out.outputs[0].token_ids),
             "num_cached_tokens": out.num_cached_tokens,
@@ -99,6 +115,18 @@ def main(spec_path: str, out_path: str) -> None:
         if spec.get("digest_blocks"):
             ids = prompt_block_ids(llm, spec["prompt"], spec["digest_blocks"])
             res["kv_digests"] = llm.collective_rpc("kvbm_test_digest", args=(ids,))  # one list per TP rank
+        if step.get("settle"):
+            # Until the async saves are in the daemon (the next step's lookup must see all of them) and the
+            # blocks vLLM kept for them are free: engine steps carry the finished requests to the worker,
+            # whose report frees them.
+            core = llm.llm_engine.engine_core.engine_core
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if all(llm.collective_rpc("kvbm_test_saves_done")) and not core.scheduler.has_requests():
+                    break
+                core.step_fn()
+                time.sleep(0.05)
+        res["prompt_tokens"] = len(prompt)
         res["prefix_cache_reset"] = llm.reset_prefix_cache()
         results.append(res)
     with open(out_path, "w") as f:
