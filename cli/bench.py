@@ -1,4 +1,4 @@
-"""``kvbm bench``: throughput and latency benchmarks (tiers, manager, long-doc-qa).
+"""``kvbm bench``: throughput and latency benchmarks (tiers, manager, long-doc-qa, fleet, serve).
 
 Each subcommand prints a table, writes JSON with ``--json PATH`` (machine description, options and
 every figure) and draws a PNG with ``--plot PATH``. Runs use temp dirs, a dedicated bucket prefix on
@@ -301,3 +301,71 @@ def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block
     click.echo("")
     click.echo(fleet_table(report, markdown))
     _emit(report, json_path, None, None)
+
+
+@bench.command("serve")
+@click.option("--workloads", default="long-doc-qa,ttft-length", show_default=True,
+              help="long-doc-qa, ttft-length, multi-turn (comma separated).")
+@click.option("--sources", default="vllm,kvbm,lmcache,offloading", show_default=True,
+              help="Servers to run, one at a time: vllm (no connector: recompute and its own prefix cache, G1), kvbm "
+              "(KvbmConnector + a kvbm serve daemon: G2/G3/G4), lmcache (LMCacheConnectorV1), offloading (vLLM's "
+              "OffloadingConnector); a peer that cannot run here is recorded with its error.")
+@click.option("--docs", default=16, show_default=True, help="long-doc-qa: documents.")
+@click.option("--doc-tokens", default=6000, show_default=True, help="long-doc-qa: tokens per document.")
+@click.option("--queries", default=2, show_default=True, help="long-doc-qa: queries per document (tile order).")
+@click.option("--query-tokens", default=32, show_default=True)
+@click.option("--concurrency", default=4, show_default=True, help="long-doc-qa: requests in flight.")
+@click.option("--lengths", default="1000,2000,4000,8000,16000", show_default=True,
+              help="ttft-length: input lengths in tokens.")
+@click.option("--repeats", default=3, show_default=True, help="ttft-length: prompts per length (P95 over them).")
+@click.option("--s3-clients", default="http,nixl,aiobotocore", show_default=True,
+              help="ttft-length: the daemon's S3 clients timed for G4 hits (restarted with each).")
+@click.option("--sessions", default=2, show_default=True, help="multi-turn: conversations.")
+@click.option("--turns", default=4, show_default=True, help="multi-turn: turns per conversation.")
+@click.option("--turn-tokens", default=512, show_default=True, help="multi-turn: new tokens per turn.")
+@click.option("--max-tokens", default=16, show_default=True, help="Output tokens per request (greedy, ignore_eos).")
+@click.option("--vllm-kv", default="1GiB", show_default=True, help="vLLM's KV space (--kv-cache-memory-bytes).")
+@click.option("--g2", default="256MiB", show_default=True, help="The daemon's G2 (host) capacity in long-doc-qa.")
+@click.option("--g3", default="768MiB", show_default=True, help="The daemon's G3 (disk) capacity in long-doc-qa.")
+@click.option("--block-size", default=128, show_default=True, help="vLLM block size (CPU: a multiple of 32).")
+@click.option("--tokens-per-block", default=256, show_default=True, help="Tokens per kvbm block.")
+@click.option("--layers", default=8, show_default=True)
+@click.option("--hidden", default=1024, show_default=True)
+@click.option("--heads", default=8, show_default=True)
+@click.option("--kv-heads", default=4, show_default=True)
+@click.option("--vocab", default=8192, show_default=True)
+@click.option("--omp-threads", default=2, show_default=True, help="OMP_NUM_THREADS of each vLLM server.")
+@click.option("--server-python", default=None, help="Interpreter the vLLM servers run in [this one].")
+@click.option("--peer-python", default=None, help="Interpreter of the peers' servers (a venv with LMCache) [this one].")
+@click.option("--request-timeout", default=600.0, show_default=True, help="Seconds per request.")
+@click.option("--logs", type=click.Path(file_okay=False), default=None, help="Keep the servers' and daemon's logs.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
+@with_s3
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG (four panels).")
+@click.option("--markdown", is_flag=True, help="Print the tables as markdown.")
+def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_kv: str, g2: str, g3: str,
+              tokens_per_block: int, block_size: int, request_timeout: float, json_path: str | None,
+              plot_path: str | None, markdown: bool, **kw: Any) -> None:
+    """vLLM's OpenAI server over HTTP (streamed, C in flight): recompute, vLLM's prefix cache, kvbm, peers."""
+    import sys
+
+    from kvbm.bench.serve import ServeBenchOptions, plot_serve, run_serve, serve_table
+
+    if tokens_per_block % block_size:
+        raise click.BadParameter(f"a multiple of --block-size {block_size}", param_hint="--tokens-per-block")
+    opts = ServeBenchOptions(
+        workloads=_csv(workloads), sources=_csv(sources), lengths=tuple(int(x) for x in _csv(lengths)),
+        s3_clients=_csv(s3_clients), vllm_kv_bytes=parse_size(vllm_kv, "--vllm-kv"), g2_bytes=parse_size(g2, "--g2"),
+        g3_bytes=parse_size(g3, "--g3"), block_size=block_size,
+        vllm_blocks_per_kvbm_block=tokens_per_block // block_size, request_timeout_s=request_timeout, **kw)
+    try:
+        opts.check()
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    report = asyncio.run(run_serve(opts, click.echo))
+    report["command"] = ["kvbm", "bench", *sys.argv[sys.argv.index("serve"):]] if "serve" in sys.argv else sys.argv
+    click.echo("")
+    click.echo(serve_table(report, markdown))
+    _emit(report, json_path, plot_path, plot_serve)

@@ -1,0 +1,70 @@
+"""Smoke test of ``kvbm bench serve``: tiny sizes, the real OpenAI server with KvbmConnector and a real daemon
+and SeaweedFS; every figure is there and hits are hits. No timing is asserted (benchmarks are not tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from needs import needs
+
+from kvbm.bench.serve import error_line, timeline, ttft_rows
+from kvbm.cli.bench import bench
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def test_error_line_is_the_last_exception() -> None:
+    log = ("INFO start\nTraceback (most recent call last):\n  File x\n"
+           "RuntimeError: No supported cpu connector found.\nINFO shutting down\n")
+    assert error_line(log) == "RuntimeError: No supported cpu connector found."
+    assert error_line("just one line") == "just one line"
+
+
+def test_timeline_is_bandwidth_between_samples() -> None:
+    s = [{"t": 0.0, "G2": {"in": 0, "out": 0, "hits": 0}, "onboard_blocks": 0, "offload_blocks": 0},
+         {"t": 2.0, "G2": {"in": 4_000_000, "out": 2_000_000, "hits": 1}, "onboard_blocks": 3, "offload_blocks": 1}]
+    tl = timeline(s, block_bytes=1_000_000)
+    assert tl["t"] == [2.0] and tl["G2 write"] == [2.0] and tl["G2 read"] == [1.0]
+    assert tl["onboard G2->G1"] == [1.5] and tl["offload G1->G2"] == [0.5]
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+@needs("vllm", HAVE_VLLM, "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")
+def test_bench_serve_smoke(s3_server, tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    args = ["serve", "--workloads", "long-doc-qa,ttft-length,multi-turn", "--sources", "kvbm",
+            "--docs", "2", "--doc-tokens", "600", "--queries", "1", "--concurrency", "2", "--lengths", "600",
+            "--repeats", "1", "--s3-clients", "http", "--sessions", "1", "--turns", "2", "--turn-tokens", "300",
+            "--max-tokens", "4", "--vllm-kv", "64MiB", "--g2", "256KiB", "--g3", "1MiB", "--layers", "2",
+            "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "1000",
+            "--s3-endpoint", s3_server.endpoint, "--s3-access-key", s3_server.access_key,
+            "--s3-secret-key", s3_server.secret_key, "--s3-bucket", s3_server.bucket,
+            "--workdir", str(tmp_path), "--json", str(out), "--plot", str(tmp_path / "serve.png")]
+    res = CliRunner().invoke(bench, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert s3_server.secret_key not in out.read_text()
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    assert report["servers"]["kvbm"]["command"][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert report["machine"]["cpu_count"] >= 1 and report["machine"]["load_avg_1_5_15"]
+    q = report["long_doc_qa"]["kvbm"]["queries"]
+    assert q["n_errors"] == 0 and q["requests"] == 2 and q["ttft_s"]["p95"] > 0
+    # 600 + 32 question tokens: 4 full vLLM blocks, 2 kvbm blocks of 256 tokens each from kvbm.
+    assert q["cached_tokens_mean"] == 512, q
+    assert report["long_doc_qa"]["kvbm"]["timeline"]["t"]
+    rows = {r["source"]: r for r in ttft_rows(report)}
+    assert set(rows) == {"first", "G2", "G3", "G4-http"}
+    assert rows["first"]["cached_tokens"] == 0
+    for src in ("G2", "G3", "G4-http"):
+        assert rows[src]["cached_tokens"] == 512 and rows[src]["same_text"], rows[src]
+    g3 = report["ttft_length"]["G3"]["600"][0]["tier_hits"]
+    g4 = report["ttft_length"]["G4-http"]["600"][0]["tier_hits"]
+    assert g3["G3"] >= 2 and g4["G4"] >= 2 and g4["G3"] == 0, (g3, g4)
+    turns = report["multi_turn"]["kvbm"][0]
+    assert turns[0]["cached_tokens"] == 0 and turns[1]["cached_tokens"] >= 256, turns
+    assert not list(tmp_path.glob("kvbm-bench-serve-*")), "temp dirs left behind"
