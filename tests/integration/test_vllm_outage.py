@@ -21,6 +21,7 @@ pytestmark = needs("vllm", importlib.util.find_spec("vllm") is not None,
 MiB = 1 << 20
 TIMEOUT_S = 10.0  # the links' request timeout: what a hook waiting on a dead daemon would cost
 HOOK_S = 1.0  # far above a hook's healthy cost (a millisecond or two), far below TIMEOUT_S
+_HASH_SEEDED: list[bool] = []
 
 
 def daemon_cfg(tmp: Path, port: int) -> dict:
@@ -119,7 +120,10 @@ def _request(rid: str, n_blocks: int, first_token: int):
     from vllm.v1.request import Request
 
     fn = get_hash_fn_by_name("sha256")
-    kcu.init_none_hash(fn)
+    if not _HASH_SEEDED:
+        # Once: without PYTHONHASHSEED every init draws a new seed, and later requests would miss.
+        kcu.init_none_hash(fn)
+        _HASH_SEEDED.append(True)
     return Request(rid, list(range(first_token, first_token + 16 * n_blocks + 1)), SamplingParams(max_tokens=1),
                    None, block_hasher=kcu.get_request_block_hasher(16, fn))
 
@@ -198,3 +202,64 @@ def test_a_failed_link_unregisters_and_unmaps_and_a_full_daemon_is_not_a_failure
 def _stats(daemon) -> dict:
     with daemon.client(timeout_s=5) as c:
         return c.stats()
+
+
+def _scheduler(endpoint: str, engine: str, tp: int, **cfg):
+    """The connector's scheduler side for ``tp`` ranks (k = 1, 4 KiB vLLM blocks) straight from its parts."""
+    from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, SchedulerSide
+    from kvbm.layout import KVLayout
+
+    links = Links(endpoint, Geometry(16, 4096, 1), engine, TIMEOUT_S,
+                  lambda rank, k: KVLayout(model="outage-tp", num_layers=2, num_kv_heads=tp, head_size=32,
+                                           dtype="float16", tp_rank=rank, tp_size=tp, tokens_per_block=16 * k,
+                                           block_bytes=MiB))
+    return SchedulerSide(ConnectorConfig.parse({"timeout_s": TIMEOUT_S, **cfg}), links, tp)
+
+
+def _store(daemon, layout, req) -> None:
+    from kvbm.blocks import BlockKey
+
+    keys = [BlockKey(layout.namespace, bytes(h)) for h in req.block_hashes]
+    with daemon.client() as c:
+        c.register(layout, worker_id=f"filler-r{layout.tp_rank}")
+        assert c.store(keys, [np.zeros(4096, np.uint8)] * len(keys)).stored == len(keys)
+
+
+def test_a_silent_daemon_never_holds_the_scheduler_and_every_rank_is_asked_at_once(daemon):
+    """A daemon that stops answering (SIGSTOP: alive, silent; or a slow bucket probe) costs the scheduler
+    nothing: the hook says "not known yet" at once, every TP rank's lookup is already on the wire (not one
+    rank after another), and the answer comes when the daemon does, or is a miss after lookup_give_up_ms."""
+    import signal
+
+    sched = _scheduler(daemon.endpoint, "patient", 2, lookup_give_up_ms=60_000)
+    quick = _scheduler(daemon.endpoint, "quick", 2, lookup_give_up_ms=300)
+    try:
+        # One block each: the daemon's G2 holds 4 (1 MiB slots) and has no lower tier.
+        both, rank0_only = _request("both", 1, 100), _request("rank0", 1, 300)
+        lay0, lay1 = sched.layouts()
+        for lay in (lay0, lay1):
+            _store(daemon, lay, both)
+        _store(daemon, lay0, rank0_only)
+
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert sched.get_num_new_matched_tokens(both, 0) == (None, False)
+            assert time.monotonic() - t0 < HOOK_S
+            # Rank 0's lookup is awaited, rank 1's was sent with it and waits for its reply.
+            assert wait_until(lambda: sched._links[1].client is not None and sched._links[1].client._sent,
+                              timeout=10), "rank 1's lookup was not sent while rank 0's reply was awaited"
+            # A lookup nobody answers is a miss after lookup_give_up_ms: the request is computed.
+            got, longest = step_until_known(quick, _request("given-up", 1, 500))
+            assert got == (0, False) and longest < HOOK_S
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        # Answered once the daemon runs again (or, silent past the heartbeat, the link went down and reconnects:
+        # a later request of the same prompt hits).
+        n = iter(range(1000))
+        assert wait_until(lambda: step_until_known(sched, _request(f"both-{next(n)}", 1, 100))[0] == (16, False),
+                          timeout=30)
+        assert step_until_known(sched, rank0_only)[0] == (0, False)  # every rank must hold the prefix
+    finally:
+        sched.shutdown()
+        quick.shutdown()
