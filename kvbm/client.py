@@ -170,16 +170,27 @@ class WorkerClient(_Core):
         poller.register(sock, zmq.POLLIN)
         if self._mon is not None:
             poller.register(self._mon, zmq.POLLIN)
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        now = time.monotonic()
+        deadline = now + (self.timeout_s if timeout_s is None else timeout_s)
+        # A fail-fast connection not up within 4 heartbeats is not going to be (a host that drops the SYN, a
+        # stopped process whose kernel accepted it): heartbeats only watch a connection once it is up.
+        handshake_by = now + 4 * HEARTBEAT_MS / 1000 if self._mon is not None else deadline
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if self._mon is not None and not self._up and now > handshake_by:
+                self._reset()
+                raise DaemonUnavailable(f"no handshake with {self.endpoint}")
+            left = (deadline if self._up else min(deadline, handshake_by)) - now
             ready = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
-            if not ready:
+            if not ready and time.monotonic() >= deadline:
                 self._reset()
                 raise DaemonUnavailable(f"no reply from {self.endpoint} within {self.timeout_s:g}s")
+            if not ready:
+                continue
             if sock not in ready:
                 self._watch()
                 continue
+            self._up = True  # a reply came: whatever the monitor has not said yet, the connection is up
             frames = sock.recv_multipart()
             try:
                 reply = p.decode_reply(frames[-1], self.max_message_bytes)
