@@ -149,9 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arrivals", type=int, default=2, help="new requests sent at once during the outage")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="JSON result file (else stdout)")
+    ap.add_argument("--root", type=Path, help="keep the model, logs and daemon files here (else a temporary dir)")
     a = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="kvbm-outage-") as tmp:
-        res = asyncio.run(run(Path(tmp), a.prompt_words, a.decode_tokens, a.arrivals, a.seed))
+    with contextlib.ExitStack() as stack:
+        root = a.root or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbm-outage-")))
+        res = asyncio.run(run(root, a.prompt_words, a.decode_tokens, a.arrivals, a.seed))
     text = json.dumps(res, indent=1)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
