@@ -7,6 +7,9 @@ restart, kill -9 or clean) reports a new one, the client maps the new pool, even
 ``shm_name``, and its slot requests carry the generation so the daemon refuses any that do not match.
 Requests carry ids; a reply that does not arrive within ``timeout_s`` raises
 :class:`DaemonUnavailable` (and the socket is recreated, so a late reply cannot be mistaken for the next).
+``WorkerClient(fail_fast=True)`` (the vLLM connector's) does not wait that long for a daemon that is gone: it
+watches its socket (ZeroMQ monitor events, and ZMTP heartbeats for a peer that vanished without closing) and
+raises :class:`DaemonUnavailable` as soon as the connection drops, is refused or fails its handshake.
 
 Credentials: ``curve_server_key`` (the daemon's public key) turns CURVE on, with ``curve_keypair`` the
 client's own keys (an allow-listed daemon needs them; without them a throwaway pair is made);
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
@@ -40,31 +44,80 @@ from kvbm.layout import KVLayout
 __all__ = ["AsyncWorkerClient", "DaemonError", "DaemonUnavailable", "Overloaded", "WorkerClient", "client_options"]
 
 
+# Monitor events that end a fail-fast client's wait: the peer is gone, or it cannot be reached or admitted.
+_LOST = zmq.EVENT_DISCONNECTED
+_REFUSED = (zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
+# ZMTP ping interval of a fail-fast client; a peer silent for 4 of them is gone (a daemon killed on this host
+# closes its sockets, which is seen at once: heartbeats are for a host or network that vanished).
+HEARTBEAT_MS = 250
+
+
 class WorkerClient(_Core):
     """Blocking client (one thread at a time)."""
 
     store_batch = 1024  # blocks per PrepareStore/CommitStore pair of a larger store (which is then pipelined)
     store_window = 4  # CommitStores of one store in flight at most
 
-    def __init__(self, endpoint: str, *, ctx: zmq.Context[Any] | None = None, **kw: Any) -> None:
+    def __init__(self, endpoint: str, *, ctx: zmq.Context[Any] | None = None, fail_fast: bool = False,
+                 **kw: Any) -> None:
         super().__init__(endpoint, **kw)
         self._ctx = ctx or zmq.Context.instance()
+        self.fail_fast = fail_fast
         self._sock: zmq.Socket[Any] | None = None
+        self._mon: zmq.Socket[Any] | None = None  # the socket's monitor events (fail_fast only)
+        self._up = False  # the connection's handshake succeeded and it has not dropped since
         self._sent: set[int] = set()  # rids sent and not yet awaited
         self._early: dict[int, Any] = {}  # their replies that arrived while another request's reply was awaited
 
     def _socket(self) -> zmq.Socket[Any]:
         if self._sock is None:
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._setup(self._sock)
+            sock = self._ctx.socket(zmq.DEALER)
+            if self.fail_fast:
+                sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4 * HEARTBEAT_MS)
+                self._mon = sock.get_monitor_socket(_LOST | _REFUSED | _UP)
+            self._setup(sock)
+            self._sock, self._up = sock, False
         return self._sock
 
     def _reset(self) -> None:
         self._sent.clear()
         self._early.clear()
         if self._sock is not None:
+            if self._mon is not None:
+                self._sock.disable_monitor()
+                self._mon.close(0)
+                self._mon = None
             self._sock.close(0)
             self._sock = None
+
+    def _watch(self) -> None:
+        """Read the monitor's events; raise DaemonUnavailable when the connection dropped or cannot be made."""
+        mon = self._mon
+        while mon is not None and mon.poll(0):
+            event = parse_monitor_message(mon.recv_multipart())["event"]
+            if event & _UP:
+                self._up = True
+            elif event & _LOST or not self._up:
+                # Dropped (requests in flight are lost with it), or refused before it was ever up.
+                what = "lost" if event & _LOST else "refused"
+                self._reset()
+                raise DaemonUnavailable(f"connection to {self.endpoint} {what}")
+
+    def abandon(self) -> None:
+        """Drop this session without waiting on the daemon: Unregister is sent (so a live daemon releases this
+        worker's pins and slots) but not awaited, G2 is unmapped and the socket closed."""
+        token = self.token
+        self._reset()
+        if token:
+            with contextlib.suppress(zmq.ZMQError):
+                sock = self._ctx.socket(zmq.DEALER)
+                self._setup(sock)
+                sock.send(self._prep(p.Unregister()), flags=zmq.NOBLOCK)
+                sock.close(200)  # delivered in the background if the daemon is there, dropped soon if not
+        self._forget()
 
     def request(self, msg: Any, expect: type[R], timeout_s: float | None = None) -> R:
         """Send ``msg`` and wait for the reply with its rid (registering again if the daemon forgot us)."""
@@ -78,12 +131,30 @@ class WorkerClient(_Core):
         self._send(msg)
         return self._await(msg, timeout_s)
 
+    def begin(self, msg: Any) -> Any:
+        """Send ``msg`` without waiting for its reply (pipelining; :meth:`finish` reads the reply)."""
+        self._send(msg)
+        return msg
+
+    def finish(self, msg: Any, expect: type[R]) -> R:
+        """The reply to ``msg`` sent by :meth:`begin`, checked as :meth:`request` does."""
+        reply = self._await(msg)
+        if self._reregister(msg, reply):
+            return self.request(msg, expect)
+        return self._check(reply, expect)
+
     def _send(self, msg: Any) -> None:
         """Send ``msg`` (its rid set) without waiting: several requests may be in flight, see :meth:`_await`."""
         buf = self._prep(msg)
+        sock = self._socket()
+        if self._mon is not None and not self._sent:
+            try:
+                self._watch()  # a connection that dropped while idle is replaced now, not at the next wait
+            except DaemonUnavailable:
+                sock = self._socket()
         self._sent.add(msg.rid)
         try:
-            self._socket().send(buf, flags=zmq.NOBLOCK)
+            sock.send(buf, flags=zmq.NOBLOCK)
         except zmq.Again:
             self._reset()
             raise DaemonUnavailable(f"cannot send to {self.endpoint}") from None
@@ -95,12 +166,31 @@ class WorkerClient(_Core):
         if early is not None:
             return early
         sock = self._socket()
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if self._mon is not None:
+            poller.register(self._mon, zmq.POLLIN)
+        now = time.monotonic()
+        deadline = now + (self.timeout_s if timeout_s is None else timeout_s)
+        # A fail-fast connection not up within 4 heartbeats is not going to be (a host that drops the SYN, a
+        # stopped process whose kernel accepted it): heartbeats only watch a connection once it is up.
+        handshake_by = now + 4 * HEARTBEAT_MS / 1000 if self._mon is not None else deadline
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+            now = time.monotonic()
+            if self._mon is not None and not self._up and now > handshake_by:
+                self._reset()
+                raise DaemonUnavailable(f"no handshake with {self.endpoint}")
+            left = (deadline if self._up else min(deadline, handshake_by)) - now
+            ready = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
+            if not ready and time.monotonic() >= deadline:
                 self._reset()
                 raise DaemonUnavailable(f"no reply from {self.endpoint} within {self.timeout_s:g}s")
+            if not ready:
+                continue
+            if sock not in ready:
+                self._watch()
+                continue
+            self._up = True  # a reply came: whatever the monitor has not said yet, the connection is up
             frames = sock.recv_multipart()
             try:
                 reply = p.decode_reply(frames[-1], self.max_message_bytes)

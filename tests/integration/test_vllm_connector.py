@@ -12,6 +12,9 @@ from serve_proc import ServeProc
 pytestmark = needs("vllm", importlib.util.find_spec("vllm") is not None,
                    "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")
 MiB = 1 << 20
+# Lookups are answered off the scheduler thread; a generous wait makes each call below return the answer.
+ANSWER_NOW = {"lookup_wait_ms": 10_000}
+K1 = {"vllm_blocks_per_kvbm_block": 1, **ANSWER_NOW}
 
 
 def test_vllm_general_plugins_register_the_connector_by_name():
@@ -155,7 +158,7 @@ def test_a_request_whose_load_failed_is_not_offered_kvbm_tokens_again(tiny_model
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.outputs import KVConnectorOutput
 
-    conn, _cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, "vllm_blocks_per_kvbm_block": 1})
+    conn, _cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, **K1})
     try:
         req = _stored_request(conn, daemon_1mib, 4, 100)
         ext, _async = conn.get_num_new_matched_tokens(req, 0)
@@ -174,13 +177,13 @@ def test_loads_are_synchronous_by_default_on_cpu(tiny_model, daemon_1mib):
     """On a CPU engine an async load waits on a loader thread that vLLM's busy steps starve (measured: TP=1
     G4 hit 5.0x its bytes-at-bandwidth + tail vs 1.07x loading in the step; TP=2 stalled): the default there
     is a synchronous load; ``async_load`` set explicitly wins."""
-    conn, _cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, "vllm_blocks_per_kvbm_block": 1})
+    conn, _cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, **K1})
     try:
         req = _stored_request(conn, daemon_1mib, 2, 1000)
         assert conn.get_num_new_matched_tokens(req, 0) == (32, False)
     finally:
         conn.shutdown()
-    conn, _cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, "vllm_blocks_per_kvbm_block": 1,
+    conn, _cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, **K1,
                                                   "async_load": True})
     try:
         req = _stored_request(conn, daemon_1mib, 2, 2000)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from typing import Any
 
 
@@ -35,6 +36,13 @@ class KVDigest:
                 h.update(cache.select(bdim, b).contiguous().view(torch.uint8).numpy().tobytes())
             out.append(h.hexdigest())
         return out
+
+    def kvbm_test_saves_done(self) -> bool:
+        """Whether every save the connector's worker side started has finished (committed or dropped)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group().worker
+        return all(f.done() for futs in worker._saving.values() for f in futs)
 
 
     def kvbm_test_group_digests(self, ids_by_group: list[list[int | None]]) -> list[list[str | None]]:
@@ -137,6 +145,7 @@ def main(spec_path: str, out_path: str) -> None:
     allocated = AllocatedBlocks(llm) if spec.get("connector") is not None else None
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
     results = []
+    prompt = spec["prompt"]
     for step in spec["steps"]:
         if step.get("evict"):
             from pathlib import Path
@@ -153,7 +162,14 @@ def main(spec_path: str, out_path: str) -> None:
                     removed += c.evict(namespace=layout.namespace, tiers=step["evict"]).removed
             results.append({"evicted": removed})
             continue
-        out = llm.generate([{"prompt_token_ids": spec["prompt"]}], params, use_tqdm=False)[0]
+        if "follow_up" in step:
+            # The next turn of a conversation: the previous prompt, its answer, and the new question.
+            prompt = prompt + results[-1]["tokens"] + step["follow_up"]
+        step_params = params
+        if "max_tokens" in step:
+            step_params = SamplingParams(max_tokens=step["max_tokens"], ignore_eos=True,
+                                         temperature=0.0, detokenize=False)
+        out = llm.generate([{"prompt_token_ids": prompt}], step_params, use_tqdm=False)[0]
         res: dict[str, Any] = {
             "tokens": list(out.outputs[0].token_ids),
             "num_cached_tokens": out.num_cached_tokens,
@@ -176,6 +192,18 @@ def main(spec_path: str, out_path: str) -> None:
             res["group_digests"] = llm.collective_rpc("kvbm_test_group_digests", args=(group_ids,))
             res["group_windows"] = [getattr(g.kv_cache_spec, "sliding_window", None) for g in
                                     llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups]
+        if step.get("settle"):
+            # Until the async saves are in the daemon (the next step's lookup must see all of them) and the
+            # blocks vLLM kept for them are free: engine steps carry the finished requests to the worker,
+            # whose report frees them.
+            core = llm.llm_engine.engine_core.engine_core
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if all(llm.collective_rpc("kvbm_test_saves_done")) and not core.scheduler.has_requests():
+                    break
+                core.step_fn()
+                time.sleep(0.05)
+        res["prompt_tokens"] = len(prompt)
         res["prefix_cache_reset"] = llm.reset_prefix_cache() if prefix_cache else None
         results.append(res)
     with open(out_path, "w") as f:

@@ -23,6 +23,10 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model_name: str | None = None  # else vLLM's served model name
     vllm_blocks_per_kvbm_block: Annotated[int, msgspec.Meta(ge=1)] | None = None  # None: derived from the daemon
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # A scheduler step waits at most this long in all for lookup answers; a request whose answer is not
+    # there yet is asked again next step, and computed if none came within lookup_give_up_ms.
+    lookup_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    lookup_give_up_ms: Annotated[float, msgspec.Meta(ge=0)] = 500.0
     save: bool = True
     load: bool = True
     async_load: bool | None = None  # None: async on an accelerator, sync on a CPU engine (the connector resolves it)

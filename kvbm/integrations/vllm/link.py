@@ -15,10 +15,20 @@ from kvbm.layout import KVLayout
 
 log = logging.getLogger("kvbm.vllm")
 
-RETRY_AFTER_S = 5.0
-MAX_RETRY_AFTER_S = 60.0
+# A reconnection to a daemon that is gone fails in about a millisecond (the client's socket monitor sees the
+# refusal), so the link may retry often: 0.5 s, 1 s, ... 8 s.
+RETRY_AFTER_S = 0.5
+MAX_RETRY_AFTER_S = 8.0
 # What a session with the daemon can fail with; each marks the link down (a miss or a recompute, never a raise).
 LINK_ERRORS = (DaemonUnavailable, DaemonError, OSError)
+# Answers that mean the daemon is loaded (no free slot, shedding offloads, a lower tier out for now): this
+# transfer is skipped or recomputed, the link stays up.
+LOAD_CODES = frozenset({p.E_FULL, "shed", p.E_UNAVAILABLE})
+
+
+def is_load(e: BaseException) -> bool:
+    """Whether ``e`` is the daemon saying it is loaded, not the session failing."""
+    return isinstance(e, DaemonError) and e.code in LOAD_CODES
 
 
 class Link:
@@ -49,7 +59,8 @@ class Link:
             return self.client
         if time.monotonic() < self.down_until:
             return None
-        client = WorkerClient(self.endpoint, timeout_s=self.timeout_s, **self.client_kw)
+        # fail_fast: a daemon that dies is noticed when its socket drops, not after timeout_s.
+        client = WorkerClient(self.endpoint, timeout_s=self.timeout_s, fail_fast=True, **self.client_kw)
         try:
             layout = self.layout_of(self.geometry.resolve(daemon_block_bytes(client)))
             try:
@@ -72,9 +83,15 @@ class Link:
         self.failures = 0
         return client
 
+    def error(self, e: BaseException) -> None:
+        """A request on this link failed: the link goes down unless the daemon only said it is loaded."""
+        if not is_load(e):
+            self.fail(e)
+
     def fail(self, e: BaseException) -> None:
+        """Mark the link down: its session is dropped (Unregister sent, not awaited; G2 unmapped)."""
         self.degraded_reason = f"{type(e).__name__}: {e}"
-        # Back off (5 s, 10 s, ... 60 s) so a dead daemon costs the engine one timeout now and then.
+        # Back off so a daemon that stays away costs a reconnection attempt (a millisecond) now and then.
         self.failures += 1
         self.down_until = time.monotonic() + min(MAX_RETRY_AFTER_S, RETRY_AFTER_S * 2 ** (self.failures - 1))
         self.misconfigured = isinstance(e, MisconfiguredError)
@@ -86,7 +103,9 @@ class Link:
             log.warning("kvbm: daemon %s unavailable, recomputing instead (%s)", self.endpoint, e)
             self.warned = True
         if self.client is not None:
-            self.client._reset()  # drop the socket so a late reply is never read as the next one
+            # Unregister (a live daemon releases our pins and slots now rather than at the lease's end) and
+            # unmap G2; a new socket next time, so a late reply is never read as the next one.
+            self.client.abandon()
             self.client = None
 
     def close(self) -> None:

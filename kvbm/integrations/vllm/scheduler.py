@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvbm.blocks import BlockKey
 from kvbm.integrations.vllm.config import ConnectorConfig
 from kvbm.integrations.vllm.geometry import K_SETTING
 from kvbm.integrations.vllm.groups import NULL_BLOCK, SINGLE, KVGroups
-from kvbm.integrations.vllm.link import LINK_ERRORS, Links
+from kvbm.integrations.vllm.link import Links
+from kvbm.integrations.vllm.lookup import Lookups
 from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
 from kvbm.layout import KVLayout
 
@@ -21,16 +21,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class ReqState:
-    hashes: list[bytes]  # one per kvbm block (vLLM hash of the last vLLM block in it)
-    num_tokens: int
+    # The request itself: its block_hashes grow as it decodes, so output blocks are saved as they fill up.
+    request: Request
     local_tokens: int = 0  # vLLM's own prefix-cache hit when the request was admitted
     block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     load: BlockTransfer | None = None
     saved_blocks: int = 0  # kvbm blocks of this request already handed to the worker to save
 
-    def transfer(self, req_id: str, idx: range, k: int) -> BlockTransfer:
+    def full_blocks(self, k: int) -> int:
+        """kvbm blocks whose every token is known (prompt and output alike)."""
+        return len(self.request.block_hashes) // k if k else 0
+
+    def transfer(self, idx: range, k: int) -> BlockTransfer:
         """The kvbm blocks ``idx`` of this request with the ``k`` vLLM block ids each covers, per group."""
-        return BlockTransfer(req_id, [self.hashes[i] for i in idx],
+        hashes = self.request.block_hashes
+        return BlockTransfer(self.request.request_id, [bytes(hashes[(i + 1) * k - 1]) for i in idx],
                              [[b for ids in self.block_ids for b in ids[i * k : (i + 1) * k]] for i in idx])
 
     def held_vblocks(self) -> int:
@@ -55,52 +60,37 @@ class SchedulerSide:
         # Requests a load failed for: recomputed from then on (offering the prefix again would make a stuck
         # loader fail it again, in a loop); forgotten at request_finished.
         self._load_failed: set[str] = set()
-        self._connect()  # at startup: a configuration error shows now, not at the first request
-
-    def _connect(self) -> bool:
-        """Register every rank's link now if it is not (each stops at its first failure)."""
-        return all(link.get() is not None for link in self._links)
+        # At startup, before any step: a configuration error shows now, not at the first request. From
+        # then on only the lookup thread talks to the daemon (and reconnects it).
+        for link in self._links:
+            link.get()
+        self._lookups = Lookups(self._links, cfg.lookup_wait_ms / 1000, cfg.lookup_give_up_ms / 1000)
 
     def layouts(self) -> list[KVLayout]:
         """The layout (and so the namespace) of each worker; empty until the daemon was reached."""
         return [link.layout for link in self._links if link.layout is not None]
 
-    def _kvbm_hashes(self, request: Request) -> list[bytes]:
-        if not self.geometry.k and not self._connect():
-            return []  # geometry unknown (daemon never reached): no loads, no saves for this request
-        k = self.geometry.known_k
-        return [bytes(h) for h in request.block_hashes[k - 1 :: k]]
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        hashes = self._kvbm_hashes(request)
-        self._reqs[request.request_id] = ReqState(hashes=hashes, num_tokens=request.num_tokens,
-                                                  local_tokens=num_computed_tokens)
-        block_tokens = self.geometry.block_tokens
-        if (not self.cfg.load or not hashes or num_computed_tokens % block_tokens
-                or request.request_id in self._load_failed):
-            return 0, False
-        # Leave at least one token to compute: vLLM needs logits for the last prompt token.
-        max_blocks = (request.num_tokens - 1) // block_tokens
-        matched = self._lookup(hashes[:max_blocks])
-        self._stats["lookups"] += 1
-        self._stats["hit_blocks"] += matched
+        rid = request.request_id
+        block_tokens = self.geometry.block_tokens  # 0 until a link resolved it (the lookup thread retries)
+        matched = 0
+        if (self.cfg.load and block_tokens and not num_computed_tokens % block_tokens
+                and rid not in self._load_failed):
+            # Leave at least one token to compute: vLLM needs logits for the last prompt token.
+            max_blocks = (request.num_tokens - 1) // block_tokens
+            if max_blocks * block_tokens > num_computed_tokens:
+                k = self.geometry.known_k
+                got = self._lookups.ask(rid, [bytes(h) for h in request.block_hashes[k - 1 : max_blocks * k : k]])
+                if got is None:
+                    return None, False  # not known yet: vLLM asks again next step
+                matched = got
+                self._stats["lookups"] += 1
+                self._stats["hit_blocks"] += matched
+        self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens)
         ext = matched * block_tokens - num_computed_tokens
         if ext <= 0:
             return 0, False
-        return ext, self.cfg.async_load
-
-    def _lookup(self, hashes: list[bytes]) -> int:
-        matched = len(hashes)
-        for link in self._links:
-            client = link.get()
-            if client is None:
-                return 0
-            try:
-                matched = min(matched, client.lookup([BlockKey(client.namespace, h) for h in hashes]).matched)
-            except LINK_ERRORS as e:
-                link.fail(e)
-                return 0
-        return matched
+        return ext, bool(self.cfg.async_load)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -112,10 +102,11 @@ class SchedulerSide:
         # External tokens follow the local prefix-cache hit (request.num_computed_tokens is still 0 here).
         local_blocks = st.local_tokens // self.geometry.block_tokens
         n = num_external_tokens // self.geometry.block_tokens
-        st.load = st.transfer(request.request_id, range(local_blocks, local_blocks + n), self.geometry.known_k)
+        st.load = st.transfer(range(local_blocks, local_blocks + n), self.geometry.known_k)
         st.saved_blocks = local_blocks + n  # loaded blocks are already stored
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmConnectorMetadata:
+        self._lookups.new_step()  # the end of this step's scheduling: the next one may wait again
         meta = KvbmConnectorMetadata(k=self.geometry.known_k)
         for st in self._reqs.values():
             if st.load is not None:
@@ -145,17 +136,17 @@ class SchedulerSide:
                 st.block_ids = [[] for _ in new_block_ids]
             for ids, new in zip(st.block_ids, new_block_ids, strict=True):
                 ids.extend(new)
-        if not st.hashes:
-            return
-        # Blocks whose every token is computed by the end of this step, prompt and output alike.
         k = self.geometry.known_k
-        done = min(len(st.hashes), (computed + scheduled) // self.geometry.block_tokens, st.held_vblocks() // k)
+        if not k or meta.k != k:
+            return  # geometry unknown (daemon never reached): no saves
+        # Blocks whose every token is known and computed by the end of this step, prompt and output alike.
+        done = min(st.full_blocks(k), (computed + scheduled) // self.geometry.block_tokens, st.held_vblocks() // k)
         while self.groups.sliding and st.saved_blocks < done and not self._intact(st, st.saved_blocks, computed):
             # A sliding-window group already freed part of this block (or never held it: a hit's blocks
             # outside the window): it cannot be saved. A gap; a later hit stops before it.
             st.saved_blocks += 1
         if done > st.saved_blocks:
-            meta.saves.append(st.transfer(req_id, range(st.saved_blocks, done), k))
+            meta.saves.append(st.transfer(range(st.saved_blocks, done), k))
             self._stats["saves"] += done - st.saved_blocks
             st.saved_blocks = done
             if self.cfg.async_save:
@@ -180,6 +171,7 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._reqs.pop(rid, None)
+        self._lookups.forget(rid)
         # Blocks the worker may still be copying stay allocated until it reports the request: as finished
         # sending (async saves) or finished receiving (an async load of a request aborted while waiting).
         delay_free = rid in self._save_pending or rid in self._load_pending
@@ -194,5 +186,6 @@ class SchedulerSide:
         return delay_free, params
 
     def shutdown(self) -> None:
+        self._lookups.close()
         for link in self._links:
             link.close()

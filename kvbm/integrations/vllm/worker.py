@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -14,11 +14,19 @@ from kvbm.client import DaemonError, WorkerClient
 from kvbm.integrations.vllm.config import ConnectorConfig
 from kvbm.integrations.vllm.geometry import K_SETTING, warn_once
 from kvbm.integrations.vllm.groups import NULL_BLOCK, SINGLE, KVGroups
-from kvbm.integrations.vllm.link import LINK_ERRORS, Link, Links
+from kvbm.integrations.vllm.link import LINK_ERRORS, Link, Links, is_load
 from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
 from kvbm.integrations.vllm.paged import PagedCache
 
 log = logging.getLogger("kvbm.vllm")
+T = TypeVar("T")
+
+
+def _done(result: T) -> Future[T]:
+    """A finished future: a transfer that was never started, reported the way a started one is."""
+    fut: Future[T] = Future()
+    fut.set_result(result)
+    return fut
 
 
 class WorkerSide:
@@ -86,7 +94,15 @@ class WorkerSide:
         if not isinstance(meta, KvbmConnectorMetadata) or not meta.loads:
             return
         if not self._same_k(meta):
-            self._load_errors.update(i for tr in meta.loads for ids in tr.block_ids for i in ids if i != NULL_BLOCK)
+            # Every planned load is still reported: failed (vLLM recomputes it) and, when async, finished
+            # receiving, or vLLM would keep the request in WAITING_FOR_REMOTE_KVS forever. vLLM's null block
+            # (sliding-window blocks outside the window) is never reported.
+            for tr in meta.loads:
+                failed = {i for ids in tr.block_ids for i in ids if i != NULL_BLOCK}
+                if self.cfg.async_load:
+                    self._loading[tr.req_id] = _done(failed)
+                else:
+                    self._load_errors.update(failed)
             return
         for tr in meta.loads:
             if self.cfg.async_load:
@@ -146,11 +162,18 @@ class WorkerSide:
                     if rep.count:
                         client.request(p.Release(namespace=ns, hashes=tr.hashes[: rep.count]), p.Released)
             except LINK_ERRORS as e:
-                link.fail(e)
+                link.error(e)
         return loaded
 
     def wait_for_save(self, meta: Any) -> None:
-        if not isinstance(meta, KvbmConnectorMetadata) or not meta.saves or not self._same_k(meta):
+        if not isinstance(meta, KvbmConnectorMetadata) or not meta.saves:
+            return
+        if not self._same_k(meta):
+            if self.cfg.async_save:
+                # Dropped, but reported as finished sending: the scheduler keeps these requests' blocks
+                # until then, so an unreported save would hold them forever.
+                for tr in meta.saves:
+                    self._saving.setdefault(tr.req_id, []).append(_done(None))
             return
         if self.cfg.async_save:
             # The saver copies after everything queued so far (this step's forward) has run.
@@ -168,8 +191,9 @@ class WorkerSide:
             try:
                 self._save_one(client, tr)
             except LINK_ERRORS as e:
-                self._link.fail(e)
-                return
+                self._link.error(e)
+                if self._link.client is None:
+                    return
 
     def _save_async(self, tr: BlockTransfer, ready: Any) -> None:
         client = self._save_link.get()
@@ -183,7 +207,7 @@ class WorkerSide:
             else:
                 self._save_one(client, tr)
         except LINK_ERRORS as e:
-            self._save_link.fail(e)
+            self._save_link.error(e)
         except Exception as e:  # a saver thread must never take the engine down
             log.warning("kvbm: save for request %s failed: %s", tr.req_id, e)
 
@@ -201,8 +225,8 @@ class WorkerSide:
             slots = client.request(p.PrepareStore(namespace=ns, hashes=tr.hashes, nbytes=self._block_bytes),
                                    p.Slots).slots
         except DaemonError as e:
-            if e.code == "shed":
-                return  # the daemon is saturated: skip this save, the engine keeps going
+            if is_load(e):
+                return  # the daemon is saturated or full: skip this save, the engine keeps going
             raise
         g2 = client.g2
         assert g2 is not None

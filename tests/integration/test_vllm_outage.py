@@ -1,0 +1,265 @@
+"""The connector never holds vLLM up, whatever the daemon does: a real daemon (``kvbm serve`` in a subprocess)
+that is SIGKILLed, restarted or full, driven through the connector's real scheduler and worker sides.
+
+What is checked is the contract, with deadlines an order of magnitude above what a healthy run takes and
+below the request timeout (``timeout_s`` = 10 s here): a hook that waited on the daemon's silence would
+take that long; one that saw the socket drop returns at once."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from needs import needs
+from serve_proc import ServeProc, wait_until
+
+pytestmark = needs("vllm", importlib.util.find_spec("vllm") is not None,
+                   "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")
+MiB = 1 << 20
+TIMEOUT_S = 10.0  # the links' request timeout: what a hook waiting on a dead daemon would cost
+HOOK_S = 1.0  # far above a hook's healthy cost (a millisecond or two), far below TIMEOUT_S
+_HASH_SEEDED: list[bool] = []
+
+
+def daemon_cfg(tmp: Path, port: int) -> dict:
+    return {"block_bytes": "1MiB", "device": {"enabled": False}, "host": {"capacity": "4MiB"},
+            "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
+            "daemon": {"endpoint": f"tcp://127.0.0.1:{port}", "events_endpoint": f"ipc://{tmp}/events.sock",
+                       "metrics_port": -1}}
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    from test_vllm_e2e import free_port
+
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, free_port())).start()
+    yield d
+    d.stop()
+
+
+def scheduler_connector(model: str, extra: dict):
+    from test_vllm_connector import scheduler_connector as make
+
+    return make(model, {"vllm_blocks_per_kvbm_block": 1, "timeout_s": TIMEOUT_S, **extra})[0]
+
+
+def stored_request(conn, daemon, rid: str, n_blocks: int, first_token: int):
+    """:func:`_request` whose kvbm blocks the daemon holds under the scheduler's layout."""
+    from kvbm.blocks import BlockKey
+
+    req = _request(rid, n_blocks, first_token)
+    (lay,) = conn.layouts()
+    keys = [BlockKey(lay.namespace, bytes(h)) for h in req.block_hashes]
+    with daemon.client() as c:
+        c.register(lay, worker_id=f"filler-{rid}")
+        assert c.store(keys, [np.zeros(lay.block_nbytes, np.uint8)] * len(keys)).stored == len(keys)
+    return req
+
+
+def step_until_known(conn, req, steps: int = 200) -> tuple[tuple, float]:
+    """Call ``get_num_new_matched_tokens`` once per scheduler step, as vLLM does while it answers None; the
+    answer and the longest single call."""
+    from test_vllm_connector import _empty_scheduler_output
+
+    longest = 0.0
+    for _ in range(steps):
+        t0 = time.monotonic()
+        got = conn.get_num_new_matched_tokens(req, 0)
+        longest = max(longest, time.monotonic() - t0)
+        if got[0] is not None:
+            return got, longest
+        conn.build_connector_meta(_empty_scheduler_output())
+        time.sleep(0.01)  # the step's forward
+    raise AssertionError(f"no answer in {steps} steps")
+
+
+def test_a_killed_daemon_never_holds_the_scheduler_and_hits_resume_when_it_is_back(tiny_model, daemon):
+    conn = scheduler_connector(tiny_model, {"daemon": daemon.endpoint})
+    try:
+        req = stored_request(conn, daemon, "before", 3, 100)
+        assert step_until_known(conn, req)[0] == (48, False)
+
+        daemon.kill9()
+        # New requests while the daemon is dead: each hook call returns at once, and within a step or two the
+        # answer is 0 (computed cold), not a timeout later.
+        for i in range(3):
+            req = _request(f"during-{i}", 3, 1000 + 100 * i)
+            t0 = time.monotonic()
+            got, longest = step_until_known(conn, req)
+            assert got == (0, False)
+            assert longest < HOOK_S, f"a get_num_new_matched_tokens call took {longest:.3f}s"
+            assert time.monotonic() - t0 < HOOK_S, f"the answer took {time.monotonic() - t0:.3f}s"
+            conn.request_finished(req, [])
+        degraded = conn.request_finished(req, [])[1]["kvbm"]
+        assert degraded["degraded"] is True and "misconfigured" in degraded and not degraded["misconfigured"]
+
+        # The daemon is back (an empty one): the link reconnects on its own, and a stored prefix hits again.
+        daemon.start()
+        wait_until(lambda: conn.layouts() and _registered(daemon), timeout=30)
+        req = stored_request(conn, daemon, "after", 2, 5000)
+        got = wait_until(lambda: step_until_known(conn, req)[0] == (32, False), timeout=30)
+        assert got, "no hit after the daemon came back"
+        assert conn.request_finished(req, [])[1]["kvbm"]["degraded"] is False
+    finally:
+        conn.shutdown()
+
+
+def _registered(daemon) -> bool:
+    with daemon.client(timeout_s=5) as c:
+        return c.stats()["daemon"]["registered"] >= 1
+
+
+def _request(rid: str, n_blocks: int, first_token: int):
+    """A real vLLM Request of ``n_blocks`` full 16-token blocks (+1 token)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.request import Request
+
+    fn = get_hash_fn_by_name("sha256")
+    if not _HASH_SEEDED:
+        # Once: without PYTHONHASHSEED every init draws a new seed, and later requests would miss.
+        kcu.init_none_hash(fn)
+        _HASH_SEEDED.append(True)
+    return Request(rid, list(range(first_token, first_token + 16 * n_blocks + 1)), SamplingParams(max_tokens=1),
+                   None, block_hasher=kcu.get_request_block_hasher(16, fn))
+
+
+def _worker(endpoint: str, k: int | None, **cfg):
+    """The connector's worker side of TP rank 0 over a 2-layer paged cache of 8 blocks (4 KiB each), k = 1."""
+    import torch
+
+    from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, WorkerSide
+    from kvbm.layout import KVLayout
+
+    geometry = Geometry(16, 2 * 2048, k)  # k None: unknown until a link reaches the daemon
+    links = Links(endpoint, geometry, "outage-engine", TIMEOUT_S,
+                  lambda rank, k: KVLayout(model="outage", num_layers=2, num_kv_heads=1, head_size=32,
+                                           dtype="float16", tp_rank=rank, tokens_per_block=16 * k,
+                                           block_bytes=MiB))
+    w = WorkerSide(ConnectorConfig.parse(cfg), links, 0, 8)
+    w.register_kv_caches({f"layer.{i}": torch.zeros(8, 2048, dtype=torch.uint8) for i in range(2)})
+    return w
+
+
+def test_a_worker_that_never_reached_the_daemon_still_reports_every_planned_transfer(tmp_path):
+    """On an accelerator loads and saves are async: vLLM keeps a request in WAITING_FOR_REMOTE_KVS until its
+    load is reported finished, and the blocks kept for a save until it is reported sent. A worker whose link
+    is down (so it never learned k) used to return early and report neither."""
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+
+    w = _worker(f"ipc://{tmp_path}/nobody.sock", None, async_load=True, async_save=True)
+    try:
+        assert w.geometry.k is None
+        meta = KvbmConnectorMetadata(k=1, loads=[BlockTransfer("load-1", [b"a" * 32, b"b" * 32], [[2], [3]])],
+                                     saves=[BlockTransfer("save-1", [b"c" * 32], [[5]])])
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        sending, recving = w.get_finished({"save-1"})  # vLLM finished save-1 and kept its blocks
+        assert recving == {"load-1"}
+        assert w.get_block_ids_with_load_errors() == {2, 3}  # recomputed
+        assert sending == {"save-1"}
+    finally:
+        w.shutdown()
+
+
+def test_a_failed_link_unregisters_and_unmaps_and_a_full_daemon_is_not_a_failure(daemon):
+    """A failed link gives its session back (the daemon releases the worker's pins; the G2 mapping goes), and a
+    daemon answering ``full`` is load: the save is skipped, the link stays up."""
+    from kvbm import protocol as p
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+
+    w = _worker(daemon.endpoint, 1, async_load=False, async_save=False)
+    try:
+        client = w._link.client
+        assert client is not None and client.g2 is not None and w.geometry.k == 1
+        # Fill G2 (4 slots of 1 MiB) with blocks this worker pins by onboarding them.
+        ns = client.namespace
+        hashes = [bytes([i]) * 32 for i in range(4)]
+        with daemon.client() as c:
+            c.register(w._link.layout, worker_id="filler")
+            c.store(hashes, [np.zeros(4096, np.uint8)] * 4)
+        assert client.request(p.Onboard(namespace=ns, hashes=hashes), p.Onboarded).count == 4
+
+        # A save now finds no free slot: the daemon answers full. Load, not a link failure.
+        w.wait_for_save(KvbmConnectorMetadata(k=1, saves=[BlockTransfer("s", [b"z" * 32], [[1]])]))
+        assert w._link.client is client and not w._link.degraded, w._link.degraded_reason
+
+        st = _stats(daemon)["daemon"]
+        assert (st["workers"], st["pins"]) == (1, 4)
+        w._link.fail(RuntimeError("test: the link failed"))
+        assert client.g2 is None, "the failed link's G2 mapping is still mapped"
+        gone = wait_until(lambda: (_stats(daemon)["daemon"]["workers"], _stats(daemon)["daemon"]["pins"]) == (0, 0),
+                          timeout=10)
+        assert gone, f"the failed link's session is still held: {_stats(daemon)['daemon']}"
+    finally:
+        w.shutdown()
+
+
+def _stats(daemon) -> dict:
+    with daemon.client(timeout_s=5) as c:
+        return c.stats()
+
+
+def _scheduler(endpoint: str, engine: str, tp: int, **cfg):
+    """The connector's scheduler side for ``tp`` ranks (k = 1, 4 KiB vLLM blocks) straight from its parts."""
+    from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, SchedulerSide
+    from kvbm.layout import KVLayout
+
+    links = Links(endpoint, Geometry(16, 4096, 1), engine, TIMEOUT_S,
+                  lambda rank, k: KVLayout(model="outage-tp", num_layers=2, num_kv_heads=tp, head_size=32,
+                                           dtype="float16", tp_rank=rank, tp_size=tp, tokens_per_block=16 * k,
+                                           block_bytes=MiB))
+    return SchedulerSide(ConnectorConfig.parse({"timeout_s": TIMEOUT_S, **cfg}), links, tp)
+
+
+def _store(daemon, layout, req) -> None:
+    from kvbm.blocks import BlockKey
+
+    keys = [BlockKey(layout.namespace, bytes(h)) for h in req.block_hashes]
+    with daemon.client() as c:
+        c.register(layout, worker_id=f"filler-r{layout.tp_rank}")
+        assert c.store(keys, [np.zeros(4096, np.uint8)] * len(keys)).stored == len(keys)
+
+
+def test_a_silent_daemon_never_holds_the_scheduler_and_every_rank_is_asked_at_once(daemon):
+    """A daemon that stops answering (SIGSTOP: alive, silent; or a slow bucket probe) costs the scheduler
+    nothing: the hook says "not known yet" at once, every TP rank's lookup is already on the wire (not one
+    rank after another), and the answer comes when the daemon does, or is a miss after lookup_give_up_ms."""
+    import signal
+
+    sched = _scheduler(daemon.endpoint, "patient", 2, lookup_give_up_ms=60_000)
+    quick = _scheduler(daemon.endpoint, "quick", 2, lookup_give_up_ms=300)
+    try:
+        # One block each: the daemon's G2 holds 4 (1 MiB slots) and has no lower tier.
+        both, rank0_only = _request("both", 1, 100), _request("rank0", 1, 300)
+        lay0, lay1 = sched.layouts()
+        for lay in (lay0, lay1):
+            _store(daemon, lay, both)
+        _store(daemon, lay0, rank0_only)
+
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert sched.get_num_new_matched_tokens(both, 0) == (None, False)
+            assert time.monotonic() - t0 < HOOK_S
+            # Rank 0's lookup is awaited, rank 1's was sent with it and waits for its reply.
+            assert wait_until(lambda: sched._links[1].client is not None and sched._links[1].client._sent,
+                              timeout=10), "rank 1's lookup was not sent while rank 0's reply was awaited"
+            # A lookup nobody answers is a miss after lookup_give_up_ms: the request is computed.
+            got, longest = step_until_known(quick, _request("given-up", 1, 500))
+            assert got == (0, False) and longest < HOOK_S
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        # Answered once the daemon runs again (or, silent past the heartbeat, the link went down and reconnects:
+        # a later request of the same prompt hits).
+        n = iter(range(1000))
+        assert wait_until(lambda: step_until_known(sched, _request(f"both-{next(n)}", 1, 100))[0] == (16, False),
+                          timeout=30)
+        assert step_until_known(sched, rank0_only)[0] == (0, False)  # every rank must hold the prefix
+    finally:
+        sched.shutdown()
+        quick.shutdown()
