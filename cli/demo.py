@@ -12,9 +12,9 @@ import click
 import numpy as np
 
 from kvbm.blocks import BlockKey
+from kvbm.blocks.hashing import prefix_hashes
+from kvbm.blocks.layout import KVLayout
 from kvbm.cli.common import CliState, config_option, human_bytes, one_line_errors, pass_state
-from kvbm.hashing import prefix_hashes
-from kvbm.layout import KVLayout
 
 
 async def run_demo(cfg: Any, blocks: int, keep: bool, echo: Any = print) -> dict[str, Any]:

@@ -9,10 +9,10 @@ from typing import Any
 import click
 
 from kvbm.blocks import ALIGNED_HEADER_LEN, MIN_HEADER_LEN
+from kvbm.blocks.layout import DTYPE_BYTES, KVLayout
 from kvbm.cli.common import CliState, config_option, human_bytes, one_line_errors, pass_state
 from kvbm.config import parse_size
 from kvbm.errors import ConfigError
-from kvbm.layout import DTYPE_BYTES, KVLayout
 from kvbm.transfer import round_up
 
 _DTYPES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32",

@@ -22,6 +22,7 @@ from kvbm.cli.common import (
 )
 from kvbm.config import parse_size
 from kvbm.errors import ConfigError
+from kvbm.fleet.recency import read_access_times
 from kvbm.ops import (
     PrewarmReport,
     Selector,
@@ -36,7 +37,6 @@ from kvbm.ops import (
     rank_hottest,
     with_access,
 )
-from kvbm.recency import read_access_times
 
 
 class _Bar:

@@ -20,6 +20,7 @@ from kvbm.cli.common import (
     pass_state,
 )
 from kvbm.errors import ConfigError, KvbmError
+from kvbm.fleet.recency import AccessLog, read_access_times
 from kvbm.ops import (
     DeleteResult,
     Entry,
@@ -35,7 +36,6 @@ from kvbm.ops import (
     plan_purge,
     with_access,
 )
-from kvbm.recency import AccessLog, read_access_times
 from kvbm.security import admin_token_path
 from kvbm.tiers.dirlock import DirLock, DiskDirBusy
 

@@ -20,7 +20,7 @@ from kvbm.cli.common import (
     pass_state,
 )
 from kvbm.config import Config, parse_size
-from kvbm.metrics import breaker_state
+from kvbm.daemon.metrics import breaker_state
 from kvbm.ops import DaemonLink, Selector, iso, iter_bucket, iter_disk, open_bucket, summarize
 
 

@@ -28,8 +28,8 @@ import msgspec
 from msgspec import Meta
 
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.errors import KvbmError
-from kvbm.layout import KVLayout
 
 PROTOCOL_VERSION = 2  # 2: G2 pool generation in Registered and in slot requests
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from kvbm.config import Config, parse_size
-from kvbm.manager import BlockManager
+from kvbm.manager.core import BlockManager
 from kvbm.tiers.base import Tier
 
 log = logging.getLogger(__name__)

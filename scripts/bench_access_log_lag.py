@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbm import recency
 from kvbm.blocks import BlockKey
 from kvbm.config import S3Config
+from kvbm.fleet import recency
 from kvbm.s3server import EmbeddedS3
 from kvbm.tiers.s3 import make_s3_tier
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import zmq
 
 from kvbm import protocol as p
+from kvbm.blocks.layout import KVLayout
 from kvbm.client import WorkerClient
-from kvbm.layout import KVLayout
 from kvbm.s3server import EmbeddedS3
 
 LAYOUT = KVLayout(model="purgebench", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",

@@ -50,7 +50,7 @@ async def movers(cuda: bool, n: int, slot: int) -> dict[str, Any]:
     """G2->G1 and G1->G2 through the manager with each mover."""
     from kvbm.blocks import BlockKey
     from kvbm.config import TransferConfig
-    from kvbm.manager import BlockManager
+    from kvbm.manager.core import BlockManager
     from kvbm.tiers.device import DeviceTier
     from kvbm.tiers.host import HostTier
     from kvbm.transfer import make_memory_mover
@@ -193,7 +193,7 @@ def worker(cuda: bool, geo: dict[str, int]) -> dict[str, Any]:
         from kvbm.integrations.vllm.worker import WorkerSide
     except ImportError as e:
         return {"ran": False, "why": f"needs vLLM importable (the connector's base class): {e}"}
-    from kvbm.layout import KVLayout
+    from kvbm.blocks.layout import KVLayout
 
     k, bs, rounds = geo["k"], geo["bs"], geo["rounds"]
     caches = kv_caches(cuda, geo["layers"], geo["num_blocks"], bs, geo["heads"], geo["head"])

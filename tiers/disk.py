@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbm.blocks import ALIGNED_HEADER_LEN, BlockKey, pack_header, unpack_header, verify
+from kvbm.blocks.keys import DISK_SUFFIX, check_namespace, disk_relpath, parse_disk_relpath
 from kvbm.errors import CorruptBlockError, TierFullError
-from kvbm.keys import DISK_SUFFIX, check_namespace, disk_relpath, parse_disk_relpath
 from kvbm.tiers.base import StoredBlock, Tier
 from kvbm.tiers.dirlock import LOCK_FILE, DirLock, DiskDirBusy  # noqa: F401  (LOCK_FILE, DiskDirBusy: re-exported)
 from kvbm.transfer import FileIO, PlainFileIO, round_up

@@ -62,8 +62,8 @@ def run_fanout(opts: Any, srv: dict[str, Any], root: Path, mode: str, say: Calla
     import numpy as np
 
     from kvbm.blocks import BlockKey
+    from kvbm.blocks.layout import KVLayout
     from kvbm.client import WorkerClient
-    from kvbm.layout import KVLayout
 
     n = max(2, opts.fanout_daemons)
     layout = KVLayout(model="bench-fanout", num_layers=1, num_kv_heads=1, head_size=opts.block_bytes // 2,

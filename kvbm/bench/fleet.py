@@ -73,8 +73,8 @@ def _fleet(opts: FleetOptions, srv: dict[str, Any], root: Path, say: Callable[[s
     import numpy as np
 
     from kvbm.blocks import BlockKey
+    from kvbm.blocks.layout import KVLayout
     from kvbm.client import WorkerClient
-    from kvbm.layout import KVLayout
 
     layout = KVLayout(model="bench-fleet", num_layers=1, num_kv_heads=1, head_size=opts.block_bytes // 2,
                       dtype="uint8", kv_factor=2, tokens_per_block=1, block_bytes=opts.block_bytes)

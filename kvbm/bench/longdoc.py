@@ -1,7 +1,7 @@
 """``kvbm bench long-doc-qa``: time to first token, recompute vs kvbm cache hits from G2, G3 and G4.
 
 A tiny decoder-only transformer (random weights, float32, CPU) stands in for the model: its prefill returns
-per-layer K/V, which are packed into kvbm blocks per a :class:`~kvbm.layout.KVLayout` (one block =
+per-layer K/V, which are packed into kvbm blocks per a :class:`~kvbm.blocks.layout.KVLayout` (one block =
 ``[layer][K|V][head][token][head_dim]`` for ``tokens_per_block`` tokens) and keyed by kvbm's chained prefix
 hashes. The warm-up pass prefills each document and stores its full blocks (write-through to G3 and G4,
 durable). The query pass sends ``document + question`` requests (``tile``: d0 d1 .. dn d0 d1 ..; ``random``:
@@ -35,9 +35,9 @@ from torch.nn import functional as F
 
 from kvbm.bench.common import BenchTarget, delete_prefix, machine, s3_server, summary, temp_dir
 from kvbm.blocks import BlockKey
+from kvbm.blocks.hashing import prefix_hashes
+from kvbm.blocks.layout import KVLayout
 from kvbm.config import Config
-from kvbm.hashing import prefix_hashes
-from kvbm.layout import KVLayout
 
 MiB = 1024 * 1024
 

@@ -49,7 +49,7 @@ from kvbm.bench.common import (
 )
 from kvbm.blocks import BlockKey
 from kvbm.config import Config
-from kvbm.registry import Registry
+from kvbm.index.registry import Registry
 
 MiB = 1024 * 1024
 
@@ -175,7 +175,7 @@ def bench_registry(opts: ManagerOptions, rows: list[dict[str, Any]], echo: Calla
         _row(rows, "index memory per block", "RSS delta", (rss1 - rss0) / n, "bytes", f"{n:,} blocks in G3")
         echo(f"  index memory: {(rss1 - rss0) / n:.0f} B/block (RSS delta)")
     if "lookup" in opts.groups:
-        from kvbm.manager import BlockManager
+        from kvbm.manager.core import BlockManager
 
         # A manager over no real tiers would refuse nothing: lookup only reads the registry.
         mgr = BlockManager([])
@@ -228,8 +228,8 @@ def _daemon(tmp: Path, slot: int, host_bytes: int) -> DaemonProc:
 
 
 def bench_daemon(opts: ManagerOptions, rows: list[dict[str, Any]], work: Path, echo: Callable[[str], None]) -> None:
+    from kvbm.blocks.layout import KVLayout
     from kvbm.client import WorkerClient
-    from kvbm.layout import KVLayout
 
     # A tiny layout: 16 tokens x 1 layer x 1 head x 16 x fp16 x K,V = 1 KiB blocks, so G2 holds every event.
     layout = KVLayout(model="kvbm-bench/tiny", num_layers=1, num_kv_heads=1, head_size=16, dtype="float16",

@@ -127,7 +127,8 @@ class S3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     # when a durable store or a disk eviction relies on it; an older sighting (or a peer's event alone) is HEADed
     # again first, since another node may have purged it since.
     copy_max_age_s: float = 30.0
-    # Write-throughs owed to S3 while it is down or shedding (kvbm.owed) at most; beyond, blocks stay on disk only.
+    # Write-throughs owed to S3 while it is down or shedding (kvbm.manager.owed) at most; beyond, blocks stay on
+    # disk only.
     max_owed_blocks: int = 1_000_000
 
 
@@ -221,7 +222,7 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     discovery_ttl_s: float = 15.0  # a membership not refreshed for this long is dropped; refreshed every ttl/3
     announce_endpoint: str = ""  # the events endpoint others connect to; empty: the bound one (0.0.0.0: the FQDN)
     # Fleet-wide recency: every this many seconds the daemon writes the hashes hit since the last write to
-    # {s3.prefix}/_access/{namespace}/{node}/{epoch}.log (kvbm.recency); purge and prewarm read them. 0: off.
+    # {s3.prefix}/_access/{namespace}/{node}/{epoch}.log (kvbm.fleet.recency); purge and prewarm read them. 0: off.
     access_log_interval_s: float = 300.0
     node_id: str = ""  # names this node's access logs; empty: the host name
     # Join warm: before /readyz says ready, pull the fleet's prewarm_hottest most recently used blocks of each

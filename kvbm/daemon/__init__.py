@@ -14,7 +14,7 @@ One module per job:
 * :mod:`~kvbm.daemon.prefetch`: bringing slow-tier hits up to G2 after a lookup.
 * :mod:`~kvbm.daemon.logs`: JSON logs (:func:`configure_logging`, :func:`logj`).
 
-Worker sessions, and the G2 slot references they hold, live in :mod:`kvbm.sessions`.
+Worker sessions, and the G2 slot references they hold, live in :mod:`kvbm.daemon.sessions`.
 """
 
 from kvbm.daemon.core import STORE_TIER, Daemon, quarantine_grace_s, serve

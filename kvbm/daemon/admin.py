@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
+from kvbm.daemon.sessions import WorkerSession
 from kvbm.daemon.transport import Handled
 from kvbm.errors import TierUnavailableError
-from kvbm.manager import PERSISTENT, BlockManager
-from kvbm.sessions import WorkerSession
+from kvbm.manager.core import PERSISTENT, BlockManager
 
 
 class AdminHandlers:

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from kvbm import protocol as p
+from kvbm.blocks.keys import is_namespace
 from kvbm.config import DaemonConfig, TenantConfig
+from kvbm.daemon.sessions import WorkerSession
 from kvbm.daemon.transport import Handled
 from kvbm.errors import ConfigError
-from kvbm.keys import is_namespace
 from kvbm.security import ensure_admin_token, token_matches
-from kvbm.sessions import WorkerSession
 
 NEEDS_ADMIN = "needs an admin session (Register with the token of daemon.admin_token_file)"
 

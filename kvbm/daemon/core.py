@@ -17,19 +17,19 @@ from kvbm.config import Config
 from kvbm.daemon.auth import load_credentials
 from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.fleet import FleetMember, shared_tier
+from kvbm.daemon.health import readiness
 from kvbm.daemon.indexing import BucketIndexer
+from kvbm.daemon.kvevents import KVEventSubscriber, describe_views
 from kvbm.daemon.logs import logj
+from kvbm.daemon.metrics import Metrics, MetricsServer
 from kvbm.daemon.prefetch import Prefetcher
 from kvbm.daemon.service import Service, g2_of
+from kvbm.daemon.sessions import Sessions, WorkerSession
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import Transport
 from kvbm.daemon.warmth import Warmth
-from kvbm.health import readiness
-from kvbm.kvevents import KVEventSubscriber, describe_views
-from kvbm.manager import BlockManager
-from kvbm.metrics import Metrics, MetricsServer
+from kvbm.manager.core import BlockManager
 from kvbm.security import admin_token_path, check_binds, exposure, server_keys
-from kvbm.sessions import Sessions, WorkerSession
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
 
@@ -185,7 +185,7 @@ class Daemon:
         return self.fleet_member.describe()
 
     def readiness(self) -> dict[str, Any]:
-        """What ``/readyz`` answers (see :func:`kvbm.health.readiness`)."""
+        """What ``/readyz`` answers (see :func:`kvbm.daemon.health.readiness`)."""
         serving = self.ready.is_set() and not self._stop.is_set()
         return readiness(self.snapshot() if serving else None, serving, self.dc.index_bucket)
 

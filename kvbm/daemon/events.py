@@ -25,7 +25,7 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import curve_server
-from kvbm.manager import BlockManager
+from kvbm.manager.core import BlockManager
 from kvbm.security import prepare_ipc
 
 EVENTS_USER = "admin"  # the PLAIN user name of an events subscriber on a daemon with tenants

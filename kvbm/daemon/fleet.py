@@ -22,7 +22,7 @@ from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.transport import Spawn
 from kvbm.fleet import BucketProbe, PeerFollower
 from kvbm.fleet.members import Discovery, Membership
-from kvbm.manager import BlockManager
+from kvbm.manager.core import BlockManager
 from kvbm.tiers.s3 import S3Tier
 
 log = logging.getLogger(__name__)

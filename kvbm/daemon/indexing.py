@@ -14,7 +14,7 @@ import time
 from kvbm.daemon.logs import logj
 from kvbm.daemon.transport import Spawn
 from kvbm.errors import TierUnavailableError
-from kvbm.manager import BlockManager
+from kvbm.manager.core import BlockManager
 
 INDEX_RETRY_S = (0.5, 10.0)  # bucket listing retries: first delay, cap (doubling in between)
 

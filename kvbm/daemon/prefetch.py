@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kvbm.blocks import BlockKey
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import Spawn
-from kvbm.manager import BlockManager
+from kvbm.manager.core import BlockManager
 from kvbm.tiers.names import FAST, TierName
 
 log = logging.getLogger("kvbm.daemon")

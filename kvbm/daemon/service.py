@@ -3,7 +3,7 @@ worker's session and returning the reply. No ZeroMQ here (see :mod:`kvbm.daemon.
 handlers can be called directly.
 
 Pins: blocks onboarded for a worker stay pinned in G2 until it sends Release or Unregister, or its lease
-runs out (:mod:`kvbm.sessions` owns the slot references). Slot requests carrying another G2 pool generation
+runs out (:mod:`kvbm.daemon.sessions` owns the slot references). Slot requests carrying another G2 pool generation
 than this daemon's are refused (``E_STALE``).
 """
 
@@ -24,15 +24,15 @@ from kvbm.daemon.barrier import Barriers
 from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.indexing import BucketIndexer
 from kvbm.daemon.logs import logj
+from kvbm.daemon.metrics import Metrics
 from kvbm.daemon.prefetch import Prefetcher
+from kvbm.daemon.sessions import Sessions, WorkerSession
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import Handled
 from kvbm.errors import KvbmError
 from kvbm.fleet import BucketProbe
-from kvbm.manager import BlockManager
-from kvbm.metrics import Metrics
+from kvbm.manager.core import BlockManager
 from kvbm.security import token_matches
-from kvbm.sessions import Sessions, WorkerSession
 from kvbm.tiers.names import FAST, TierName
 from kvbm.tiers.pool import SlotPoolTier
 

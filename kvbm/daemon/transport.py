@@ -23,10 +23,10 @@ import zmq.asyncio
 from kvbm import protocol as p
 from kvbm.config import DaemonConfig
 from kvbm.daemon.logs import logj
+from kvbm.daemon.sessions import WorkerSession
 from kvbm.daemon.stats import DaemonStats
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
 from kvbm.security import prepare_ipc
-from kvbm.sessions import WorkerSession
 
 log = logging.getLogger("kvbm.daemon")
 

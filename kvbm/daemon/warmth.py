@@ -1,5 +1,5 @@
 """Fleet-wide recency for one daemon: its hits go to this node's access logs in the bucket
-(:mod:`kvbm.recency`, read by purge and prewarm), and with ``daemon.prewarm_hottest`` it joins warm: the
+(:mod:`kvbm.fleet.recency`, read by purge and prewarm), and with ``daemon.prewarm_hottest`` it joins warm: the
 fleet's most recently used blocks are pulled in before ``/readyz`` says ready."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 from kvbm.config import DaemonConfig
 from kvbm.daemon.logs import logj
 from kvbm.errors import KvbmError
-from kvbm.manager import BlockManager
-from kvbm.recency import AccessRecorder
+from kvbm.fleet.recency import AccessRecorder
+from kvbm.manager.core import BlockManager
 
 
 class Warmth:

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from kvbm.errors import TierUnavailableError
-from kvbm.recency import node_name
+from kvbm.fleet.recency import node_name
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ module:
 
 from __future__ import annotations
 
+from kvbm.blocks.keys import check_namespace, model_slug
 from kvbm.config import parse_size
-from kvbm.keys import check_namespace, model_slug
 from kvbm.ops.inventory import (
     Entry,
     Selector,

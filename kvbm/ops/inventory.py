@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from kvbm.blocks import BlockKey
+from kvbm.blocks.keys import check_namespace, is_namespace, model_slug, parse_disk_relpath
 from kvbm.config import Config
 from kvbm.errors import ConfigError
 from kvbm.fleet.members import is_member_key
-from kvbm.keys import check_namespace, is_namespace, model_slug, parse_disk_relpath
-from kvbm.recency import is_access_key
+from kvbm.fleet.recency import is_access_key
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", re.IGNORECASE)
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -224,5 +224,5 @@ def iso(ts: float | None) -> str | None:
 
 
 def with_access(entries: Iterable[Entry], times: dict[BlockKey, float]) -> list[Entry]:
-    """``entries`` with ``accessed`` set from merged access logs (:func:`kvbm.recency.read_access_times`)."""
+    """``entries`` with ``accessed`` set from merged access logs (:func:`kvbm.fleet.recency.read_access_times`)."""
     return [dataclasses.replace(e, accessed=times[e.key]) if e.key in times else e for e in entries]

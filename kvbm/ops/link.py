@@ -78,8 +78,8 @@ class DaemonLink:
 
     def open(self) -> DaemonLink:
         from kvbm import protocol as p
+        from kvbm.blocks.layout import KVLayout
         from kvbm.client import WorkerClient
-        from kvbm.layout import KVLayout
 
         layout = KVLayout(model="kvbm-cli", num_layers=1, num_kv_heads=1, head_size=1, dtype="uint8", kv_factor=1,
                           tokens_per_block=1, block_bytes=1)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbm.blocks import BlockKey
+from kvbm.blocks.keys import check_namespace, is_hash_hex
 from kvbm.config import Config, parse_size
 from kvbm.errors import ConfigError, KvbmError
-from kvbm.keys import check_namespace, is_hash_hex
 from kvbm.ops.inventory import Entry, Selector, iter_bucket, iter_disk, with_access
 from kvbm.ops.link import DaemonLink
 
@@ -41,7 +41,7 @@ def keys_from_tokens_file(path: str, namespace: str, block_tokens: int, scheme: 
                           vllm_block_size: int | None = None, salt: str | None = None,
                           lora: str | None = None) -> list[list[BlockKey]]:
     """One JSON list of token ids per line -> the chained block keys of each prompt (full blocks only)."""
-    from kvbm.hashing import prefix_hashes
+    from kvbm.blocks.hashing import prefix_hashes
 
     check_namespace(namespace)
     if block_tokens <= 0:
@@ -116,9 +116,9 @@ def _rank(entries: list[Entry], times: dict[BlockKey, float], hottest: int) -> l
 async def prewarm_manager(manager: Any, tier: Any, namespaces: Sequence[str], hottest: int, to: str,
                           concurrency: int = 8) -> dict[str, Any]:
     """A daemon joining warm: bring the ``hottest`` most recently used blocks (fleet-wide, see
-    :mod:`kvbm.recency`) of each namespace (default: every namespace with access logs) from the bucket
+    :mod:`kvbm.fleet.recency`) of each namespace (default: every namespace with access logs) from the bucket
     ``tier`` into the manager's tier ``to``. The onboards count as hits, like any other use."""
-    from kvbm.recency import list_logs, read_access_times
+    from kvbm.fleet.recency import list_logs, read_access_times
 
     nss = list(namespaces) or sorted({lg.namespace for lg in await list_logs(tier)})
     sem = asyncio.Semaphore(max(1, concurrency))

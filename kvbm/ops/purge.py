@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbm.blocks.keys import DISK_SUFFIX
 from kvbm.errors import ConfigError
-from kvbm.keys import DISK_SUFFIX
+from kvbm.fleet.recency import AccessLog
 from kvbm.ops.inventory import Entry, Selector
-from kvbm.recency import AccessLog
 
 DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
-from kvbm.layout import KVLayout
 from kvbm.security import read_admin_token
 
 SLOT = 64 * 1024

@@ -206,7 +206,7 @@ def test_pack_unpack_round_trip():
     import torch
 
     from kvbm.bench.longdoc import TinyDecoder, pack_block, unpack_blocks
-    from kvbm.layout import KVLayout
+    from kvbm.blocks.layout import KVLayout
 
     m = TinyDecoder(2, 32, 2, 100)
     lay = KVLayout(model="t", num_layers=2, num_kv_heads=2, head_size=16, dtype="float32", tokens_per_block=8,

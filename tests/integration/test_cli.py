@@ -18,11 +18,11 @@ from serve_proc import ServeProc
 
 from kvbm import ops
 from kvbm.blocks import BlockKey
+from kvbm.blocks.hashing import prefix_hashes
 from kvbm.cli.main import main
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
-from kvbm.hashing import prefix_hashes
-from kvbm.manager import BlockManager
+from kvbm.manager.core import BlockManager
 from kvbm.ops import Entry, Selector, parse_duration, plan_purge
 from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.s3 import S3Tier, make_s3_tier

@@ -10,9 +10,9 @@ import pytest
 from serve_proc import ServeProc
 
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.client import WorkerClient
 from kvbm.config import S3Config
-from kvbm.layout import KVLayout
 from kvbm.tiers.s3 import make_s3_tier
 
 A = KVLayout(model="bucket-a", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)

@@ -16,10 +16,10 @@ import pytest
 from serve_proc import ServeProc, wait_until
 
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.config import S3Config, TransferConfig
 from kvbm.errors import TierFullError, TierUnavailableError, WriteShedError
-from kvbm.layout import KVLayout
-from kvbm.manager import BlockManager
+from kvbm.manager.core import BlockManager
 from kvbm.s3server import EmbeddedS3, pick_ports
 from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.host import HostTier

@@ -17,10 +17,10 @@ from click.testing import CliRunner
 from serve_proc import ServeProc, wait_until
 
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.cli.main import main
 from kvbm.client import WorkerClient
 from kvbm.config import S3Config
-from kvbm.layout import KVLayout
 from kvbm.tiers.s3 import make_s3_tier
 
 pytestmark = pytest.mark.s3
@@ -282,9 +282,9 @@ def test_access_log_compaction_reading_and_prewarm_ranking_run_off_the_event_loo
     prewarm and ranking a namespace for join-warm must not run on the event loop (its requests would stall). The
     real recorder against SeaweedFS compacts three logs, reads them back and ranks a prewarm; every encode,
     decode and sort is seen on a worker thread."""
+    import kvbm.fleet.recency as recency
     import kvbm.ops.prewarm as prewarm
-    import kvbm.recency as recency
-    from kvbm.manager import BlockManager
+    from kvbm.manager.core import BlockManager
     from kvbm.tiers.host import HostTier
 
     seen: list[tuple[str, bool]] = []

@@ -18,8 +18,8 @@ from test_ops import get
 import kvbm.tiers.s3.bulk as s3bulk
 import kvbm.tiers.s3.fastlist as s3fastlist
 from kvbm.blocks import BlockKey
-from kvbm.layout import KVLayout
-from kvbm.recency import AccessRecorder, access_prefix, read_access_times
+from kvbm.blocks.layout import KVLayout
+from kvbm.fleet.recency import AccessRecorder, access_prefix, read_access_times
 
 pytestmark = pytest.mark.s3
 
@@ -273,8 +273,8 @@ def test_serve_with_prewarm_hottest_is_ready_once_the_hottest_blocks_are_on_disk
 
 
 def test_plan_purge_ranks_by_last_use_and_falls_back_to_write_time():
+    from kvbm.fleet.recency import AccessLog
     from kvbm.ops import Entry, Selector, plan_log_purge, plan_purge, rank_hottest, with_access
-    from kvbm.recency import AccessLog
 
     now = 10_000.0
     es = [Entry("bucket", bkey(NS, i), f"k{i}", 100, now - 1000 * (5 - i)) for i in range(5)]  # k0 oldest write

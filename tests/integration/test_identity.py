@@ -15,12 +15,12 @@ from click.testing import CliRunner
 from serve_proc import ServeProc
 
 from kvbm.blocks import BlockKey
+from kvbm.blocks.hashing import prefix_hashes, root_hash
+from kvbm.blocks.keys import check_namespace, is_namespace, model_slug
+from kvbm.blocks.layout import KVLayout
 from kvbm.cli.main import main
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError
-from kvbm.hashing import prefix_hashes, root_hash
-from kvbm.keys import check_namespace, is_namespace, model_slug
-from kvbm.layout import KVLayout
 from kvbm.ops import Selector, iter_disk
 from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.s3 import make_s3_tier

@@ -12,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvbm.kvevents import EngineView, KVEventSubscriber
+from kvbm.daemon.kvevents import EngineView, KVEventSubscriber
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_proc import ServeProc, wait_until
 
 from kvbm.blocks import BlockKey
-from kvbm.layout import KVLayout
+from kvbm.blocks.layout import KVLayout
 
 LAYOUT = KVLayout(model="fleetm", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)
 NB = LAYOUT.block_nbytes

@@ -15,10 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_proc import ServeProc
 
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.cli.main import main
 from kvbm.config import load_config
 from kvbm.errors import ConfigError
-from kvbm.layout import KVLayout
 
 LAYOUT = KVLayout(model="ops", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)
 NB = LAYOUT.block_nbytes
@@ -173,7 +173,7 @@ def test_grafana_dashboard_only_uses_metrics_the_daemon_exports(s3_daemon):
 
 
 def test_two_metrics_registries_in_one_process_do_not_collide():
-    from kvbm.metrics import Metrics
+    from kvbm.daemon.metrics import Metrics
 
     a, b = Metrics(lambda: {}), Metrics(lambda: {})
     a.lookup.labels(tier="G2").observe(0.001)

@@ -21,8 +21,8 @@ from serve_proc import ServeProc
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
-from kvbm.layout import KVLayout
 
 SLOT = 64 * 1024
 LAYOUT_A = KVLayout(model="tenant-a", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=SLOT)

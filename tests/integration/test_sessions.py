@@ -11,10 +11,10 @@ from serve_proc import ServeProc, wait_until
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.client import DaemonError
 from kvbm.config import load_config
 from kvbm.errors import ConfigError
-from kvbm.layout import KVLayout
 
 SLOT = 64 * 1024
 LAYOUT = KVLayout(model="sessions", num_layers=1, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=SLOT)

@@ -19,8 +19,8 @@ from serve_proc import ServeProc
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.client import DaemonError
-from kvbm.layout import KVLayout
 from kvbm.tiers import host as host_mod
 from kvbm.tiers.host import HostTier, shm_path
 
@@ -182,7 +182,7 @@ def test_g2_pool_larger_than_shared_memory_fails_at_creation(small_shm):
 def test_concurrent_prepare_of_a_key_being_prefetched_gets_a_per_key_answer(tmp_path):
     """A prefetch (G3 -> G2) holds a pending slot for the key; a worker's prepare of it is told
     "being stored" (None) for that key instead of failing its whole batch."""
-    from kvbm.manager import BlockManager
+    from kvbm.manager.core import BlockManager
     from kvbm.tiers.disk import DiskTier
     from kvbm.transfer import PlainFileIO
 
@@ -362,8 +362,8 @@ def test_commit_over_a_committed_key_keeps_the_slot_readers_use():
 
 
 def test_quarantine_ends_after_its_grace_period_and_unregister_releases_at_once():
-    from kvbm.manager import BlockManager
-    from kvbm.sessions import Sessions
+    from kvbm.daemon.sessions import Sessions
+    from kvbm.manager.core import BlockManager
 
     async def go():
         g2 = HostTier(4 * SLOT, SLOT, pin=False)
@@ -398,7 +398,7 @@ def test_quarantine_ends_after_its_grace_period_and_unregister_releases_at_once(
 
 
 def test_prepare_evicts_for_a_free_slot_when_removed_blocks_still_hold_theirs(tmp_path):
-    from kvbm.manager import BlockManager
+    from kvbm.manager.core import BlockManager
     from kvbm.tiers.disk import DiskTier
     from kvbm.transfer import PlainFileIO
 

@@ -24,7 +24,7 @@ import pytest
 from needs import needs
 from serve_proc import ServeProc
 
-from kvbm.vllm_hash import vllm_block_hashes
+from kvbm.blocks.vllm_hash import vllm_block_hashes
 
 pytestmark = [pytest.mark.slow, needs("vllm", importlib.util.find_spec("vllm") is not None,
                                       "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")]

@@ -132,8 +132,8 @@ def _worker(endpoint: str, k: int | None, **cfg):
     """The connector's worker side of TP rank 0 over a 2-layer paged cache of 8 blocks (4 KiB each), k = 1."""
     import torch
 
+    from kvbm.blocks.layout import KVLayout
     from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, WorkerSide
-    from kvbm.layout import KVLayout
 
     geometry = Geometry(16, 2 * 2048, k)  # k None: unknown until a link reaches the daemon
     links = Links(endpoint, geometry, "outage-engine", TIMEOUT_S,
@@ -206,8 +206,8 @@ def _stats(daemon) -> dict:
 
 def _scheduler(endpoint: str, engine: str, tp: int, **cfg):
     """The connector's scheduler side for ``tp`` ranks (k = 1, 4 KiB vLLM blocks) straight from its parts."""
+    from kvbm.blocks.layout import KVLayout
     from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, SchedulerSide
-    from kvbm.layout import KVLayout
 
     links = Links(endpoint, Geometry(16, 4096, 1), engine, TIMEOUT_S,
                   lambda rank, k: KVLayout(model="outage-tp", num_layers=2, num_kv_heads=tp, head_size=32,

@@ -86,7 +86,7 @@ class KVDigest:
 
 def prompt_block_ids(llm: Any, prompt: list[int], n: int) -> list[int]:
     """The vLLM block ids of the prompt's first ``n`` full blocks, from the prefix cache's hash map."""
-    from kvbm.vllm_hash import vllm_block_hashes
+    from kvbm.blocks.vllm_hash import vllm_block_hashes
 
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     pool = sched.kv_cache_manager.block_pool

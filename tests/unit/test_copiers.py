@@ -1,4 +1,4 @@
-"""kvbm.copiers: the (source medium, destination medium) table, over real tiers (shared-memory slot pools,
+"""kvbm.manager.copiers: the (source medium, destination medium) table, over real tiers (shared-memory slot pools,
 files on disk). Every copy is checked byte for byte; a missing source leaves no slot behind."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 
 from kvbm.blocks import BlockKey
-from kvbm.copiers import COPIERS, Medium, copy_block, medium
+from kvbm.manager.copiers import COPIERS, Medium, copy_block, medium
 from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.host import HostTier
 from kvbm.transfer import PlainFileIO

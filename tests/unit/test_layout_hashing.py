@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from kvbm.blocks.hashing import prefix_hashes, root_hash
+from kvbm.blocks.layout import KVLayout
 from kvbm.errors import ConfigError
-from kvbm.hashing import prefix_hashes, root_hash
-from kvbm.layout import KVLayout
 
 
 def llama8b(**kw):
@@ -88,7 +88,8 @@ def test_salt_and_lora_change_identity():
 
 
 def test_hashes_are_identical_across_processes_with_different_hash_seeds():
-    code = "from kvbm.hashing import prefix_hashes; print([h.hex() for h in prefix_hashes(list(range(300)), 32)])"
+    code = ("from kvbm.blocks.hashing import prefix_hashes; "
+            "print([h.hex() for h in prefix_hashes(list(range(300)), 32)])")
     outs = set()
     for seed in ("0", "12345", "random"):
         env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}

@@ -7,9 +7,9 @@ import pytest
 from needs import needs
 
 from kvbm.blocks import BlockKey
-from kvbm.hashing import prefix_hashes
-from kvbm.layout import KVLayout
-from kvbm.manager import BlockManager
+from kvbm.blocks.hashing import prefix_hashes
+from kvbm.blocks.layout import KVLayout
+from kvbm.manager.core import BlockManager
 from kvbm.tiers.device import DeviceTier
 from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.host import HostTier

@@ -5,7 +5,7 @@ import pytest
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
-from kvbm.layout import KVLayout
+from kvbm.blocks.layout import KVLayout
 
 LAYOUT = KVLayout(model="tiny", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=65536)
 H = [bytes([i]) * 32 for i in range(3)]

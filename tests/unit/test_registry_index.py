@@ -7,7 +7,7 @@ import tracemalloc
 import pytest
 
 from kvbm.blocks import BlockKey
-from kvbm.registry import Registry
+from kvbm.index.registry import Registry
 
 NS_A = "m-0123456789abcdef"
 NS_B = "m-fedcba9876543210"

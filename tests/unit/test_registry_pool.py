@@ -8,7 +8,7 @@ import torch
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierFullError
-from kvbm.registry import Registry
+from kvbm.index.registry import Registry
 from kvbm.tiers.device import DeviceTier
 from kvbm.tiers.host import HostTier, shm_path
 

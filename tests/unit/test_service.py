@@ -11,9 +11,9 @@ import pytest
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.config import load_config
 from kvbm.daemon import Daemon, Handled
-from kvbm.layout import KVLayout
 from kvbm.stack import build_stack
 
 SLOT = 64 * 1024

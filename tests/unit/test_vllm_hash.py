@@ -3,8 +3,8 @@
 import pytest
 from needs import import_or_skip
 
-from kvbm.hashing import prefix_hashes
-from kvbm.vllm_hash import cbor_canonical, none_hash, vllm_block_hashes
+from kvbm.blocks.hashing import prefix_hashes
+from kvbm.blocks.vllm_hash import cbor_canonical, none_hash, vllm_block_hashes
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvbm.blocks.keys import check_namespace
 from kvbm.errors import ConfigError
-from kvbm.keys import check_namespace
 
 pytest.importorskip("vllm", reason="the vLLM CPU build is not installed (KVBM_EXTRAS=vllm)")
 

@@ -14,8 +14,8 @@ from typing import Any
 from kvbm.blocks import (
     BlockKey,
 )
+from kvbm.blocks.keys import is_namespace
 from kvbm.errors import TierUnavailableError
-from kvbm.keys import is_namespace
 from kvbm.tiers.base import StoredBlock
 from kvbm.tiers.s3.codes import _MISS_CODES, _err_code, _one_line
 from kvbm.tiers.s3.fastlist import _FAST_LIST, _fast_timestamp

@@ -2,7 +2,7 @@
 and when this node last *saw* each object exist (its own PUT, a GET, a HEAD or a listing; monotonic seconds).
 
 A block learned from a peer's event is indexed as hearsay: found by lookups, but not counted as a copy (a durable
-ack or a disk eviction) until it is seen or re-checked (:meth:`kvbm.knowledge.IndexSync.real_copies`).
+ack or a disk eviction) until it is seen or re-checked (:meth:`kvbm.manager.knowledge.IndexSync.real_copies`).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ import uuid
 from typing import Any
 
 from kvbm.blocks import MIN_HEADER_LEN, BlockKey
+from kvbm.blocks.keys import object_relkey, parse_object_relkey
 from kvbm.config import S3Config, parse_size
 from kvbm.errors import ConfigError, TierUnavailableError
-from kvbm.keys import object_relkey, parse_object_relkey
 from kvbm.tiers.base import Tier, TierStats, no_observe
 from kvbm.tiers.s3.aio import AioBody
 from kvbm.tiers.s3.bodies import BodyBackend
@@ -34,7 +34,7 @@ class S3Stats(TierStats):
 
     heads: int = 0
     delete_requests: int = 0  # DELETE and DeleteObjects requests (one per 1,000 keys)
-    reconfirms: int = 0  # blocks HEADed again before a durability decision relied on them (kvbm.knowledge)
+    reconfirms: int = 0  # blocks HEADed again before a durability decision relied on them (kvbm.manager.knowledge)
     stale: int = 0  # of them, blocks the bucket no longer held (deleted by another node): forgotten
 
 
@@ -73,7 +73,7 @@ class S3Session(Tier):
         self._secret_key = secret_key if secret_key is not None else (cfg.secret_key or None)
         self._session_token = session_token if session_token is not None else (cfg.session_token or None)
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
-        self.observe = no_observe  # (op, seconds) per successful request; see kvbm.metrics
+        self.observe = no_observe  # (op, seconds) per successful request; see kvbm.daemon.metrics
         self.objects = ObjectIndex(HEADER_LEN, cfg.copy_max_age_s)  # sizes and sightings of the bucket's blocks
         self._pending_writes = 0
         self._sem: asyncio.Semaphore | None = None

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvbm.blocks.layout import KVLayout
 from kvbm.integrations.vllm.config import ConnectorConfig, curve_options
 from kvbm.integrations.vllm.fingerprint import layout_for, storing_ranks
 from kvbm.integrations.vllm.geometry import Geometry
@@ -20,7 +21,6 @@ from kvbm.integrations.vllm.link import Links
 from kvbm.integrations.vllm.scheduler import SchedulerSide
 from kvbm.integrations.vllm.worker import WorkerSide
 from kvbm.integrations.vllm_compat import check_vllm
-from kvbm.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvbm.blocks.layout import DTYPE_BYTES, KVLayout
 from kvbm.errors import ConfigError
-from kvbm.layout import DTYPE_BYTES, KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbm import protocol as p
+from kvbm.blocks.layout import KVLayout
 from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
 from kvbm.integrations.vllm.geometry import K_SETTING, Geometry, MisconfiguredError, daemon_block_bytes, warn_once
-from kvbm.layout import KVLayout
 
 log = logging.getLogger("kvbm.vllm")
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvbm.blocks.layout import KVLayout
 from kvbm.integrations.vllm.config import ConnectorConfig
 from kvbm.integrations.vllm.geometry import K_SETTING
 from kvbm.integrations.vllm.groups import NULL_BLOCK, SINGLE, KVGroups
 from kvbm.integrations.vllm.link import Links
 from kvbm.integrations.vllm.lookup import Lookups
 from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
-from kvbm.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

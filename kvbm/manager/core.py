@@ -29,19 +29,19 @@ from collections.abc import Awaitable, Sequence
 
 import msgspec
 
-from kvbm import policy
 from kvbm.blocks import BlockKey
-from kvbm.cascade import WriteThrough
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
-from kvbm.external import ExternalStores
-from kvbm.failures import FAILURE_LOG_EVERY_S, FailureLog
-from kvbm.knowledge import IndexSync
-from kvbm.manager_state import CopyObserver, ManagerState, ManagerStats, StateField
-from kvbm.moves import Moves, forget_if_gone
-from kvbm.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED, JOURNAL_NAME
-from kvbm.policy import PERSISTENT
-from kvbm.registry import Registry
-from kvbm.room import Room
+from kvbm.index.registry import Registry
+from kvbm.manager import policy
+from kvbm.manager.cascade import WriteThrough
+from kvbm.manager.external import ExternalStores
+from kvbm.manager.failures import FAILURE_LOG_EVERY_S, FailureLog
+from kvbm.manager.knowledge import IndexSync
+from kvbm.manager.moves import Moves, forget_if_gone
+from kvbm.manager.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED, JOURNAL_NAME
+from kvbm.manager.policy import PERSISTENT
+from kvbm.manager.room import Room
+from kvbm.manager.state import CopyObserver, ManagerState, ManagerStats, StateField
 from kvbm.tiers.base import Tier
 from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.names import TierName
@@ -71,10 +71,10 @@ class BlockManager:
             raise KvbmError(f"duplicate tier names: {names}")
         # The one state every part shares; the parts get it and the callables they use, never the manager.
         self.state = ManagerState(list(tiers), Registry(names), mover=mover, min_hits_to_offload=min_hits_to_offload)
-        self.index = IndexSync(self.state)  # blocks found elsewhere (kvbm.knowledge)
+        self.index = IndexSync(self.state)  # blocks found elsewhere (kvbm.manager.knowledge)
         self.room = Room(self.state, self._move, self.index.real_copies)  # reservations and eviction
         self.moves = Moves(self.state, self.room)  # coalesced copies between tiers
-        # Background cascades (bounded; see kvbm.cascade) and the write-throughs owed after an outage.
+        # Background cascades (bounded; see kvbm.manager.cascade) and the write-throughs owed after an outage.
         self.write_through = WriteThrough(self.state, self._move, self.index.real_copies, max_pending_cascades,
                                           max_concurrent_cascades, max_owed_blocks)
         self.owed_writes = self.write_through.owed
@@ -108,7 +108,7 @@ class BlockManager:
                 if index is True or tier.kind in index:
                     await self.index_tier(tier.name)
                     if isinstance(tier, DiskTier) and self.owed_writes.journal is None:
-                        # What was owed to S3 when the last run stopped (kvbm.owed), now that the disk is indexed.
+                        # What was owed to S3 when the last run stopped (kvbm.manager.owed), the disk now indexed.
                         await self.owed_writes.resume(tier.dir / JOURNAL_NAME)
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
@@ -186,7 +186,7 @@ class BlockManager:
             started += self.write_through.schedule(key)
         return started
 
-    # -- external stores (a worker copies into G2 slots itself; kvbm.external) --------------------------
+    # -- external stores (a worker copies into G2 slots itself; kvbm.manager.external) --------------------------
     async def prepare_store(self, keys: Sequence[BlockKey], nbytes: int,
                             tier: str = TierName.G2) -> list[int | None]:
         """Reserve a slot in pool tier ``tier`` for each key; None for keys already stored there or being

@@ -2,19 +2,19 @@
 
 Cascades run at most ``max_concurrent`` at once (a burst queues here instead of being shed by a lower
 tier's own write limit) and at most ``max_pending`` are queued (more are shed, counted). A cascade that
-raises anything is counted and logged (:class:`~kvbm.failures.FailureLog`) and leaves the block where it
-was; one a tier could not take for an outage is owed to it (:class:`~kvbm.owed.OwedWrites`).
+raises anything is counted and logged (:class:`~kvbm.manager.failures.FailureLog`) and leaves the block where it
+was; one a tier could not take for an outage is owed to it (:class:`~kvbm.manager.owed.OwedWrites`).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from kvbm import policy
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierUnavailableError
-from kvbm.manager_state import ManagerState, Move, RealCopies
-from kvbm.owed import DEFAULT_MAX_OWED, OwedWrites
+from kvbm.manager import policy
+from kvbm.manager.owed import DEFAULT_MAX_OWED, OwedWrites
+from kvbm.manager.state import ManagerState, Move, RealCopies
 
 
 class WriteThrough:
@@ -58,7 +58,7 @@ class WriteThrough:
         durable = False
         for tier in s.below(where[0]):
             if s.registry.holds(tier.name, key):
-                # Counted only if it is known to be there (a shared tier's entry may be stale: kvbm.knowledge).
+                # Counted only if it is known to be there (a shared tier's entry may be stale: kvbm.manager.knowledge).
                 if key in await self._real_copies(tier.name, [key]):
                     durable = durable or policy.is_persistent(tier)
                     continue

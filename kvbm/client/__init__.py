@@ -29,8 +29,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
-from kvbm.client_async import AsyncWorkerClient
-from kvbm.client_core import (
+from kvbm.blocks.layout import KVLayout
+from kvbm.client.aio import AsyncWorkerClient
+from kvbm.client.core import (
     Buffer,
     DaemonError,
     DaemonUnavailable,
@@ -39,7 +40,6 @@ from kvbm.client_core import (
     _Core,
     client_options,
 )
-from kvbm.layout import KVLayout
 
 __all__ = ["AsyncWorkerClient", "DaemonError", "DaemonUnavailable", "Overloaded", "WorkerClient", "client_options"]
 

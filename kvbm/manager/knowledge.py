@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError, TierUnavailableError
-from kvbm.manager_state import ManagerState
+from kvbm.manager.state import ManagerState
 from kvbm.tiers.base import SharedTier
 
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbm.blocks import BlockKey
-from kvbm.keys import is_hash_hex, is_namespace
+from kvbm.blocks.keys import is_hash_hex, is_namespace
 
-log = logging.getLogger("kvbm.recency")
+log = logging.getLogger("kvbm.fleet.recency")
 
 ACCESS_DIR = "_access"
 LOG_SUFFIX = ".log"

@@ -6,7 +6,7 @@ a few dict operations, so the lock is held for microseconds).
 
 Memory layout (about 90 bytes per block in one tier, 130 in two; see ``kvbm bench manager``): a block
 is not kept as a :class:`BlockKey` but as one Python int packing the namespace id, the hash length and
-the hash (:mod:`kvbm.keycodes`). Each tier is a plain insertion-ordered dict ``code -> code`` whose
+the hash (:mod:`kvbm.index.keycodes`). Each tier is a plain insertion-ordered dict ``code -> code`` whose
 order is that tier's LRU order (a touch re-inserts at the end). The value is the key itself, so a block
 held in several tiers shares one int object (adding it to a second tier looks the canonical object up
 in the first). Footprints are stored once per tier (the most common one) plus a sparse dict of the blocks
@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from itertools import takewhile
 
 from kvbm.blocks import BlockKey
-from kvbm.footprints import Footprints
-from kvbm.keycodes import KeyCodes, Pins
+from kvbm.index.footprints import Footprints
+from kvbm.index.keycodes import KeyCodes, Pins
 
 
 class Registry:
@@ -42,7 +42,7 @@ class Registry:
         # Called as listener(kind, tier, keys) with kind "stored" or "removed" and the blocks that changed (one
         # call per batch: a store of 64 blocks is one call, not 64), outside the lock.
         self.listeners: list[Callable[[str, str, list[BlockKey]], None]] = []
-        # Called as hit_listener(keys) for every recorded hit, outside the lock (kvbm.recency).
+        # Called as hit_listener(keys) for every recorded hit, outside the lock (kvbm.fleet.recency).
         self.hit_listeners: list[Callable[[list[BlockKey]], None]] = []
 
     # -- tier dicts ----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvbm.blocks import BlockKey
-from kvbm.registry import Registry
+from kvbm.index.registry import Registry
 from kvbm.tiers.base import Tier
 from kvbm.tiers.names import FAST
 

@@ -13,16 +13,16 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from kvbm import policy
 from kvbm.blocks import BlockKey
-from kvbm.failures import FailureLog
-from kvbm.registry import Registry
+from kvbm.index.registry import Registry
+from kvbm.manager import policy
+from kvbm.manager.failures import FailureLog
 from kvbm.tiers.base import Tier, no_observe
 from kvbm.transfer.memory import MemoryMover
 
 CopyObserver = Callable[[str, str, float], None]  # (source tier, destination tier, seconds) per block copy
-Move = Callable[[BlockKey, str], Awaitable[bool]]  # copy a block into a tier (kvbm.moves.Moves.move)
-# Of some keys, those a tier is known to really hold (kvbm.knowledge.IndexSync.real_copies)
+Move = Callable[[BlockKey, str], Awaitable[bool]]  # copy a block into a tier (kvbm.manager.moves.Moves.move)
+# Of some keys, those a tier is known to really hold (kvbm.manager.knowledge.IndexSync.real_copies)
 RealCopies = Callable[[str, Sequence[BlockKey]], Awaitable[set[BlockKey]]]
 
 
@@ -73,7 +73,7 @@ class ManagerState:
         return policy.below(self.tiers, name)
 
     def filtered(self, tier: Tier, key: BlockKey) -> bool:
-        """The frequency filter (:func:`kvbm.policy.filtered`) with ``min_hits_to_offload``."""
+        """The frequency filter (:func:`kvbm.manager.policy.filtered`) with ``min_hits_to_offload``."""
         return policy.filtered(tier, key, self.registry, self.min_hits_to_offload)
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvbm import policy
 from kvbm.blocks import BlockKey
-from kvbm.copiers import copy_block
-from kvbm.manager_state import ManagerState
-from kvbm.registry import Registry
-from kvbm.room import Room
+from kvbm.index.registry import Registry
+from kvbm.manager import policy
+from kvbm.manager.copiers import copy_block
+from kvbm.manager.room import Room
+from kvbm.manager.state import ManagerState
 from kvbm.tiers.base import Tier
 
 

@@ -24,7 +24,7 @@ from itertools import islice
 from pathlib import Path
 
 from kvbm.blocks import BlockKey
-from kvbm.manager_state import ManagerState
+from kvbm.manager.state import ManagerState
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbm.metrics import breaker_state
+from kvbm.daemon.metrics import breaker_state
 
 
 def readiness(snapshot: dict[str, Any] | None, serving: bool, index_bucket: str = "background") -> dict[str, Any]:

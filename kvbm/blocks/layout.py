@@ -7,8 +7,8 @@ import json
 
 import msgspec
 
+from kvbm.blocks.keys import make_namespace
 from kvbm.errors import ConfigError
-from kvbm.keys import make_namespace
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -116,7 +116,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def namespace(self) -> str:
-        """Storage namespace: a readable model slug plus the fingerprint (syntax: :mod:`kvbm.keys`)."""
+        """Storage namespace: a readable model slug plus the fingerprint (syntax: :mod:`kvbm.blocks.keys`)."""
         return make_namespace(self.model, self.fingerprint)
 
     def num_full_blocks(self, num_tokens: int) -> int:

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
-from kvbm.manager import BlockManager
+from kvbm.manager.core import BlockManager
 from kvbm.tiers.pool import SlotPoolTier
 
 

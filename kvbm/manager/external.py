@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError
-from kvbm.manager_state import ManagerState
-from kvbm.room import Room
+from kvbm.manager.room import Room
+from kvbm.manager.state import ManagerState
 from kvbm.tiers.pool import SlotPoolTier
 
 

@@ -15,8 +15,8 @@ import zmq
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
 from kvbm.errors import KvbmError
-from kvbm.layout import KVLayout
 from kvbm.tiers.host import HostTier
 
 R = TypeVar("R")

@@ -12,8 +12,8 @@ import zmq.asyncio
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
-from kvbm.client_core import Buffer, DaemonError, DaemonUnavailable, R, _Core
-from kvbm.layout import KVLayout
+from kvbm.blocks.layout import KVLayout
+from kvbm.client.core import Buffer, DaemonError, DaemonUnavailable, R, _Core
 
 
 async def _in_thread(fn: Callable[..., None], *args: Any) -> None:

@@ -12,10 +12,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from kvbm import policy
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierFullError
-from kvbm.manager_state import ManagerState, Move, RealCopies
+from kvbm.manager import policy
+from kvbm.manager.state import ManagerState, Move, RealCopies
 from kvbm.tiers.base import Tier
 from kvbm.tiers.pool import SlotPoolTier
 

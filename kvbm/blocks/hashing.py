@@ -12,7 +12,7 @@ Two schemes:
   costs ~1 us per block.
 * ``vllm``: vLLM's own prefix-cache hash (``sha256_cbor``), so that a kvbm block spanning ``k`` vLLM
   blocks is keyed by vLLM's hash of its last vLLM block and kvbm agrees with vLLM's KV events. See
-  :mod:`kvbm.vllm_hash`.
+  :mod:`kvbm.blocks.vllm_hash`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def prefix_hashes(
     scheme = HashScheme(scheme)
     n_full = len(tokens) // block_tokens
     if scheme is HashScheme.VLLM:
-        from kvbm.vllm_hash import vllm_block_hashes
+        from kvbm.blocks.vllm_hash import vllm_block_hashes
 
         vbs = vllm_block_size or block_tokens
         if block_tokens % vbs:
