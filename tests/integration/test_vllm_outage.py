@@ -213,7 +213,7 @@ def _scheduler(endpoint: str, engine: str, tp: int, **cfg):
                   lambda rank, k: KVLayout(model="outage-tp", num_layers=2, num_kv_heads=tp, head_size=32,
                                            dtype="float16", tp_rank=rank, tp_size=tp, tokens_per_block=16 * k,
                                            block_bytes=MiB))
-    return SchedulerSide(ConnectorConfig.parse({"timeout_s": TIMEOUT_S, **cfg}), links, tp)
+    return SchedulerSide(ConnectorConfig.parse({"timeout_s": TIMEOUT_S, **cfg}), links, list(range(tp)))
 
 
 def _store(daemon, layout, req) -> None:
