@@ -136,7 +136,7 @@ def paged(cuda: bool, geo: dict[str, int]) -> dict[str, Any]:
             stream.synchronize()
     load = time.perf_counter() - t
     exact = all(torch.equal(c.select(bd, d), c.select(bd, s))
-                for _n, c, bd in cache.layers for r in range(rounds) for s, d in zip(src[r], dst[r], strict=True))
+                for _n, c, bd, _g in cache.layers for r in range(rounds) for s, d in zip(src[r], dst[r], strict=True))
     total = rounds * nbytes
     asyncio.run(g2.close())
     return {"ran": True, "layout": list(next(iter(caches.values())).shape), "vblock_bytes": cache.vblock_bytes,
