@@ -61,3 +61,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def nodes() -> Iterator[list]:
+    """Daemon nodes a fleet test starts (anything with ``stop()``); each is stopped when the test ends."""
+    started: list = []
+    yield started
+    for n in started:
+        n.stop()

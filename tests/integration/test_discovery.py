@@ -22,14 +22,6 @@ from kvbm.tiers.s3 import make_s3_tier
 FAST = {"discovery": True, "discovery_interval_s": 0.2, "discovery_ttl_s": 3.0, "probe": False, "prefetch": False}
 
 
-@pytest.fixture
-def nodes():
-    started: list[Node] = []
-    yield started
-    for n in started:
-        n.stop()
-
-
 def followed(node: Node, c) -> dict[str, dict]:
     """The peers ``node``'s daemon follows, by node id (static peers under their endpoint)."""
     return {p.get("node_id") or p["endpoint"]: p for p in c.stats()["daemon"]["fleet"]["peers"]}

@@ -114,14 +114,6 @@ def following(c: WorkerClient, connects: int = 1) -> bool:
     return all(p["connected"] and p["connects"] >= connects for p in fleet(c)["peers"])
 
 
-@pytest.fixture
-def nodes():
-    started: list[Node] = []
-    yield started
-    for n in started:
-        n.stop()
-
-
 # -- bucket probes -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("budget_ms", [5000, 0], ids=["waits-for-probe", "answers-at-once"])
 def test_b_finds_a_blocks_through_the_bucket(tmp_path, s3_server, s3_prefix, nodes, budget_ms):

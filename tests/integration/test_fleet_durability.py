@@ -71,14 +71,6 @@ class Node:
         return c
 
 
-@pytest.fixture
-def nodes():
-    started: list[Node] = []
-    yield started
-    for n in started:
-        n.stop()
-
-
 def prompt(n: int) -> list[BlockKey]:
     return [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(n)]
 
