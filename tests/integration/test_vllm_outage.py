@@ -263,3 +263,53 @@ def test_a_silent_daemon_never_holds_the_scheduler_and_every_rank_is_asked_at_on
     finally:
         sched.shutdown()
         quick.shutdown()
+
+
+def _answered(lookups) -> bool:
+    """Whether every lookup the scheduler side queued has its answer."""
+    return all(job.done.is_set() for job in lookups._jobs.values())
+
+
+def test_requests_that_arrive_together_are_all_answered_in_the_step_that_reaches_them(tiny_model, daemon):
+    """A lookup goes to the daemon when vLLM adds the request, so a burst of requests is answered for the
+    step that first reaches it, not one request per step."""
+    from test_vllm_connector import _empty_scheduler_output
+
+    # The default lookup_wait_ms (2): before, a step's asks shared one 2 ms budget, so the first request's
+    # lookup used it and the others of the same burst were "not known yet", each waiting for a later step.
+    conn = scheduler_connector(tiny_model, {"daemon": daemon.endpoint})
+    try:
+        reqs = [stored_request(conn, daemon, f"burst-{i}", 1, 100 + 100 * i) for i in range(4)]
+        for r in reqs:
+            conn.on_new_request(r)  # vLLM's add_request, while the engine runs a step
+        assert wait_until(lambda: _answered(conn.scheduler._lookups), timeout=30)
+        # The next step schedules them: every one is known.
+        assert [conn.get_num_new_matched_tokens(r, 0) for r in reqs] == [(16, False)] * 4
+        conn.build_connector_meta(_empty_scheduler_output())
+    finally:
+        conn.shutdown()
+
+
+def test_an_old_answer_is_asked_again_and_stands_while_the_daemon_is_silent(daemon):
+    """A request that waited in vLLM's queue has its lookup asked again; a daemon silent by then leaves the
+    earlier answer standing (a hit now, not a skipped step)."""
+    import signal
+
+    sched = _scheduler(daemon.endpoint, "fresh", 1)
+    try:
+        req = _request("queued", 1, 700)
+        (lay,) = sched.layouts()
+        _store(daemon, lay, req)
+        sched.on_new_request(req)
+        assert wait_until(lambda: _answered(sched._lookups), timeout=30)
+        sched._lookups.fresh_s = 0.05
+        time.sleep(0.1)  # the request waited in vLLM's queue longer than an answer stays fresh
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+            assert time.monotonic() - t0 < HOOK_S
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+    finally:
+        sched.shutdown()

@@ -88,6 +88,9 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         """The layout (and so the namespace) of each worker; empty until the daemon was reached."""
         return self.scheduler.layouts()
 
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

@@ -1,10 +1,15 @@
 """Prefix lookups off vLLM's scheduler thread: the scheduler asks, a background thread talks to the daemon.
 
-The scheduler calls :meth:`Lookups.ask` from ``get_num_new_matched_tokens``; the first call queues the
-request's lookup and waits for its answer only while this step's wait budget lasts (a few milliseconds in
-all, however many requests ask). An answer not there yet is ``None``: vLLM skips the request this step and
-asks again the next. A lookup unanswered after ``give_up_s`` is a miss (the request is computed). One
-thread owns every TP rank's link and sends a lookup to all ranks before awaiting any, so TP=8 costs one
+A request's lookup is queued when it arrives (vLLM's ``on_new_request``), so its answer is usually there
+by the time the scheduler reaches it: requests that arrive together are all answered for the same step.
+The scheduler calls :meth:`Lookups.ask` from ``get_num_new_matched_tokens``; an answer not there yet is
+waited for at most ``wait_s`` (a few milliseconds), and once one ask of a step has waited that long in vain
+the others of that step do not wait at all (the daemon is slow now: one wait per step, however many
+requests ask). An answer still missing is ``None``: vLLM skips the request this step and asks again the
+next. A lookup unanswered after ``give_up_s`` is a miss (the request is computed). An answer older than
+``fresh_s`` (the request queued in vLLM a while) is asked again; if the new one is late the old one stands.
+
+One thread owns every TP rank's link and sends a lookup to all ranks before awaiting any, so TP=8 costs one
 round trip, not eight; lookups queued together are pipelined the same way. A link that fails answers its
 lookups as misses at once and reconnects from this thread, never from the scheduler's.
 """
@@ -30,16 +35,19 @@ class _Job:
     hashes: list[bytes]
     asked: float = field(default_factory=time.monotonic)
     matched: int | None = None  # kvbm blocks every rank holds, once answered
+    answered: float = 0.0  # when it was (monotonic)
     done: threading.Event = field(default_factory=threading.Event)
+    stale: _Job | None = None  # the answer this job refreshes: it stands while this one is late
 
 
 class Lookups:
     """The scheduler's prefix lookups, answered by one background thread (see the module docstring)."""
 
-    def __init__(self, links: list[Link], wait_s: float, give_up_s: float, idle_s: float = 0.25) -> None:
+    def __init__(self, links: list[Link], wait_s: float, give_up_s: float, idle_s: float = 0.25,
+                 fresh_s: float = 1.0) -> None:
         self._links = links
-        self.wait_s, self.give_up_s, self.idle_s = wait_s, give_up_s, idle_s
-        self._budget = wait_s  # this step's wait left (scheduler thread only)
+        self.wait_s, self.give_up_s, self.idle_s, self.fresh_s = wait_s, give_up_s, idle_s, fresh_s
+        self._waiting = True  # whether asks of this step may still wait (scheduler thread only)
         self._jobs: dict[str, _Job] = {}  # asked and not yet returned (scheduler thread only)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.gave_up = 0
@@ -47,28 +55,40 @@ class Lookups:
         self._thread.start()
 
     # Scheduler thread.
+    def prefetch(self, req_id: str, hashes: list[bytes]) -> None:
+        """Queue the lookup of a request that just arrived; :meth:`ask` returns its answer later."""
+        if req_id not in self._jobs:
+            self._queue_job(_Job(req_id, hashes))
+
     def ask(self, req_id: str, hashes: list[bytes]) -> int | None:
         """kvbm blocks of ``hashes`` every rank holds, or None while that is not known yet."""
         job = self._jobs.get(req_id)
         if job is None or job.hashes != hashes:
-            job = self._jobs[req_id] = _Job(req_id, hashes)
-            self._queue.put(job)
-        if not job.done.is_set() and self._budget > 0:
-            t0 = time.monotonic()
-            job.done.wait(self._budget)
-            self._budget -= time.monotonic() - t0
+            job = self._queue_job(_Job(req_id, hashes))
+        elif job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
+            job = self._queue_job(_Job(req_id, hashes, stale=job))  # queued a while in vLLM: ask again
+        if not job.done.is_set() and self._waiting and not job.done.wait(self.wait_s):
+            self._waiting = False  # the daemon is slow now: the rest of this step does not wait
         if job.done.is_set():
             del self._jobs[req_id]
             return job.matched
-        if time.monotonic() - job.asked > self.give_up_s:
+        if job.stale is not None:
             del self._jobs[req_id]  # the thread's late answer goes nowhere
+            return job.stale.matched
+        if time.monotonic() - job.asked > self.give_up_s:
+            del self._jobs[req_id]
             self.gave_up += 1
             return 0
         return None
 
+    def _queue_job(self, job: _Job) -> _Job:
+        self._jobs[job.req_id] = job
+        self._queue.put(job)
+        return job
+
     def new_step(self) -> None:
-        """The next scheduler step starts: its wait budget is whole again."""
-        self._budget = self.wait_s
+        """The next scheduler step starts: its asks may wait again."""
+        self._waiting = True
 
     def forget(self, req_id: str) -> None:
         self._jobs.pop(req_id, None)
@@ -131,6 +151,7 @@ class Lookups:
                         for j in range(i + 1, len(msgs)):
                             matched[j] = 0
                         break
+        now = time.monotonic()
         for job, m in zip(batch, matched, strict=True):
-            job.matched = m
+            job.matched, job.answered = m, now
             job.done.set()

@@ -70,22 +70,37 @@ class SchedulerSide:
         """The layout (and so the namespace) of each worker; empty until the daemon was reached."""
         return [link.layout for link in self._links if link.layout is not None]
 
+    def _wanted(self, request: Request, num_computed_tokens: int) -> list[bytes]:
+        """The kvbm block hashes worth looking up for ``request`` beyond its ``num_computed_tokens``."""
+        block_tokens = self.geometry.block_tokens  # 0 until a link resolved it (the lookup thread retries)
+        if (not self.cfg.load or not block_tokens or num_computed_tokens % block_tokens
+                or request.request_id in self._load_failed):
+            return []
+        # Leave at least one token to compute: vLLM needs logits for the last prompt token.
+        max_blocks = (request.num_tokens - 1) // block_tokens
+        if max_blocks * block_tokens <= num_computed_tokens:
+            return []
+        k = self.geometry.known_k
+        return [bytes(h) for h in request.block_hashes[k - 1 : max_blocks * k : k]]
+
+    def on_new_request(self, request: Request) -> None:
+        """A request arrived: its lookup goes to the daemon now, so the answer is there when it is scheduled."""
+        hashes = self._wanted(request, 0)
+        if hashes:
+            self._lookups.prefetch(request.request_id, hashes)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
-        block_tokens = self.geometry.block_tokens  # 0 until a link resolved it (the lookup thread retries)
+        block_tokens = self.geometry.block_tokens
         matched = 0
-        if (self.cfg.load and block_tokens and not num_computed_tokens % block_tokens
-                and rid not in self._load_failed):
-            # Leave at least one token to compute: vLLM needs logits for the last prompt token.
-            max_blocks = (request.num_tokens - 1) // block_tokens
-            if max_blocks * block_tokens > num_computed_tokens:
-                k = self.geometry.known_k
-                got = self._lookups.ask(rid, [bytes(h) for h in request.block_hashes[k - 1 : max_blocks * k : k]])
-                if got is None:
-                    return None, False  # not known yet: vLLM asks again next step
-                matched = got
-                self._stats["lookups"] += 1
-                self._stats["hit_blocks"] += matched
+        hashes = self._wanted(request, num_computed_tokens)
+        if hashes:
+            got = self._lookups.ask(rid, hashes)
+            if got is None:
+                return None, False  # not known yet: vLLM asks again next step
+            matched = got
+            self._stats["lookups"] += 1
+            self._stats["hit_blocks"] += matched
         self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens)
         ext = matched * block_tokens - num_computed_tokens
         if ext <= 0:

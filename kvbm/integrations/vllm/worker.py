@@ -104,12 +104,14 @@ class WorkerSide:
                 else:
                     self._load_errors.update(failed)
             return
-        for tr in meta.loads:
-            if self.cfg.async_load:
-                # The request waits (WAITING_FOR_REMOTE_KVS) while other requests keep stepping.
-                self._loading[tr.req_id] = self._loader.submit(self._load_one, tr, self._load_link)
-            else:
-                self._load_errors.update(self._load_one(tr, self._link))
+        if self.cfg.async_load:
+            # The requests wait (WAITING_FOR_REMOTE_KVS) while other requests keep stepping; each is reported
+            # as soon as its own blocks are in.
+            futs: dict[str, Future[set[int]]] = {tr.req_id: Future() for tr in meta.loads}
+            self._loading.update(futs)
+            self._loader.submit(self._load_all, meta.loads, self._load_link, futs)
+        else:
+            self._load_errors.update(self._load_all(meta.loads, self._link))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
@@ -127,43 +129,74 @@ class WorkerSide:
             self._load_errors.update(self._loading.pop(rid).result())
         return sending or None, done or None
 
-    def _load_one(self, tr: BlockTransfer, link: Link) -> set[int]:
-        """Copy the request's kvbm blocks into its vLLM blocks; returns the vLLM block ids that failed."""
+    def _load_all(self, trs: list[BlockTransfer], link: Link,
+                  futs: dict[str, Future[set[int]]] | None = None) -> set[int]:
+        """Copy each request's kvbm blocks into its vLLM blocks; returns the vLLM block ids that failed.
+
+        Every request's Onboard is sent before any reply is awaited, so the daemon brings all of this step's
+        blocks up from disk or S3 at once instead of one request after another; each request is then copied
+        in as its reply comes (and, with ``futs``, reported loaded at once)."""
+        client = link.get()
+        sent: list[tuple[BlockTransfer, p.Onboard | None]] = []
+        for tr in trs:
+            msg = None
+            if client is not None and link.client is client:
+                try:
+                    msg = client.begin(p.Onboard(namespace=client.namespace, hashes=tr.hashes))
+                except LINK_ERRORS as e:
+                    link.error(e)
+            sent.append((tr, msg))
+        failed: set[int] = set()
+        releases: list[p.Release] = []
+        for tr, msg in sent:
+            loaded = 0
+            if msg is not None and client is not None and link.client is client:
+                try:
+                    loaded = self._copy_in(client, tr, msg, releases)
+                except LINK_ERRORS as e:
+                    link.error(e)
+                except Exception as e:  # a load must never take the engine down: the request is recomputed
+                    log.warning("kvbm: load for request %s failed: %s", tr.req_id, e)
+            bad = self._not_loaded(tr, loaded)
+            failed |= bad
+            if futs is not None:
+                futs[tr.req_id].set_result(bad)
+        for rel in releases:  # sent as each request was copied; their replies are read once all are in
+            if client is None or link.client is not client:
+                break
+            try:
+                client.finish(rel, p.Released)
+            except LINK_ERRORS as e:
+                link.error(e)
+        return failed
+
+    def _copy_in(self, client: WorkerClient, tr: BlockTransfer, msg: p.Onboard, releases: list[p.Release]) -> int:
+        """Copy the G2 slots the daemon answered ``msg`` with into the request's vLLM blocks; queue the
+        Release of those slots (sent now, its reply read later). Returns the kvbm blocks copied."""
+        rep = client.finish(msg, p.Onboarded)
         loaded = 0
         try:
-            loaded = self._onboard(tr, link)
-        except Exception as e:  # a loader thread must never take the engine down
-            log.warning("kvbm: load for request %s failed: %s", tr.req_id, e)
+            g2 = client.g2
+            assert g2 is not None
+            for i in range(rep.count):
+                if rep.nbytes[i] != self._block_bytes:
+                    break
+                self._cache.copy(g2.slot_tensor(rep.slots[i], rep.nbytes[i]), tr.block_ids[i], True)
+                loaded += 1
+        finally:
+            if rep.count:
+                releases.append(client.begin(p.Release(namespace=client.namespace, hashes=tr.hashes[: rep.count])))
+        return loaded
+
+    def _not_loaded(self, tr: BlockTransfer, loaded: int) -> set[int]:
+        """The vLLM block ids of ``tr`` from its first kvbm block that did not arrive on (vLLM recomputes them)."""
         failed: set[int] = set()
         if loaded < len(tr.hashes):
-            # vLLM recomputes from the first block that did not arrive.
             for ids in tr.block_ids[loaded:]:
                 failed.update(i for i in ids if i != NULL_BLOCK)  # the null block holds no request's KV
             log.info("kvbm: request %s loaded %d/%d blocks; the rest is recomputed", tr.req_id, loaded,
                      len(tr.hashes))
         return failed
-
-    def _onboard(self, tr: BlockTransfer, link: Link) -> int:
-        loaded = 0
-        client = link.get()
-        if client is not None:
-            ns = client.namespace
-            try:
-                rep = client.request(p.Onboard(namespace=ns, hashes=tr.hashes), p.Onboarded)
-                try:
-                    g2 = client.g2
-                    assert g2 is not None
-                    for i in range(rep.count):
-                        if rep.nbytes[i] != self._block_bytes:
-                            break
-                        self._cache.copy(g2.slot_tensor(rep.slots[i], rep.nbytes[i]), tr.block_ids[i], True)
-                        loaded += 1
-                finally:
-                    if rep.count:
-                        client.request(p.Release(namespace=ns, hashes=tr.hashes[: rep.count]), p.Released)
-            except LINK_ERRORS as e:
-                link.error(e)
-        return loaded
 
     def wait_for_save(self, meta: Any) -> None:
         if not isinstance(meta, KvbmConnectorMetadata) or not meta.saves:
