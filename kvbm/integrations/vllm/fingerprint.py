@@ -106,6 +106,7 @@ def layout_for(vllm_config: VllmConfig, rank: int, block_tokens: int, model_name
     mla = is_mla(vllm_config)
     first_layer, num_layers = stage_layers(vllm_config, pp_rank)
     revision = mc.revision or getattr(mc.hf_config, "_commit_hash", None) or ""
+    dtype = kv_cache_dtype(vllm_config)  # first: a cache dtype kvbm cannot store is refused on any CPU
     return KVLayout(
         model=model_name,
         revision=str(revision),
@@ -113,7 +114,7 @@ def layout_for(vllm_config: VllmConfig, rank: int, block_tokens: int, model_name
         num_layers=num_layers,
         num_kv_heads=1 if mla else mc.get_total_num_kv_heads(),
         head_size=mc.get_head_size(),
-        dtype=kv_cache_dtype(vllm_config),
+        dtype=dtype,
         kv_factor=1 if mla else 2,
         tp_rank=0 if mla else tp_rank,
         tp_size=1 if mla else pc.tensor_parallel_size,
