@@ -113,10 +113,8 @@ def free_port() -> int:
 def server_command(model: str, port: int, *, connector: dict[str, Any] | None = None,
                    block_size: int = VLLM_BLOCK, kv_bytes: int | None = None, max_model_len: int | None = None,
                    served_name: str | None = None, python: str = sys.executable, enforce_eager: bool = True,
-                   max_num_seqs: int = 16, dtype: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """README.md's command line: vLLM's OpenAI server, optionally with a KV connector (``dtype``: else
-    :func:`native_dtype`)."""
-    dtype = dtype or native_dtype()
+                   max_num_seqs: int = 16, dtype: str = "bfloat16", extra: Sequence[str] = ()) -> list[str]:
+    """README.md's command line: vLLM's OpenAI server, optionally with a KV connector."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--block-size", str(block_size), "--enable-prompt-tokens-details",
            "--dtype", dtype, "--max-num-seqs", str(max_num_seqs)]
