@@ -348,6 +348,10 @@ def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block
 @click.option("--heads", default=8, show_default=True)
 @click.option("--kv-heads", default=4, show_default=True)
 @click.option("--vocab", default=8192, show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="Weights and KV; auto: bfloat16 on a GPU or a CPU with AVX-512/AMX/Arm, float32 on an AVX2 CPU "
+              "(which emulates bf16 ~90x slower).")
 @click.option("--omp-threads", default=2, show_default=True, help="OMP_NUM_THREADS of each vLLM server.")
 @click.option("--server-python", default=None, help="Interpreter the vLLM servers run in [this one].")
 @click.option("--peer-python", default=None, help="Interpreter of the peers' servers (a venv with LMCache) [this one].")
@@ -365,8 +369,11 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
     """vLLM's OpenAI server over HTTP (streamed, C in flight): recompute, vLLM's prefix cache, kvbm, peers."""
     import sys
 
+    from kvbm.bench.openai_server import native_dtype
     from kvbm.bench.serve import ServeBenchOptions, plot_serve, run_serve, serve_table
 
+    if kw["dtype"] == "auto":
+        kw["dtype"] = native_dtype()
     if tokens_per_block % block_size:
         raise click.BadParameter(f"a multiple of --block-size {block_size}", param_hint="--tokens-per-block")
     opts = ServeBenchOptions(

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvbm.bench.common import BenchTarget, DaemonProc, delete_prefix, load_avg, machine, percentile, s3_server, temp_dir
 from kvbm.bench.openai_server import (
+    DTYPE_BYTES,
     FIRST_WORD,
     KVBM_CONNECTOR,
     VLLM_BLOCK,
@@ -63,6 +64,7 @@ class ServeBenchOptions(BenchTarget):
     heads: int = 8
     kv_heads: int = 4
     vocab: int = 8192
+    dtype: str = "bfloat16"  # of weights and KV; the CLI's "auto" is openai_server.native_dtype()
     block_size: int = VLLM_BLOCK
     vllm_kv_bytes: int = 1 << 30
     max_tokens: int = 16  # output tokens per request (greedy, ignore_eos)
@@ -102,6 +104,8 @@ class ServeBenchOptions(BenchTarget):
         bad = set(self.s3_clients) - set(S3_CLIENTS)
         if bad:
             raise ValueError(f"unknown S3 clients {sorted(bad)}; known: {', '.join(S3_CLIENTS)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r}: one of {', '.join(DTYPE_BYTES)}")
         if self.block_size % 32:
             raise ValueError(f"block_size {self.block_size}: vLLM's CPU backend takes multiples of 32")
         if self.concurrency < 1 or self.docs < 1 or self.queries < 1 or self.repeats < 1:
@@ -113,7 +117,7 @@ class ServeBenchOptions(BenchTarget):
     def model(self) -> ModelSpec:
         return ModelSpec(layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
                          intermediate=int(self.hidden * 2.75), vocab=self.vocab, max_len=self.max_model_len,
-                         seed=self.seed)
+                         seed=self.seed, dtype=self.dtype)
 
     @property
     def kvbm_block_tokens(self) -> int:
@@ -125,7 +129,7 @@ class ServeBenchOptions(BenchTarget):
 
     @property
     def model_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * 2
+        return self.model.bytes_per_token
 
     @property
     def max_model_len(self) -> int:
@@ -364,7 +368,8 @@ class Run:
         o = self.o
         cmd = server_command(self.model, free_port(), connector=connector, block_size=o.block_size,
                              kv_bytes=o.vllm_kv_bytes, max_model_len=o.max_model_len, served_name="bench",
-                             python=python or o.server_python or sys.executable, max_num_seqs=max(4, o.concurrency))
+                             python=python or o.server_python or sys.executable, max_num_seqs=max(4, o.concurrency),
+                             dtype=o.dtype)
         e = {"OMP_NUM_THREADS": str(o.omp_threads), "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
         self.servers[source] = {"command": cmd, "env": e}
         return VllmServer(cmd, self.work / f"vllm-{source}.log", env=e, start_timeout_s=900)
@@ -620,8 +625,7 @@ async def run_serve(o: ServeBenchOptions, echo: Callable[[str], None] = print) -
     report: dict[str, Any] = {
         "bench": "serve", "machine": machine(), "options": asdict(o), "servers": {}, "long_doc_qa": {},
         "ttft_length": {}, "multi_turn": {}, "peers": {},
-        "model": {"kind": "random Llama", **asdict(o.model), "dtype": "bfloat16",
-                  "kv_bytes_per_token": o.model_bytes_per_token},
+        "model": {"kind": "random Llama", **asdict(o.model), "kv_bytes_per_token": o.model_bytes_per_token},
         "kvbm_block_tokens": o.kvbm_block_tokens, "kvbm_block_bytes": o.block_bytes,
         "working_set_bytes": o.docs * o.doc_tokens * o.model_bytes_per_token,
     }
@@ -629,7 +633,8 @@ async def run_serve(o: ServeBenchOptions, echo: Callable[[str], None] = print) -
         with contextlib.suppress(Exception):
             report["machine"][pkg] = version(pkg)
     echo(f"kvbm bench serve: {', '.join(o.workloads)}; sources {', '.join(o.sources)}; random Llama {o.layers}L/"
-         f"{o.hidden}H ({o.model_bytes_per_token // 1024} KiB/token); vLLM KV {o.vllm_kv_bytes / MiB:.0f} MiB, "
+         f"{o.hidden}H {o.dtype} ({o.model_bytes_per_token // 1024} KiB/token); "
+         f"vLLM KV {o.vllm_kv_bytes / MiB:.0f} MiB, "
          f"G2 {o.g2_bytes / MiB:.0f} MiB, G3 {o.g3_bytes / MiB:.0f} MiB; load {load_avg()}")
     with temp_dir("kvbm-bench-serve-", o.workdir) as work, contextlib.ExitStack() as es:
         model = write_model(work / "model", o.model)
