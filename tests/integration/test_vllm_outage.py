@@ -313,3 +313,42 @@ def test_an_old_answer_is_asked_again_and_stands_while_the_daemon_is_silent(daem
             daemon.proc.send_signal(signal.SIGCONT)
     finally:
         sched.shutdown()
+
+
+def test_a_step_loading_more_blocks_than_g2_holds_loads_every_one(tmp_path):
+    """A step's Onboards are pipelined, but the blocks they pin in G2 at once stay within the pool's room:
+    three requests of two blocks each from G3 through a 4-slot G2 load whole (sent all at once, the third
+    one's Onboard stopped short for want of unpinned slots and its blocks were recomputed)."""
+    from test_vllm_e2e import free_port
+
+    from kvbm.blocks import BlockKey
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+
+    cfg = daemon_cfg(tmp_path, free_port())
+    cfg["disk"] = {"enabled": True, "dir": str(tmp_path / "g3"), "capacity": "64MiB"}
+    daemon = ServeProc(tmp_path, cfg).start()
+    w = _worker(daemon.endpoint, 1, async_load=False, async_save=False)
+    try:
+        lay = w._link.layout
+        hashes = [bytes([i + 1]) * 32 for i in range(6)]
+        blocks = [np.full(4096, i + 1, np.uint8) for i in range(6)]
+        with daemon.client(admin=True) as c:
+            c.register(lay, worker_id="filler")
+            for i in range(0, 6, 2):  # two at a time: G2 holds four; each pair is written through to G3
+                assert c.store([BlockKey(lay.namespace, h) for h in hashes[i : i + 2]], blocks[i : i + 2]).stored == 2
+                assert wait_until(lambda n=i + 2: _tier_blocks(daemon, "G3") >= n, timeout=30)
+            # Out of G2: every load comes up from the disk.
+            c.evict(namespace=lay.namespace, tiers=["G2"])
+            assert _tier_blocks(daemon, "G2") == 0
+        loads = [BlockTransfer(f"r{i}", hashes[2 * i : 2 * i + 2], [[2 * i], [2 * i + 1]]) for i in range(3)]
+        w.start_load_kv(KvbmConnectorMetadata(k=1, loads=loads))
+        assert w.get_block_ids_with_load_errors() == set()
+        for vb in range(6):  # every vLLM block holds its kvbm block's bytes
+            assert all(int(t[vb][0]) == vb + 1 for _name, t, _dim, _group in w._cache.layers), vb
+    finally:
+        w.shutdown()
+        daemon.stop()
+
+
+def _tier_blocks(daemon, tier: str) -> int:
+    return next(t["blocks"] for t in _stats(daemon)["tiers"] if t["tier"] == tier)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -133,22 +134,20 @@ class WorkerSide:
                   futs: dict[str, Future[set[int]]] | None = None) -> set[int]:
         """Copy each request's kvbm blocks into its vLLM blocks; returns the vLLM block ids that failed.
 
-        Every request's Onboard is sent before any reply is awaited, so the daemon brings all of this step's
-        blocks up from disk or S3 at once instead of one request after another; each request is then copied
-        in as its reply comes (and, with ``futs``, reported loaded at once)."""
+        Onboards are pipelined: a request's is sent before the replies to earlier ones are read, so the daemon
+        brings a step's blocks up from disk or S3 together, but never more blocks at once than half the G2
+        pool: each block an Onboard answers stays pinned in G2 until this worker releases it, and loads beyond
+        the pool's room would stop short and be recomputed (seen: 4 queries x 31 blocks against 64 slots).
+        Each request is copied in as its reply comes (and, with ``futs``, reported loaded at once)."""
         client = link.get()
-        sent: list[tuple[BlockTransfer, p.Onboard | None]] = []
-        for tr in trs:
-            msg = None
-            if client is not None and link.client is client:
-                try:
-                    msg = client.begin(p.Onboard(namespace=client.namespace, hashes=tr.hashes))
-                except LINK_ERRORS as e:
-                    link.error(e)
-            sent.append((tr, msg))
-        failed: set[int] = set()
+        reg = client.registered if client is not None else None
+        window = max(1, reg.num_slots // 2) if reg is not None else 1
+        inflight: deque[tuple[BlockTransfer, p.Onboard | None]] = deque()
         releases: list[p.Release] = []
-        for tr, msg in sent:
+        failed: set[int] = set()
+
+        def settle() -> None:
+            tr, msg = inflight.popleft()
             loaded = 0
             if msg is not None and client is not None and link.client is client:
                 try:
@@ -158,17 +157,40 @@ class WorkerSide:
                 except Exception as e:  # a load must never take the engine down: the request is recomputed
                     log.warning("kvbm: load for request %s failed: %s", tr.req_id, e)
             bad = self._not_loaded(tr, loaded)
-            failed |= bad
+            failed.update(bad)
             if futs is not None:
                 futs[tr.req_id].set_result(bad)
-        for rel in releases:  # sent as each request was copied; their replies are read once all are in
+
+        held = 0
+        for tr in trs:
+            while inflight and held + len(tr.hashes) > window:
+                held -= len(inflight[0][0].hashes)
+                settle()
+                self._released(client, link, releases)  # unpinned in the daemon before the next Onboard
+            msg = None
+            if client is not None and link.client is client:
+                try:
+                    msg = client.begin(p.Onboard(namespace=client.namespace, hashes=tr.hashes))
+                except LINK_ERRORS as e:
+                    link.error(e)
+            inflight.append((tr, msg))
+            held += len(tr.hashes)
+        while inflight:
+            settle()
+        self._released(client, link, releases)
+        return failed
+
+    @staticmethod
+    def _released(client: WorkerClient | None, link: Link, releases: list[p.Release]) -> None:
+        """Read the replies to the Releases sent so far (each was sent as its request was copied in)."""
+        for rel in releases:
             if client is None or link.client is not client:
                 break
             try:
                 client.finish(rel, p.Released)
             except LINK_ERRORS as e:
                 link.error(e)
-        return failed
+        releases.clear()
 
     def _copy_in(self, client: WorkerClient, tr: BlockTransfer, msg: p.Onboard, releases: list[p.Release]) -> int:
         """Copy the G2 slots the daemon answered ``msg`` with into the request's vLLM blocks; queue the
