@@ -221,7 +221,8 @@ def test_a_block_a_sliding_window_already_freed_is_not_saved(tiny_model, daemon_
 
     from kvbm.integrations.vllm import KvbmConnector
 
-    _conn, cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, "vllm_blocks_per_kvbm_block": 2})
+    _conn, cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, "vllm_blocks_per_kvbm_block": 2,
+                                                  **ANSWER_NOW})
     _conn.shutdown()
     spec = {"block_size": 16, "num_kv_heads": 2, "head_size": 32, "dtype": torch.bfloat16}
     kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
