@@ -352,3 +352,24 @@ def test_a_step_loading_more_blocks_than_g2_holds_loads_every_one(tmp_path):
 
 def _tier_blocks(daemon, tier: str) -> int:
     return next(t["blocks"] for t in _stats(daemon)["tiers"] if t["tier"] == tier)
+
+
+def test_a_load_that_raises_still_reports_every_request(tmp_path, monkeypatch):
+    """Whatever goes wrong inside a step's loads, every request is reported (loaded or failed): an async load
+    left unreported keeps its request in WAITING_FOR_REMOTE_KVS forever."""
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata, WorkerSide
+
+    def boom(*_a, **_k):
+        raise RuntimeError("test: an unexpected error in the loader")
+
+    monkeypatch.setattr(WorkerSide, "_released", staticmethod(boom))
+    w = _worker(f"ipc://{tmp_path}/nobody.sock", 1, async_load=True, async_save=True)
+    try:
+        meta = KvbmConnectorMetadata(k=1, loads=[BlockTransfer("a", [b"a" * 32], [[2]]),
+                                                 BlockTransfer("b", [b"b" * 32], [[3]])])
+        w.start_load_kv(meta)
+        assert wait_until(lambda: (w.get_finished(set())[1] or set()) >= {"a", "b"} or not w._loading, timeout=10)
+        assert not w._loading
+        assert w.get_block_ids_with_load_errors() == {2, 3}
+    finally:
+        w.shutdown()

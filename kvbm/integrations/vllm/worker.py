@@ -145,6 +145,7 @@ class WorkerSide:
         inflight: deque[tuple[BlockTransfer, p.Onboard | None]] = deque()
         releases: list[p.Release] = []
         failed: set[int] = set()
+        settled: set[str] = set()
 
         def settle() -> None:
             tr, msg = inflight.popleft()
@@ -158,26 +159,36 @@ class WorkerSide:
                     log.warning("kvbm: load for request %s failed: %s", tr.req_id, e)
             bad = self._not_loaded(tr, loaded)
             failed.update(bad)
+            settled.add(tr.req_id)
             if futs is not None:
                 futs[tr.req_id].set_result(bad)
 
         held = 0
-        for tr in trs:
-            while inflight and held + len(tr.hashes) > window:
-                held -= len(inflight[0][0].hashes)
+        try:
+            for tr in trs:
+                while inflight and held + len(tr.hashes) > window:
+                    held -= len(inflight[0][0].hashes)
+                    settle()
+                    self._released(client, link, releases)  # unpinned in the daemon before the next Onboard
+                msg = None
+                if client is not None and link.client is client:
+                    try:
+                        msg = client.begin(p.Onboard(namespace=client.namespace, hashes=tr.hashes))
+                    except LINK_ERRORS as e:
+                        link.error(e)
+                inflight.append((tr, msg))
+                held += len(tr.hashes)
+            while inflight:
                 settle()
-                self._released(client, link, releases)  # unpinned in the daemon before the next Onboard
-            msg = None
-            if client is not None and link.client is client:
-                try:
-                    msg = client.begin(p.Onboard(namespace=client.namespace, hashes=tr.hashes))
-                except LINK_ERRORS as e:
-                    link.error(e)
-            inflight.append((tr, msg))
-            held += len(tr.hashes)
-        while inflight:
-            settle()
-        self._released(client, link, releases)
+            self._released(client, link, releases)
+        except Exception as e:  # never leave a request unreported: vLLM would wait for it forever
+            log.warning("kvbm: loads of this step failed: %s", e)
+            for tr in trs:
+                if tr.req_id not in settled:
+                    bad = self._not_loaded(tr, 0)
+                    failed.update(bad)
+                    if futs is not None and not futs[tr.req_id].done():
+                        futs[tr.req_id].set_result(bad)
         return failed
 
     @staticmethod
