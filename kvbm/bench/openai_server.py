@@ -53,21 +53,27 @@ class ModelSpec:
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def native_dtype() -> str:
-    """The dtype this machine computes a bench model fastest in: bfloat16 on a GPU, an Arm CPU or an x86 CPU
-    with AVX-512 or AMX; float32 on an AVX2-only CPU, where PyTorch emulates bf16 and fp16 (a 2048x1024x2816
-    matmul measured 16.6 s in bf16, 11.8 s in fp16 and 0.18 s in fp32 on an AMD EPYC here)."""
+def avx2_only_cpu() -> bool:
+    """Whether this is an x86 CPU without AVX-512 or AMX: PyTorch emulates bf16 and fp16 there, and vLLM's CPU
+    attention refuses an fp8 KV cache."""
     import platform
 
-    import torch
-
-    if torch.cuda.is_available() or platform.machine().lower() in ("aarch64", "arm64"):
-        return "bfloat16"
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return "bfloat16"
-    return "bfloat16" if "avx512" in flags or "amx" in flags else "float32"
+        return False
+    return "avx512" not in flags and "amx" not in flags
+
+
+def native_dtype() -> str:
+    """The dtype this machine computes a bench model fastest in: bfloat16 on a GPU, an Arm CPU or an x86 CPU
+    with AVX-512 or AMX; float32 on an AVX2-only CPU (a 2048x1024x2816 matmul measured 16.6 s in bf16, 11.8 s
+    in fp16 and 0.18 s in fp32 on an AMD EPYC here)."""
+    import torch
+
+    return "float32" if not torch.cuda.is_available() and avx2_only_cpu() else "bfloat16"
 
 
 def write_model(path: Path, spec: ModelSpec) -> str:

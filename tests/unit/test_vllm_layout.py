@@ -24,24 +24,15 @@ def layout(model: str, name: str = "tiny", **kw):
     return layout_for(cfg, 0, cfg.cache_config.block_size, name)
 
 
-def _cpu_runs_fp8() -> bool:
-    """vLLM's CPU attention runs an fp8 KV cache on x86 with AVX-512 or AMX only (and on Arm)."""
-    import platform
-    from pathlib import Path
-
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        return True
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "avx512" in flags or "amx" in flags
-
-
 def test_cache_dtype_is_fingerprinted(tiny_model):
     auto = layout(tiny_model)
     assert auto.dtype == "bfloat16"  # the model's dtype
     assert layout(tiny_model, kv_cache_dtype="bfloat16").namespace == auto.namespace
     f16 = layout(tiny_model, kv_cache_dtype="float16")
     assert f16.dtype == "float16" and f16.namespace != auto.namespace
-    if not _cpu_runs_fp8():
+    from kvbm.bench.openai_server import avx2_only_cpu
+
+    if avx2_only_cpu():
         # An AVX2-only CPU: vLLM cannot run an fp8 cache here, and the layout says so (the engine would not
         # start either) instead of keying blocks by a byte order that does not exist.
         for cd in ("fp8", "fp8_e5m2"):
