@@ -50,6 +50,7 @@ NON_CONFIG_ENV: dict[str, str] = {
     "KVBM_PYTHON": "python of scripts/seaweedfs.sh",
     "KVBM_EXTRAS": "extras of scripts/install.sh and scripts/test.sh",
     "KVBM_REQUIRE": "CI: features the test run must not skip",
+    "KVBM_HIDE": "tests: optional packages to hide from the run (tests/hide/sitecustomize.py)",
     "KVBM_STRESS_S": "seconds of the slot stress test (tests/integration/test_slots.py)",
     "KVBM_BENCH_PEER_PYTHON": "python of the LMCache peer in `kvbm bench tiers --peer-python`",
 }

@@ -9,6 +9,7 @@ import os
 import threading
 
 import pytest
+from needs import needs
 
 from kvbm.blocks import BlockKey, encode_block
 from kvbm.config import S3Config
@@ -16,11 +17,14 @@ from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.s3server import EmbeddedS3, _s3_client
 from kvbm.tiers import s3 as s3mod
 from kvbm.tiers.s3 import HEADER_LEN, S3Tier, make_s3_tier
+from kvbm.transfer import nixl_available
 
 pytestmark = pytest.mark.s3
 
 NS = "tiny-llama-0123456789abcdef"
 MiB = 1024 * 1024
+HAVE_NIXL, NIXL_WHY = nixl_available()
+CLIENTS = ["aiobotocore", "http", pytest.param("nixl", marks=needs("nixl", HAVE_NIXL, f"s3.client nixl: {NIXL_WHY}"))]
 
 
 def make_tier(srv: EmbeddedS3, prefix: str, client: str = "http", **over) -> S3Tier:
@@ -113,7 +117,7 @@ def test_corrupt_truncated_and_missing_objects_are_misses(s3_server, s3_prefix):
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("client", ["aiobotocore", "http", "nixl"])
+@pytest.mark.parametrize("client", CLIENTS)
 def test_checksums_run_off_the_event_loop(s3_server, s3_prefix, client, monkeypatch):
     """The xxh3 of an 8 MiB body (PUT: header; GET: verification) never runs on the event loop's thread."""
     import kvbm.blocks as blocks
