@@ -103,6 +103,19 @@ class EmbeddedS3:
             self._launch(state)
         return self
 
+    def attach(self) -> bool:
+        """Reuse the server already running from this dir; never launch or adopt one (inspection commands
+        start nothing). False when none runs there."""
+        if self.running:
+            return True
+        if st.read_state(self.dir) is None:  # never started here: touch nothing, not even the lock file
+            return False
+        with st.dir_lock(self.dir, self.startup_timeout_s + 30.0):
+            if not self.secret_key:
+                self.secret_key = st.stored_secret(self.dir, self.access_key) or ""
+            state = st.read_state(self.dir)
+            return bool(state and self.secret_key and self._try_reuse(state))
+
     def stop(self, *, force: bool = False, reused_too: bool = False) -> None:
         """Stop the server (SIGTERM to its process group, SIGKILL after stop_timeout_s; at once if ``force``).
 
