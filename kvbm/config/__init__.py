@@ -150,6 +150,19 @@ def _coerce(raw: str, typ: Any, field: str, env_key: str) -> Any:
     return raw  # str, size strings, literals: validated by msgspec below
 
 
+SEAWEED_GRPC_OFFSET = 10000  # SeaweedFS's gRPC port of a server on port P is P + 10000 (kvbm.s3server.ports)
+
+
+def check_embedded_port(port: int, field: str = "port") -> None:
+    """A fixed port of the embedded SeaweedFS must leave room for its gRPC port; 0 picks free ports."""
+    top = 65535 - SEAWEED_GRPC_OFFSET
+    if port == 0 or 1 <= port <= top:
+        return
+    grpc = f" (its gRPC port {port + SEAWEED_GRPC_OFFSET} would be past 65535)" if port > top else ""
+    raise ConfigError(f"{field}: {port} is out of range{grpc}: SeaweedFS also listens on port + "
+                      f"{SEAWEED_GRPC_OFFSET} for gRPC, so it must be 0 (any free port) or 1-{top}")
+
+
 def _validate(cfg: Config) -> Config:
     for field in ("block_bytes", "device.capacity", "host.capacity", "disk.capacity", "s3.capacity"):
         obj: Any = cfg
@@ -176,6 +189,7 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("daemon.max_workers: must be >= 1")
     if cfg.daemon.max_inflight_per_client < 1:
         raise ConfigError("daemon.max_inflight_per_client: must be >= 1")
+    check_embedded_port(cfg.embedded_s3.port, "embedded_s3.port")
     _validate_tenants(cfg.daemon.tenants)
     _validate_discovery(cfg)
     return cfg

@@ -72,6 +72,21 @@ def test_bad_config_names_the_field(tmp_path, text, field):
         load_config(p, environ={})
 
 
+@pytest.mark.parametrize("port", [55536, 56883, 65535, 70000, -1])
+def test_embedded_s3_port_whose_grpc_port_is_out_of_range_is_refused_at_load(port):
+    """SeaweedFS listens on port + 10000 for gRPC: above 55535 that is no port, which the start reported
+    only as 'port 56883 (or its gRPC port 66883) is in use'."""
+    from kvbm.s3server import EmbeddedS3
+
+    with pytest.raises(ConfigError, match=r"embedded_s3\.port: .* 0 \(any free port\) or 1-55535") as ei:
+        load_config(environ={"KVBM_EMBEDDED_S3_PORT": str(port)})
+    if port > 55535:
+        assert f"gRPC port {port + 10000}" in str(ei.value)
+    with pytest.raises(ConfigError, match=r"port: .* 1-55535"):  # the class the CLI and tests start directly
+        EmbeddedS3("/nonexistent", port=port)
+    assert load_config(environ={"KVBM_EMBEDDED_S3_PORT": "55535"}).embedded_s3.port == 55535
+
+
 def test_bad_env_value_names_the_variable():
     with pytest.raises(ConfigError, match="KVBM_S3_MAX_CONCURRENCY"):
         load_config(environ={"KVBM_S3_MAX_CONCURRENCY": "x"})
