@@ -127,14 +127,6 @@ class OwedWrites:
             self.s.stats.owed_paid += 1
         return paid
 
-    def catch_up(self, tier: str) -> int:
-        """Start draining what is owed to ``tier`` now (without waiting for the next check); returns how many
-        blocks are owed to it."""
-        n = len(self._owed.get(tier, {}))
-        if n:
-            self._wake()
-        return n
-
     # -- the journal -------------------------------------------------------------------------------
     def _note(self, op: str, tier: str, key: BlockKey) -> None:
         if self.journal is not None:

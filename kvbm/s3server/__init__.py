@@ -37,10 +37,6 @@ from kvbm.s3server.service import embedded_dir, embedded_from_config, ensure_run
 from kvbm.s3server.state import IDENTITY_FILE, LOCK_FILE, LOG_FILE, PID_FILE, STATE_FILE, dir_lock
 from kvbm.s3server.weed import find_weed, weed_runs
 
-# The names these helpers had before the package split; tests import them.
-_pid_alive = pid_alive
-_s3_client = s3_client
-
 __all__ = [
     "IDENTITY_FILE",
     "LOCK_FILE",

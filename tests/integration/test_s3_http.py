@@ -14,7 +14,7 @@ from needs import needs
 from kvbm.blocks import BlockKey, encode_block
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
-from kvbm.s3server import EmbeddedS3, _s3_client
+from kvbm.s3server import EmbeddedS3, s3_client
 from kvbm.tiers import s3 as s3mod
 from kvbm.tiers.s3 import HEADER_LEN, S3Tier, make_s3_tier
 from kvbm.transfer import nixl_available
@@ -63,7 +63,7 @@ def test_roundtrip_sizes_byte_exact_with_metadata(s3_server, s3_prefix):
             await t.close()
 
     okeys, keys, blobs = asyncio.run(run())
-    cli = _s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
+    cli = s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
     for okey, k, b in zip(okeys, keys, blobs, strict=True):
         obj = cli.get_object(Bucket=s3_server.bucket, Key=okey)
         assert obj["Metadata"]["kvbm-namespace"] == NS
@@ -78,7 +78,7 @@ def test_corrupt_truncated_and_missing_objects_are_misses(s3_server, s3_prefix):
     """Objects written around kvbm (plain botocore): a flipped byte, a cut body, a body shorter than the
     header and another block's body are counted corrupt misses and deleted; a missing object is a plain
     miss. None of them is an error or opens the breaker."""
-    cli = _s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
+    cli = s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
 
     async def run():
         t = make_tier(s3_server, s3_prefix)
@@ -222,7 +222,7 @@ def test_signer_sends_unsigned_payload_unless_asked(s3_server, s3_prefix, monkey
         finally:
             await t.close()
 
-    cli = _s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
+    cli = s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
     asyncio.run(run(False))
     assert seen[-1] == "UNSIGNED-PAYLOAD"
     seen.clear()

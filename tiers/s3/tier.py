@@ -56,10 +56,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from kvbm.blocks import FORMAT_VERSION, BlockKey
-from kvbm.config import S3Config
 from kvbm.errors import CorruptBlockError, TierFullError, TierUnavailableError, WriteShedError
 from kvbm.tiers.s3.bulk import S3Bulk
 from kvbm.tiers.s3.codes import _MISS_CODES, _err_code, _one_line
@@ -235,12 +233,4 @@ class S3Tier(S3Bulk):
             pending_writes=self._pending_writes, indexed_blocks=len(self.objects.sizes),
         )
         return d
-
-    @classmethod
-    def from_config(
-        cls, cfg: S3Config, endpoint: str | None = None, credentials: tuple[str, ...] | None = None, **kw: Any
-    ) -> S3Tier:
-        from kvbm.tiers.s3.factory import make_s3_tier
-
-        return make_s3_tier(cfg, endpoint, credentials, **kw)
 
