@@ -19,7 +19,7 @@ from kvbm.cli.common import (
     one_line_errors,
     pass_state,
 )
-from kvbm.config import Config, parse_size
+from kvbm.config import Config
 from kvbm.daemon.metrics import breaker_state
 from kvbm.ops import DaemonLink, Selector, iso, iter_bucket, iter_disk, open_bucket, summarize
 
@@ -30,7 +30,7 @@ async def storage_report(cfg: Config, disk: bool = True, bucket: bool = True) ->
     out: dict[str, Any] = {"mode": "direct"}
     if disk and cfg.disk.enabled:
         entries = await asyncio.to_thread(lambda: list(iter_disk(cfg.disk_dir)))
-        out["disk"] = {"dir": str(cfg.disk_dir), "capacity_bytes": parse_size(cfg.disk.capacity, "disk.capacity"),
+        out["disk"] = {"dir": str(cfg.disk_dir), "capacity_bytes": cfg.disk.capacity,
                        **_usage(summarize(entries))}
     if bucket and cfg.s3.enabled:
         tier = await open_bucket(cfg, start_embedded=False)  # an inspection command starts nothing

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -51,6 +52,9 @@ class Tier(abc.ABC):
 
     name: str  # "G1", "G2", "G3", "G4"
     kind: str  # "device", "host", "disk", "s3"
+    # An existing directory on this node that outlives a restart (the disk tier's): where the manager keeps what must
+    # survive one, e.g. the journal of writes owed to S3. None for memory and remote tiers.
+    local_dir: Path | None = None
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:

@@ -18,6 +18,8 @@ import yaml
 
 from kvbm.config.schema import (  # noqa: F401  (re-exported: the config API is kvbm.config)
     _UNITS,
+    SIZE_FIELDS,
+    SIZE_HINT,
     SIZE_RE,
     Config,
     DaemonConfig,
@@ -33,7 +35,9 @@ from kvbm.config.schema import (  # noqa: F401  (re-exported: the config API is 
     default_endpoint,
     default_events_endpoint,
     default_run_dir,
+    format_size,
     parse_size,
+    size_field,
 )
 from kvbm.errors import ConfigError
 
@@ -164,13 +168,7 @@ def check_embedded_port(port: int, field: str = "port") -> None:
 
 
 def _validate(cfg: Config) -> Config:
-    for field in ("block_bytes", "device.capacity", "host.capacity", "disk.capacity", "s3.capacity"):
-        obj: Any = cfg
-        *path, last = field.split(".")
-        for p in path:
-            obj = getattr(obj, p)
-        if parse_size(getattr(obj, last), field) < 0:
-            raise ConfigError(f"{field}: must be >= 0")
+    # Sizes were parsed (and checked >= 0) as the sections were built: schema.size_field.
     if cfg.block_nbytes <= 0:
         raise ConfigError("block_bytes: must be positive")
     if cfg.s3.max_concurrency < 1:

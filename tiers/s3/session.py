@@ -12,7 +12,7 @@ from typing import Any
 
 from kvbm.blocks import MIN_HEADER_LEN, BlockKey
 from kvbm.blocks.keys import object_relkey, parse_object_relkey
-from kvbm.config import S3Config, parse_size
+from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.tiers.base import Tier, TierStats, no_observe
 from kvbm.tiers.s3.aio import AioBody
@@ -56,7 +56,7 @@ class S3Session(Tier):
         wait_for_endpoint: bool = False,
     ) -> None:
         cfg = cfg or S3Config()
-        cap = parse_size(cfg.capacity, "s3.capacity") if capacity_bytes is None else capacity_bytes
+        cap = cfg.capacity if capacity_bytes is None else capacity_bytes
         super().__init__(cap)
         self.stats: S3Stats = S3Stats()
         self.cfg = cfg
