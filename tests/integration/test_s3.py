@@ -328,3 +328,27 @@ def test_put_bodies_are_unsigned_unless_asked(s3_server, s3_prefix, sign_payload
     assert len(sent) == 1
     header, body_sha = sent[0]
     assert header == (body_sha.encode() if sign_payload else b"UNSIGNED-PAYLOAD")
+
+
+def test_list_pages_is_the_shared_tier_interface(s3_server, s3_prefix):
+    """What the fleet reads (members, access logs) is a public method of the shared-tier interface: pages of
+    (key, object key, size, last-modified), foreign objects with key None."""
+    from kvbm.tiers.base import SharedTier
+
+    async def run():
+        t = make_tier(s3_server, s3_prefix, "http")
+        await t.start()
+        try:
+            assert isinstance(t, SharedTier)
+            keys = [key(i) for i in range(3)]
+            for k in keys:
+                await t.put(k, b"x" * 100)
+            await t.put_aux(f"{s3_prefix}/{NS}/zz/not-a-block", b"foreign")
+            rows = [row async for page in t.list_pages(f"{s3_prefix}/{NS}/") for row in page]
+            assert {(r[0], r[2]) for r in rows if r[0] is not None} == {(k, 100 + HEADER_LEN) for k in keys}
+            assert [r[1] for r in rows if r[0] is None] == [f"{s3_prefix}/{NS}/zz/not-a-block"]
+            assert all(r[3] is not None for r in rows)
+        finally:
+            await t.close()
+
+    asyncio.run(run())

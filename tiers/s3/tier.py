@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from kvbm.blocks import FORMAT_VERSION, BlockKey
 from kvbm.errors import CorruptBlockError, TierFullError, TierUnavailableError, WriteShedError
 from kvbm.tiers.s3.bulk import S3Bulk
-from kvbm.tiers.s3.codes import _MISS_CODES, _err_code, _one_line
+from kvbm.tiers.s3.codes import MISS_CODES, error_code, one_line
 
 log = logging.getLogger("kvbm.tiers.s3")
 
@@ -113,7 +113,7 @@ class S3Tier(S3Bulk):
             raise
         except Exception as e:
             self._failed("PUT", key, e)
-            raise TierUnavailableError(f"S3 PUT of {key} at {self.endpoint_name} failed: {_one_line(e)}") from None
+            raise TierUnavailableError(f"S3 PUT of {key} at {self.endpoint_name} failed: {one_line(e)}") from None
         finally:
             self._pending_writes -= 1
         self.breaker.success()
@@ -177,7 +177,7 @@ class S3Tier(S3Bulk):
         try:
             resp = await self._s3.head_object(Bucket=self.bucket, Key=okey)
         except Exception as e:
-            if _err_code(e) in _MISS_CODES:
+            if error_code(e) in MISS_CODES:
                 return None
             raise
         return int(resp["ContentLength"])
@@ -193,7 +193,7 @@ class S3Tier(S3Bulk):
             await self._s3.delete_object(Bucket=self.bucket, Key=okey)
         except Exception as e:
             self.stats.errors += 1
-            raise TierUnavailableError(f"S3 DELETE {okey} at {self.endpoint_name}: {_one_line(e)}") from None
+            raise TierUnavailableError(f"S3 DELETE {okey} at {self.endpoint_name}: {one_line(e)}") from None
         self.objects.drop(key)
         if existed:
             self.stats.deletes += 1
