@@ -228,8 +228,9 @@ def status(state: CliState, daemon_endpoint: str | None, direct: bool, daemon_ti
 
     With a running daemon (--daemon, $KVBM_DAEMON, or daemon.endpoint of the config) it prints the
     daemon's view: each tier's capacity, use, blocks and hit rate, connected workers, queues and the
-    S3 tier's health. With --direct, or when no daemon answers, it inspects storage itself: the disk
-    directory and the bucket, with blocks, bytes and the oldest/newest block per model namespace.
+    S3 tier's health. With --direct, or when no daemon answers (it says so first: "daemon: not running"), it
+    inspects storage itself: the disk directory and the bucket, with blocks, bytes and the oldest/newest block
+    per model namespace. It starts nothing: an embedded SeaweedFS that is not running is reported, not started.
 
     \b
     Examples:
