@@ -158,8 +158,8 @@ def test_a_worker_that_never_reached_the_daemon_still_reports_every_planned_tran
                                      saves=[BlockTransfer("save-1", [b"c" * 32], [[5]])])
         w.start_load_kv(meta)
         w.wait_for_save(meta)
-        sending, recving = w.get_finished({"save-1"})  # vLLM finished save-1 and kept its blocks
-        assert recving == {"load-1"}
+        sending, recving, failed = w.get_finished({"save-1"})  # vLLM finished save-1 and kept its blocks
+        assert recving == {"load-1"} and failed == set()  # one KV-cache group: failures go as block ids
         assert w.get_block_ids_with_load_errors() == {2, 3}  # recomputed
         assert sending == {"save-1"}
     finally:
@@ -357,19 +357,20 @@ def _tier_blocks(daemon, tier: str) -> int:
 def test_a_load_that_raises_still_reports_every_request(tmp_path, monkeypatch):
     """Whatever goes wrong inside a step's loads, every request is reported (loaded or failed): an async load
     left unreported keeps its request in WAITING_FOR_REMOTE_KVS forever."""
-    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata, WorkerSide
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+    from kvbm.integrations.vllm.loads import Loader
 
     def boom(*_a, **_k):
         raise RuntimeError("test: an unexpected error in the loader")
 
-    monkeypatch.setattr(WorkerSide, "_released", staticmethod(boom))
+    monkeypatch.setattr(Loader, "_pipeline", boom)
     w = _worker(f"ipc://{tmp_path}/nobody.sock", 1, async_load=True, async_save=True)
     try:
         meta = KvbmConnectorMetadata(k=1, loads=[BlockTransfer("a", [b"a" * 32], [[2]]),
                                                  BlockTransfer("b", [b"b" * 32], [[3]])])
         w.start_load_kv(meta)
-        assert wait_until(lambda: (w.get_finished(set())[1] or set()) >= {"a", "b"} or not w._loading, timeout=10)
-        assert not w._loading
+        assert wait_until(lambda: w.get_finished(set())[1] >= {"a", "b"} or not w.loader._loading, timeout=10)
+        assert not w.loader._loading
         assert w.get_block_ids_with_load_errors() == {2, 3}
     finally:
         w.shutdown()

@@ -42,7 +42,10 @@ class KVDigest:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().worker
-        return all(f.done() for futs in worker._saving.values() for f in futs)
+        saver = getattr(worker, "saver", None)
+        if saver is None:  # the connector before its saves had a class of their own (a test run on old code)
+            return all(f.done() for futs in worker._saving.values() for f in futs)
+        return not saver.pending()
 
 
     def kvbm_test_group_digests(self, ids_by_group: list[list[int | None]]) -> list[list[str | None]]:
@@ -117,6 +120,35 @@ class AllocatedBlocks:
         conn.update_state_after_alloc = update_state_after_alloc
 
 
+class EvictBeforeLoad:
+    """Evicts a request's kvbm blocks from ``from_block`` on right after the scheduler planned their load (the
+    lookup said they were there): a block gone between lookup and load, so the load comes up short."""
+
+    def __init__(self, llm: Any, spec: dict, from_block: int) -> None:
+        from pathlib import Path
+
+        from kvbm.client import WorkerClient
+        from kvbm.security import read_admin_token
+
+        self.evicted = 0
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        inner = conn.update_state_after_alloc
+        token = read_admin_token(Path(spec["admin_token_file"]))
+
+        def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            out = inner(request, blocks, num_external_tokens)
+            k = conn.scheduler.geometry.known_k
+            if num_external_tokens > 0 and k:
+                hashes = [bytes(h) for h in request.block_hashes[k - 1 :: k]][from_block:]
+                for layout in conn.layouts():
+                    with WorkerClient(spec["connector"]["daemon"], timeout_s=10, admin_token=token) as c:
+                        c.register(layout, worker_id=f"e2e-evictor-r{layout.tp_rank}")
+                        self.evicted += c.evict(hashes).removed
+            return out
+
+        conn.update_state_after_alloc = update_state_after_alloc
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -144,6 +176,7 @@ def main(spec_path: str, out_path: str) -> None:
     prefix_cache = llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     allocated = AllocatedBlocks(llm) if spec.get("connector") is not None else None
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
+    evictor = EvictBeforeLoad(llm, spec, spec["evict_before_load"]) if spec.get("evict_before_load") else None
     results = []
     prompt = spec["prompt"]
     for step in spec["steps"]:
@@ -203,6 +236,8 @@ def main(spec_path: str, out_path: str) -> None:
                     break
                 core.step_fn()
                 time.sleep(0.05)
+        if evictor is not None:
+            res["evicted_before_load"] = evictor.evicted
         res["prompt_tokens"] = len(prompt)
         res["prefix_cache_reset"] = llm.reset_prefix_cache() if prefix_cache else None
         results.append(res)

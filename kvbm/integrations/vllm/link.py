@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -23,7 +24,8 @@ MAX_RETRY_AFTER_S = 8.0
 LINK_ERRORS = (DaemonUnavailable, DaemonError, OSError)
 # Answers that mean the daemon is loaded (no free slot, shedding offloads, a lower tier out for now): this
 # transfer is skipped or recomputed, the link stays up.
-LOAD_CODES = frozenset({p.E_FULL, "shed", p.E_UNAVAILABLE})
+# "busy": more requests of this session (or its tenant) in flight than the daemon's cap: a burst, not a failure.
+LOAD_CODES = frozenset({p.E_FULL, "shed", p.E_UNAVAILABLE, "busy"})
 
 
 def is_load(e: BaseException) -> bool:
@@ -60,7 +62,11 @@ class Link:
         if time.monotonic() < self.down_until:
             return None
         # fail_fast: a daemon that dies is noticed when its socket drops, not after timeout_s.
-        client = WorkerClient(self.endpoint, timeout_s=self.timeout_s, fail_fast=True, **self.client_kw)
+        try:
+            client = WorkerClient(self.endpoint, timeout_s=self.timeout_s, fail_fast=True, **self.client_kw)
+        except Exception as e:  # a ZeroMQ error (EMFILE, a bad endpoint): this attempt fails, the link stays
+            self.fail(e)
+            return None
         try:
             layout = self.layout_of(self.geometry.resolve(daemon_block_bytes(client)))
             try:
@@ -72,6 +78,12 @@ class Link:
                                          f"check the daemon's block_bytes and {K_SETTING}") from e
         except (MisconfiguredError, *LINK_ERRORS) as e:
             client.close()
+            self.fail(e)
+            return None
+        except Exception as e:  # anything else (a G2 attach error, a layout bug) is an outage too, said as such
+            log.warning("kvbm: connecting to %s failed unexpectedly: %r", self.endpoint, e)
+            with contextlib.suppress(Exception):
+                client.close()
             self.fail(e)
             return None
         self.client, self.layout = client, layout

@@ -28,6 +28,10 @@ from kvbm.integrations.vllm.link import LINK_ERRORS, Link
 
 log = logging.getLogger("kvbm.vllm")
 
+# Lookups pipelined on one session at a time: well below the daemon's cap on a session's requests in flight
+# (256), so a burst of new requests is sent in rounds rather than refused as a whole.
+MAX_PIPELINED = 64
+
 
 @dataclass
 class _Job:
@@ -103,21 +107,35 @@ class Lookups:
             try:
                 job = self._queue.get(timeout=self.idle_s)
             except queue.Empty:
-                self._reconnect()
+                try:
+                    self._reconnect()
+                except Exception as e:
+                    log.warning("kvbm: reconnecting failed unexpectedly: %r", e)
                 continue
             if job is None:
                 return
             batch = [job]
-            while True:
+            stop = False
+            while len(batch) < MAX_PIPELINED:
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if more is None:
-                    self._answer(batch)
-                    return
+                    stop = True
+                    break
                 batch.append(more)
-            self._answer(batch)
+            try:
+                self._answer(batch)
+            except Exception as e:  # the thread must survive anything: a dead one would make every lookup wait
+                log.warning("kvbm: lookups failed unexpectedly, answered as misses: %r", e)
+                now = time.monotonic()
+                for j in batch:
+                    if not j.done.is_set():
+                        j.matched, j.answered = 0, now
+                        j.done.set()
+            if stop:
+                return
 
     def _reconnect(self) -> None:
         """Bring links that are down back up (each retries on its own backoff)."""
