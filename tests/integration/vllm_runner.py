@@ -170,6 +170,7 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("events"):
         kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": spec["events"],
                                   "topic": "kv"}
+    kw.update(spec.get("engine") or {})  # e.g. a small KV cache (num_gpu_blocks_override) to force preemption
     llm = LLM(**kw)
     if pp > 1:
         llm.collective_rpc("kvbm_test_pp_buffers")
@@ -195,6 +196,35 @@ def main(spec_path: str, out_path: str) -> None:
                     removed += c.evict(namespace=layout.namespace, tiers=step["evict"]).removed
             results.append({"evicted": removed})
             continue
+        if "batch" in step:
+            # Many requests at once (ignore_eos, max_tokens each): under a small KV cache vLLM preempts some.
+            bp = SamplingParams(max_tokens=step["max_tokens"], ignore_eos=True, temperature=0.0, detokenize=False)
+            sched = llm.llm_engine.engine_core.engine_core.scheduler
+            preempted: list[str] = []
+            inner_preempt = sched._preempt_request
+
+            def preempt(request: Any, *a: Any, **k: Any) -> Any:
+                preempted.append(request.request_id)
+                return inner_preempt(request, *a, **k)
+
+            sched._preempt_request = preempt
+            outs = llm.generate([{"prompt_token_ids": q} for q in step["batch"]], bp, use_tqdm=False)
+            res = {"batch_tokens": [list(o.outputs[0].token_ids) for o in outs],
+                   "kv_transfer_params": [o.kv_transfer_params for o in outs], "preempted": preempted}
+            import msgspec
+
+            res["layouts"] = [msgspec.json.encode(lay).decode() for lay in sched.connector.layouts()]
+            core = llm.llm_engine.engine_core.engine_core
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if all(llm.collective_rpc("kvbm_test_saves_done")) and not core.scheduler.has_requests():
+                    break
+                core.step_fn()
+                time.sleep(0.05)
+            results.append(res)
+            continue
+        if "prompt" in step:
+            prompt = step["prompt"]
         if "follow_up" in step:
             # The next turn of a conversation: the previous prompt, its answer, and the new question.
             prompt = prompt + results[-1]["tokens"] + step["follow_up"]

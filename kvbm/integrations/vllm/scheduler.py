@@ -54,7 +54,7 @@ class SchedulerSide:
         self._links = [links.open(r, f"scheduler-r{r}") for r in ranks]
         self._reqs: dict[str, ReqState] = {}
         self.hooks = HookTimes("scheduler", cfg.hook_warn_ms)
-        self._stats = {"lookups": 0, "hit_blocks": 0, "loads": 0, "saves": 0}
+        self._stats = {"lookups": 0, "hit_blocks": 0, "loads": 0, "saves": 0, "preempted": 0}
         # Requests whose blocks the worker may still be reading (async saves) or writing (async loads).
         # vLLM must not free those blocks at request_finished; the worker reports them as finished
         # sending / receiving instead. Both sides derive this from the same metadata, so they agree.
@@ -136,6 +136,7 @@ class SchedulerSide:
             # vLLM freed its blocks (this step may reuse them): the worker finishes or drops the copies out of
             # them before the forward, and the stale ids are forgotten (they would match another request's).
             meta.preempted.append(rid)
+            self._stats["preempted"] += 1
             st = self._reqs.get(rid)
             if st is not None:
                 st.block_ids = []
