@@ -461,3 +461,34 @@ def test_a_burst_of_lookups_beyond_the_daemons_in_flight_cap_is_answered_not_a_b
     finally:
         sched.shutdown()
         daemon.stop()
+
+
+def test_an_unexpected_error_while_connecting_is_a_miss_and_the_lookup_thread_lives(daemon, monkeypatch):
+    """Anything a connection attempt raises besides the daemon's own errors (a ZeroMQ EMFILE, a KeyError in
+    the geometry, a G2 attach error) used to escape ``Link.get`` and end the lookup thread without a word:
+    every later request then waited out lookup_give_up_ms and missed, forever. It is a miss now, the link
+    retries, and hits come back once the fault is gone."""
+    from kvbm.integrations.vllm import link as link_mod
+
+    sched = _scheduler(daemon.endpoint, "faulty", 1, lookup_give_up_ms=60_000)
+    try:
+        (lay,) = sched.layouts()
+        _store(daemon, lay, _request("stored", 1, 1100))
+        sched._links[0].fail(RuntimeError("test: reconnect"))  # the next lookup connects again
+        sched._links[0].down_until = 0.0
+        real = link_mod.daemon_block_bytes
+
+        def broken(_client):
+            raise KeyError("test: a geometry bug")
+
+        monkeypatch.setattr(link_mod, "daemon_block_bytes", broken)
+        first = _request("while-broken", 1, 1100)
+        sched.on_new_request(first)
+        assert wait_until(lambda: _answered(sched._lookups), timeout=30), "the lookup thread died"
+        assert sched._lookups._jobs[first.request_id].matched == 0
+        monkeypatch.setattr(link_mod, "daemon_block_bytes", real)
+        n = iter(range(1000))
+        assert wait_until(lambda: step_until_known(sched, _request(f"after-{next(n)}", 1, 1100))[0] == (16, False),
+                          timeout=30)
+    finally:
+        sched.shutdown()
