@@ -40,6 +40,7 @@ from kvbm.client.core import (
     _Core,
     client_options,
 )
+from kvbm.client.lease import onboarded, reserving
 
 __all__ = ["AsyncWorkerClient", "DaemonError", "DaemonUnavailable", "Overloaded", "WorkerClient", "client_options"]
 
@@ -229,13 +230,10 @@ class WorkerClient(_Core):
             return p.Ack(stored=0)
         if len(hashes) > self.store_batch:
             return self._store_pipelined(ns, hashes, bufs, n, durable)
-        slots = self.request(p.PrepareStore(namespace=ns, hashes=hashes, nbytes=n), p.Slots).slots
-        try:
-            self._copy_in(slots, bufs, n)
-        except BaseException:
-            self.request(p.CommitStore(namespace=ns, hashes=hashes, ok=False), p.Ack)
-            raise
-        return self.request(p.CommitStore(namespace=ns, hashes=hashes, durable=durable), p.Ack)
+        with reserving(self, hashes, n, durable=durable, namespace=ns) as res:
+            self._copy_in(res.slots, bufs, n)
+        assert res.ack is not None
+        return res.ack
 
     def _store_pipelined(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int, durable: bool) -> p.Ack:
         step = self.store_batch
@@ -292,13 +290,9 @@ class WorkerClient(_Core):
     def load(self, keys: Sequence[BlockKey | bytes], outs: Sequence[Buffer]) -> int:
         """onboard -> copy the leading held run out of G2 -> release; returns blocks loaded."""
         ns, hashes = self._ns(keys)
-        rep = self.request(p.Onboard(namespace=ns, hashes=hashes), p.Onboarded)
-        try:
-            self._copy_out(rep, outs)
-        finally:
-            if rep.count:
-                self.request(p.Release(namespace=ns, hashes=hashes[: rep.count]), p.Released)
-        return rep.count
+        with onboarded(self, hashes, ns) as got:
+            self._copy_out(got.reply, outs)
+        return got.count
 
     def stats(self, *, resident: bool = False) -> dict[str, Any]:
         return self.request(p.Stats(resident=resident), p.StatsReply).stats

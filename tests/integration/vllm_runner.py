@@ -203,9 +203,10 @@ def main(spec_path: str, out_path: str) -> None:
             preempted: list[str] = []
             inner_preempt = sched._preempt_request
 
-            def preempt(request: Any, *a: Any, **k: Any) -> Any:
+            def preempt(request: Any, *a: Any, preempted: list[str] = preempted, inner: Any = inner_preempt,
+                        **k: Any) -> Any:
                 preempted.append(request.request_id)
-                return inner_preempt(request, *a, **k)
+                return inner(request, *a, **k)
 
             sched._preempt_request = preempt
             outs = llm.generate([{"prompt_token_ids": q} for q in step["batch"]], bp, use_tqdm=False)

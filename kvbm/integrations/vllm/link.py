@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbm import protocol as p
 from kvbm.blocks.layout import KVLayout
 from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
+from kvbm.client.lease import BAD_REQUEST, is_load
 from kvbm.integrations.vllm.geometry import K_SETTING, Geometry, MisconfiguredError, daemon_block_bytes, warn_once
 
 log = logging.getLogger("kvbm.vllm")
@@ -22,15 +22,6 @@ RETRY_AFTER_S = 0.5
 MAX_RETRY_AFTER_S = 8.0
 # What a session with the daemon can fail with; each marks the link down (a miss or a recompute, never a raise).
 LINK_ERRORS = (DaemonUnavailable, DaemonError, OSError)
-# Answers that mean the daemon is loaded (no free slot, shedding offloads, a lower tier out for now): this
-# transfer is skipped or recomputed, the link stays up.
-# "busy": more requests of this session (or its tenant) in flight than the daemon's cap: a burst, not a failure.
-LOAD_CODES = frozenset({p.E_FULL, "shed", p.E_UNAVAILABLE, "busy"})
-
-
-def is_load(e: BaseException) -> bool:
-    """Whether ``e`` is the daemon saying it is loaded, not the session failing."""
-    return isinstance(e, DaemonError) and e.code in LOAD_CODES
 
 
 class Link:
@@ -72,7 +63,7 @@ class Link:
             try:
                 client.register(layout, worker_id=self.worker_id, engine_id=self.engine_id)
             except DaemonError as e:
-                if e.code != p.E_BAD_REQUEST:
+                if e.code != BAD_REQUEST:
                     raise
                 raise MisconfiguredError(f"kvbm: the daemon refused this engine's KV layout ({e.message}); "
                                          f"check the daemon's block_bytes and {K_SETTING}") from e

@@ -21,9 +21,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvbm import protocol as p
+from kvbm.client.lease import PendingLookup
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link
 
 log = logging.getLogger("kvbm.vllm")
@@ -145,23 +144,23 @@ class Lookups:
 
     def _answer(self, batch: list[_Job]) -> None:
         matched = [len(job.hashes) for job in batch]
-        sent: list[tuple[Link, Any, list[Any]]] = []
+        sent: list[tuple[Link, list[PendingLookup]]] = []
         for link in self._links:  # every rank's lookups are sent before any reply is awaited
             client = link.get()
             if client is None:
                 matched = [0] * len(batch)
                 continue
             try:
-                msgs = [client.begin(p.Lookup(namespace=client.namespace, hashes=job.hashes)) for job in batch]
+                msgs = [PendingLookup(client, job.hashes) for job in batch]
             except LINK_ERRORS as e:
                 link.error(e)
                 matched = [0] * len(batch)
                 continue
-            sent.append((link, client, msgs))
-        for link, client, msgs in sent:
+            sent.append((link, msgs))
+        for link, msgs in sent:
             for i, msg in enumerate(msgs):
                 try:
-                    matched[i] = min(matched[i], client.finish(msg, p.LookupReply).matched)
+                    matched[i] = min(matched[i], msg.matched())
                 except LINK_ERRORS as e:
                     link.error(e)
                     matched[i] = 0
