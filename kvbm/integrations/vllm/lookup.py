@@ -3,8 +3,8 @@
 A request's lookup is queued when it arrives (vLLM's ``on_new_request``), so its answer is usually there
 by the time the scheduler reaches it: requests that arrive together are all answered for the same step.
 The scheduler calls :meth:`Lookups.ask` from ``get_num_new_matched_tokens``; an answer not there yet is
-waited for at most ``wait_s`` (a few milliseconds), and once one ask of a step has waited that long in vain
-the others of that step do not wait at all (the daemon is slow now: one wait per step, however many
+waited for, but a step's asks wait at most ``wait_s`` (a few milliseconds) in all, and once one has waited in
+vain the others of that step do not wait at all (the daemon is slow now: one wait per step, however many
 requests ask). An answer still missing is ``None``: vLLM skips the request this step and asks again the
 next. A lookup unanswered after ``give_up_s`` is a miss (the request is computed). An answer older than
 ``fresh_s`` (the request queued in vLLM a while) is asked again; if the new one is late the old one stands.
@@ -50,7 +50,7 @@ class Lookups:
                  fresh_s: float = 1.0) -> None:
         self._links = links
         self.wait_s, self.give_up_s, self.idle_s, self.fresh_s = wait_s, give_up_s, idle_s, fresh_s
-        self._waiting = True  # whether asks of this step may still wait (scheduler thread only)
+        self._budget = wait_s  # what asks of this step may still wait in all (scheduler thread only)
         self._jobs: dict[str, _Job] = {}  # asked and not yet returned (scheduler thread only)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.gave_up = 0
@@ -70,8 +70,12 @@ class Lookups:
             job = self._queue_job(_Job(req_id, hashes))
         elif job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
             job = self._queue_job(_Job(req_id, hashes, stale=job))  # queued a while in vLLM: ask again
-        if not job.done.is_set() and self._waiting and not job.done.wait(self.wait_s):
-            self._waiting = False  # the daemon is slow now: the rest of this step does not wait
+        if not job.done.is_set() and self._budget > 0:
+            t0 = time.monotonic()
+            if job.done.wait(self._budget):
+                self._budget -= time.monotonic() - t0  # asks answered in time share the step's budget
+            else:
+                self._budget = 0.0  # the daemon is slow now: the rest of this step does not wait
         if job.done.is_set():
             del self._jobs[req_id]
             return job.matched
@@ -91,7 +95,7 @@ class Lookups:
 
     def new_step(self) -> None:
         """The next scheduler step starts: its asks may wait again."""
-        self._waiting = True
+        self._budget = self.wait_s
 
     def forget(self, req_id: str) -> None:
         self._jobs.pop(req_id, None)
