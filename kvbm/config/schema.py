@@ -193,6 +193,9 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     curve_public_key: str = ""  # Z85; clients (CLI, connector) need it to reach a CURVE daemon
     curve_server_key_file: str = ""  # the daemon's keypair file (`kvbm keys generate`), instead of the Z85 fields
     curve_clients_dir: str = ""  # allow-list: directory of allowed clients' public key files (<name>.key)
+    # On a daemon with tenants and CURVE: the public keys that may subscribe to the events socket (the operator's
+    # monitors, fleet peers with their own key pair); the daemon's own key always may, tenants' keys never.
+    curve_admin_clients_dir: str = ""
     curve_allow_any_client: bool = False  # CURVE without curve_clients_dir: encrypt only, authenticate nobody
     curve_client_key_file: str = ""  # clients: own keypair file (<name>.key_secret) for an allow-listed daemon
     # Admin credential (Evict, Reindex, other namespaces, resident hashes): created 0600 at the first `kvbm serve`.

@@ -273,3 +273,59 @@ def test_one_workers_barrier_flood_leaves_other_workers_served(tmp_path: Path) -
                 sock.close(0)
     finally:
         d.stop()
+
+
+# -- events with CURVE ------------------------------------------------------------------------------------
+def _curve_sub(ctx: zmq.Context, endpoint: str, server: bytes, keypair: tuple[bytes, bytes]) -> zmq.Socket:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.curve_serverkey, (sub.curve_publickey, sub.curve_secretkey) = server, keypair
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    return sub
+
+
+def test_with_curve_only_admin_keys_read_a_tenant_daemons_events(tmp_path: Path) -> None:
+    """The cross-host set-up: every tenant's host is in curve_clients_dir, so the request socket admits it; the
+    events socket admits only curve_admin_clients_dir's keys (and the daemon's own), so tenant a's host reads
+    none of the block events (namespaces, hashes) while the operator's key reads them."""
+    require("curve", zmq.has("curve"), "libzmq without CURVE")
+    from kvbm.security import load_keypair, write_keypair
+
+    keydir, allowed, admins = tmp_path / "keys", tmp_path / "clients", tmp_path / "admins"
+    allowed.mkdir()
+    admins.mkdir()
+    _srv_pub, srv_secret = write_keypair(keydir, "server")
+    pairs = {}
+    for name in ("tenant-a", "operator"):
+        public, secret = write_keypair(keydir, name)
+        shutil.copy(public, allowed / public.name)
+        pairs[name] = load_keypair(secret)
+    shutil.copy(keydir / "operator.key", admins / "operator.key")
+    server = load_keypair(srv_secret)[0]
+    events = f"ipc://{tmp_path}/ev.sock"
+    cfg = base_cfg(tmp_path, endpoint=f"ipc://{tmp_path}/d.sock", events_endpoint=events,
+                   curve_server_key_file=str(srv_secret), curve_clients_dir=str(allowed),
+                   curve_admin_clients_dir=str(admins),
+                   tenants=[{"name": "a", "token_file": str(tmp_path / "a.token"), "models": ["team-a/*"]}])
+    d = ServeProc(tmp_path, cfg).start()
+    ctx = zmq.Context()
+    subs = {name: _curve_sub(ctx, events, server, kp) for name, kp in pairs.items()}
+    try:
+        got = dict.fromkeys(subs, 0)
+        with tenant_client(d, "a", curve_server_key=server.decode(), curve_keypair=pairs["tenant-a"]) as a:
+            a.register(LAYOUT_A)  # the tenant's key passes the request socket
+            for i in range(40):  # until the operator's subscription has seen stores (it joins asynchronously)
+                a.store(keys(1, a.namespace, bytes([0xC0, i])), [np.full(NB, i, dtype=np.uint8)])
+                for name, sub in subs.items():
+                    while sub.poll(50):
+                        sub.recv_multipart()
+                        got[name] += 1
+                if got["operator"] >= 3:
+                    break
+        assert got["operator"] >= 3 and got["tenant-a"] == 0, f"event batches read per key: {got}"
+    finally:
+        for sub in subs.values():
+            sub.close(0)
+        ctx.term()
+        d.stop()
