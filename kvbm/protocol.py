@@ -176,6 +176,10 @@ class Registered(_Msg, kw_only=True):
     num_slots: int
     capacity_bytes: int
     block_nbytes: int
+    # G2 slots this session may hold at once (pinned by Onboard + prepared by PrepareStore); a slot request
+    # beyond it is answered E_FULL. 0: not stated (a daemon before this field; decoders ignore fields they do
+    # not know and default those missing, so a defaulted reply field needs no new protocol version).
+    session_slots: int = 0
 
 
 class Pong(_Msg, kw_only=True):

@@ -175,6 +175,8 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("daemon.max_workers: must be >= 1")
     if cfg.daemon.max_inflight_per_client < 1:
         raise ConfigError("daemon.max_inflight_per_client: must be >= 1")
+    if cfg.daemon.max_session_slots < 0:
+        raise ConfigError("daemon.max_session_slots: must be >= 0 (0: the principal's budget over tp_size)")
     _validate_tenants(cfg.daemon.tenants)
     _validate_discovery(cfg)
     return cfg
@@ -195,6 +197,8 @@ def _validate_tenants(tenants: list[TenantConfig]) -> None:
             raise ConfigError(f"{at}.max_workers: must be >= 1")
         if t.max_inflight < 1:
             raise ConfigError(f"{at}.max_inflight: must be >= 1")
+        if t.max_slots < 0:
+            raise ConfigError(f"{at}.max_slots: must be >= 0 (0: an equal share of G2)")
 
 
 def _validate_discovery(cfg: Config) -> None:

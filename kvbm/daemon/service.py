@@ -17,7 +17,7 @@ from typing import Any
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
-from kvbm.config import DaemonConfig
+from kvbm.config import DaemonConfig, TenantConfig
 from kvbm.daemon.admin import AdminHandlers
 from kvbm.daemon.auth import Credentials, authorize, check_store
 from kvbm.daemon.barrier import Barriers
@@ -155,15 +155,26 @@ class Service:
             self.drop_worker(old, "re-registered")
         token = secrets.token_hex(16)
         admin = who.admin
-        self.sessions.add(token, msg, admin=admin, principal=who.name, max_inflight=t.max_inflight if t else 0)
+        principal_slots, slots = self.slot_budgets(t, msg.tp_size) if not admin else (0, 0)
+        self.sessions.add(token, msg, admin=admin, principal=who.name, max_inflight=t.max_inflight if t else 0,
+                          slots=slots, principal_slots=principal_slots)
         self.stats.registered += 1
         logj("worker.registered", worker=msg.worker_id, engine=msg.engine_id, rank=msg.tp_rank,
              namespace=layout.namespace, admin=admin, tenant=t.name if t else "")
         return p.Registered(
             token=token, namespace=layout.namespace, shm_name=getattr(g2, "shm_name", ""), generation=self.generation,
             slot_bytes=g2.slot_bytes, num_slots=g2.num_slots, capacity_bytes=g2.capacity_bytes,
-            block_nbytes=layout.block_nbytes,
+            block_nbytes=layout.block_nbytes, session_slots=slots or g2.num_slots,
         )
+
+    def slot_budgets(self, tenant: TenantConfig | None, tp_size: int) -> tuple[int, int]:
+        """(the principal's G2 slot budget, 0 when unbounded; a new session's): a tenant's ``max_slots`` or an
+        equal share of G2; a session's ``daemon.max_session_slots`` or its principal's over its ``tp_size``."""
+        num = g2_of(self.manager).num_slots
+        principal = (tenant.max_slots or max(1, num // len(self.creds.tenants))) if tenant is not None else 0
+        of = min(principal or num, num)
+        session = min(self.dc.max_session_slots, of) if self.dc.max_session_slots else max(1, of // max(tp_size, 1))
+        return principal, session
 
     def unregister(self, _msg: p.Unregister, w: WorkerSession) -> p.Released:
         return p.Released(count=self.drop_worker(w, "unregistered", quarantine=False))
@@ -215,9 +226,14 @@ class Service:
             raise Handled(p.E_BAD_REQUEST, f"nbytes {msg.nbytes} outside (0, {slot_bytes}]")
         t0 = time.perf_counter()
         keys = msg.keys()
+        need = self.manager.store_need(keys, TierName.G2)
+        if why := self.sessions.no_room(w, need):
+            raise Handled(p.E_FULL, why)
+        self.sessions.reserve(w, need)  # counted while we wait for room: a concurrent request sees it
         try:
             slots = await self.manager.prepare_store(keys, msg.nbytes, TierName.G2)
         finally:
+            self.sessions.unreserve(w, need)
             self.stats.offload_seconds += time.perf_counter() - t0
             self.metrics.store.labels(op="prepare").observe(time.perf_counter() - t0)
         if not self.sessions.alive(w):  # dropped while we waited (nothing copied yet): give the slots back
@@ -248,14 +264,20 @@ class Service:
         self._check_generation(msg)
         t0 = time.perf_counter()
         keys = msg.keys()
+        run = self.manager.held_run(keys)
+        if why := self.sessions.no_room(w, len(run)):  # what it would pin: the leading held run
+            raise Handled(p.E_FULL, why)
         reg = self.manager.registry
         reg.pin(keys)  # before the await, so nothing we bring up is evicted before the worker reads it
-        source = self.metrics.slowest(reg.match_prefix(keys))  # the tier the onboard's latency comes from
+        source = self.metrics.slowest(run)  # the tier the onboard's latency comes from
+        self.sessions.reserve(w, len(run))
         try:
             n = await self.manager.onboard(keys, to=TierName.G2)
         except BaseException:
             reg.unpin(keys)
             raise
+        finally:
+            self.sessions.unreserve(w, len(run))
         g2 = g2_of(self.manager)
         held: list[tuple[BlockKey, int]] = []
         nbytes: list[int] = []

@@ -150,6 +150,11 @@ class BlockManager:
     def where(self, key: BlockKey) -> list[str]:
         return self.registry.where(key)
 
+    def held_run(self, keys: Sequence[BlockKey]) -> list[str]:
+        """The fastest tier of each block of the leading run of ``keys`` held anywhere (no statistics: what an
+        onboard would bring up)."""
+        return self.registry.match_prefix(keys)
+
     # -- writes ----------------------------------------------------------------------------------------
     async def put(
         self, key: BlockKey, data: memoryview | bytes, tier: str | None = None, *, cascade: bool = True
@@ -196,6 +201,10 @@ class BlockManager:
         :meth:`complete_store`. Slots stay reserved, and out of eviction's reach, until then.
         """
         return await self.external.prepare(keys, nbytes, tier)
+
+    def store_need(self, keys: Sequence[BlockKey], tier: str = TierName.G2) -> int:
+        """At most how many slots :meth:`prepare_store` of ``keys`` would reserve now."""
+        return self.external.wanted(keys, tier)
 
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
         """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below."""

@@ -28,6 +28,14 @@ class ExternalStores:
             raise KvbmError(f"{tier} is not a slot pool")
         return pool
 
+    def wanted(self, keys: Sequence[BlockKey], tier: str) -> int:
+        """How many slots :meth:`prepare` of ``keys`` would hand out now, at most (the distinct keys not held
+        in ``tier`` nor being stored there)."""
+        pool = self._pool(tier)
+        prepared, pending = self._prepared, pool.is_pending
+        return len({k for k, held in zip(keys, self.s.registry.holding(tier, keys), strict=True)
+                    if not held and k not in prepared and not pending(k)})
+
     async def prepare(self, keys: Sequence[BlockKey], nbytes: int, tier: str) -> list[int | None]:
         """A reserved slot per key; None for keys already stored there or being stored right now (another
         worker's prepared store, a prefetch or a cascade copying it in, or an earlier copy in this batch).

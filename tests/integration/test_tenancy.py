@@ -329,3 +329,77 @@ def test_with_curve_only_admin_keys_read_a_tenant_daemons_events(tmp_path: Path)
             sub.close(0)
         ctx.term()
         d.stop()
+
+
+# -- slot budgets -----------------------------------------------------------------------------------------
+def onboard(c: WorkerClient, ks: list[BlockKey]) -> p.Onboarded:
+    """Pin ``ks`` in G2 and keep them pinned (no Release): what a worker holds while it copies out."""
+    return c.request(p.Onboard(namespace=ks[0].namespace, hashes=[k.hash for k in ks]), p.Onboarded)
+
+
+def release(c: WorkerClient, ks: list[BlockKey]) -> int:
+    return c.request(p.Release(namespace=ks[0].namespace, hashes=[k.hash for k in ks]), p.Released).count
+
+
+def full_message(fn: object, *args: object) -> str:
+    with pytest.raises(DaemonError) as e:
+        fn(*args)  # type: ignore[operator]
+    assert e.value.code == p.E_FULL, e.value  # load, not failure: the connector retries or computes
+    return e.value.message
+
+
+def test_a_tenant_cannot_hold_all_of_g2(tmp_path: Path) -> None:
+    """Tenant a (max_slots 8) pins 8 blocks and keeps pinging: its 9th pin and its PrepareStore are refused
+    `full` naming its budget, while tenant b (the default share: half of G2's 64 slots) pins 20 blocks and
+    stores; once a releases it pins again. Registered states each session's budget."""
+    cfg = base_cfg(tmp_path, endpoint=f"ipc://{tmp_path}/d.sock", events_endpoint="", tenants=[
+        {"name": "a", "token_file": str(tmp_path / "a.token"), "models": ["team-a/*"], "max_slots": 8},
+        {"name": "b", "token_file": str(tmp_path / "b.token"), "models": ["team-b/*"]},
+    ])
+    d = ServeProc(tmp_path, cfg).start()
+    try:
+        with tenant_client(d, "a") as a, tenant_client(d, "b") as b:
+            reg_a, reg_b = a.register(LAYOUT_A), b.register(LAYOUT_B)
+            held = keys(12, a.namespace, b"held")
+            for part in (held[:6], held[6:]):  # a PrepareStore holds slots until its commit: at most 8 at once
+                a.store(part, [np.full(NB, 1, dtype=np.uint8)] * 6)  # committed blocks are cache: not a's to hold
+            assert onboard(a, held[:8]).count == 8
+            a.ping()  # a renewed lease does not renew a budget
+            why = full_message(onboard, a, held[8:9])
+            assert "tenant 'a'" in why and "max_slots" in why and "8" in why, why
+            new = keys(2, a.namespace, b"new")
+            why = full_message(a.request, p.PrepareStore(namespace=a.namespace, hashes=[k.hash for k in new],
+                                                         nbytes=NB), p.Slots)
+            assert "max_slots" in why, why
+            theirs = keys(20, b.namespace, b"b")
+            b.store(theirs, [np.full(NB, 2, dtype=np.uint8)] * 20)
+            assert onboard(b, theirs).count == 20  # b is served while a sits at its cap
+            assert release(a, held[:8]) == 8
+            assert onboard(a, held[4:12]).count == 8
+            assert reg_a.session_slots == 8 and reg_b.session_slots == 32, (reg_a, reg_b)
+    finally:
+        d.stop()
+
+
+def test_a_session_holds_at_most_its_stated_budget(tmp_path: Path) -> None:
+    """daemon.max_session_slots 4: each session is told 4 in Registered; its fifth slot (pinned or prepared)
+    is refused `full` naming the budget, and another session of the same daemon still gets its own 4."""
+    d = ServeProc(tmp_path, base_cfg(tmp_path, endpoint=f"ipc://{tmp_path}/d.sock", events_endpoint="",
+                                     max_session_slots=4)).start()
+    try:
+        with d.client() as one, d.client() as two:
+            reg = one.register(LAYOUT_A)
+            two.register(LAYOUT_A, worker_id="two")
+            ks = keys(8, one.namespace, b"s")
+            for part in (ks[:4], ks[4:]):
+                one.store(part, [np.full(NB, 3, dtype=np.uint8)] * 4)
+            assert onboard(one, ks[:3]).count == 3
+            slots = one.request(p.PrepareStore(namespace=one.namespace, hashes=[keys(1, one.namespace, b"p")[0].hash],
+                                               nbytes=NB), p.Slots).slots
+            assert slots[0] is not None  # 3 pinned + 1 prepared: the budget is full
+            why = full_message(onboard, one, ks[3:4])
+            assert "session" in why and "max_session_slots" in why, why
+            assert onboard(two, ks[:4]).count == 4
+            assert reg.session_slots == 4
+    finally:
+        d.stop()
