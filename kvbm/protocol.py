@@ -260,6 +260,7 @@ E_TIMEOUT = "timeout"
 E_FULL = "full"
 E_STALE = "stale_generation"
 E_LIMIT = "limit"  # a field outside its bounds (batch length, hash length, string length, rank)
+E_BUSY = "busy"  # too many of this client's requests in flight (its session's or its tenant's cap): load, retry
 E_UNAVAILABLE = "unavailable"  # a tier the request needs cannot be reached now (S3 outage); try again later
 E_FORBIDDEN = "forbidden"  # another worker's namespace, or an admin request without the admin token
 

@@ -160,7 +160,7 @@ class TenantConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     models: list[str] = []  # fnmatch patterns of the layout.model names it may register ("team-a/*")
     namespaces: list[str] = []  # exact layout namespaces it may register (as Registered and kvbm status name them)
     max_workers: int = 64  # its registered workers at most (its own budget, apart from daemon.max_workers)
-    max_inflight: int = 256  # its requests handled at once; beyond it a request is answered `limit` at once
+    max_inflight: int = 256  # its requests handled at once; beyond it a request is answered `busy` at once
     # G2 slots its sessions hold at once (pinned by Onboard + prepared by PrepareStore, until Release/commit);
     # beyond it a slot request is answered `full`. 0: an equal share, G2's slots over the number of tenants.
     max_slots: int = 0
@@ -185,7 +185,7 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     barrier_timeout_s: float = 30.0  # a Barrier's timeout when it names none, and the most it may name
     max_inflight: int = 1024  # requests handled at once; beyond it the daemon stops reading (ZMQ backpressure)
     # One client's requests handled at once (a worker session, else a connection; a tenant has its own
-    # max_inflight): beyond it that client's request is answered `limit` at once, so a flood leaves others served.
+    # max_inflight): beyond it that client's request is answered `busy` at once, so a flood leaves others served.
     max_inflight_per_client: int = 256
     # G2 slots one session holds at once (pinned + prepared), stated to it in Registered.session_slots; beyond it
     # a slot request is answered `full`. 0: its principal's budget (a tenant's max_slots, else all of G2) over

@@ -5,7 +5,8 @@ Request logic lives in :mod:`kvbm.daemon.service`; this module only moves frames
 :class:`~kvbm.protocol.Shed`; with ``max_inflight`` requests of any kind in flight the loop stops reading
 (ZeroMQ queues, then the clients time out). Before that, each client (a tenant, a worker session, an
 unregistered connection: :meth:`RequestService.client_of`) has its own cap: a request beyond it is answered
-``limit`` at once, so one client's flood (say Barriers that wait) neither stops the loop nor delays others.
+``busy`` at once (load: retry later; ``limit`` means a field out of bounds), so one client's flood (say
+Barriers that wait) neither stops the loop nor delays others.
 Bad frames get an Error reply (or are dropped) and are counted;
 none stops the daemon.
 """
@@ -192,7 +193,7 @@ class Transport:
         held = self.per_client.get(client, 0)
         if held >= cap:
             self.stats.client_limited += 1
-            self._error(route, msg.rid, p.E_LIMIT, f"{held} requests of this client are in flight (its cap: "
+            self._error(route, msg.rid, p.E_BUSY, f"{held} requests of this client are in flight (its cap: "
                                                    f"daemon.max_inflight_per_client or its tenant's max_inflight)")
             return
         self.per_client[client] = held + 1

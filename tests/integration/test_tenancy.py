@@ -204,8 +204,9 @@ def test_a_worker_id_belongs_to_the_credential_that_created_it(tenants: ServePro
 
 
 def test_a_tenant_floods_only_its_own_registrations_and_requests(tenants: ServeProc) -> None:
-    """a's third worker is refused `limit` (b still registers); a's fifth request in flight is refused `limit`
-    at once while b is served; a Barrier naming an hour waits only daemon.barrier_timeout_s."""
+    """a's third worker is refused `limit` (b still registers); a's fifth request in flight is refused `busy`
+    at once (load, not a bad field: `limit` stays "out of bounds") while b is served; a Barrier naming an hour
+    waits only daemon.barrier_timeout_s."""
     with tenant_client(tenants, "a") as a1, tenant_client(tenants, "a") as a2, tenant_client(tenants, "a") as a3:
         a1.register(LAYOUT_A)
         a2.register(LAYOUT_A)
@@ -229,7 +230,7 @@ def test_a_tenant_floods_only_its_own_registrations_and_requests(tenants: ServeP
                     rep = p.decode_reply(flood.recv())
                     key = rep.code if isinstance(rep, p.Error) else type(rep).__name__
                     codes[key] = codes.get(key, 0) + 1
-                assert codes == {p.E_LIMIT: 16, "BarrierReply": 4}, codes
+                assert codes == {p.E_BUSY: 16, "BarrierReply": 4}, codes
             finally:
                 flood.close(0)
                 ctx.term()
@@ -249,7 +250,7 @@ def flood_barriers(endpoint: str, token: str, n: int) -> zmq.Socket:
 
 def test_one_workers_barrier_flood_leaves_other_workers_served(tmp_path: Path) -> None:
     """Without tenants: 1,100 hour-long Barriers from one worker (more than daemon.max_inflight, 1,024) neither
-    stop the daemon reading nor delay another worker's Lookup; beyond the worker's cap they are refused `limit`,
+    stop the daemon reading nor delay another worker's Lookup; beyond the worker's cap they are refused `busy`,
     and those admitted end after daemon.barrier_timeout_s."""
     d = ServeProc(tmp_path, base_cfg(tmp_path, endpoint=f"ipc://{tmp_path}/d.sock", events_endpoint="",
                                      barrier_timeout_s=1.0)).start()
@@ -268,7 +269,7 @@ def test_one_workers_barrier_flood_leaves_other_workers_served(tmp_path: Path) -
                     rep = p.decode_reply(sock.recv())
                     key = rep.code if isinstance(rep, p.Error) else type(rep).__name__
                     codes[key] = codes.get(key, 0) + 1
-                assert codes == {"BarrierReply": 256, p.E_LIMIT: 844}, codes  # daemon.max_inflight_per_client
+                assert codes == {"BarrierReply": 256, p.E_BUSY: 844}, codes  # daemon.max_inflight_per_client
             finally:
                 sock.close(0)
     finally:
