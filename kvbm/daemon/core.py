@@ -70,7 +70,7 @@ class Daemon:
         self.fleet_member = FleetMember(dc, manager, self.publisher)
         self.probe = self.fleet_member.probe
         self.peers = self.fleet_member.peers
-        self.indexer = BucketIndexer(manager, dc.index_bucket, self._spawn)
+        self.indexer = BucketIndexer(manager, dc.index_bucket, self._spawn, wanted=self.sessions.uses)
         self.warmth = Warmth(dc, manager, self._spawn)
         # Latency histograms: observed by the handlers, the manager's copies and the S3 tier's requests.
         self.metrics = Metrics(self.snapshot, self.readiness, [t.name for t in manager.tiers])
@@ -202,7 +202,8 @@ class Daemon:
         d.update(
             queue_depth=self.transport.offloads, inflight=self.transport.inflight, workers=len(self.workers),
             bucket_indexed=self.indexer.indexed.is_set(), bucket_index_error=self.indexer.error,
-            namespaces_indexed=len(self.indexer.namespaces), prewarm=self.warmth.prewarm,
+            namespaces_indexed=len(self.indexer.namespaces), namespaces_pending=len(self.indexer.pending),
+            prewarm=self.warmth.prewarm,
             pins=self.sessions.pin_total(), quarantined_slots=self.sessions.quarantined_slots(),
             refused_workers=self.sessions.refused,
         )

@@ -19,7 +19,7 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.config import DaemonConfig, TenantConfig
 from kvbm.daemon.admin import AdminHandlers
-from kvbm.daemon.auth import Credentials, authorize, check_store
+from kvbm.daemon.auth import Credentials, Principal, authorize, check_store
 from kvbm.daemon.barrier import Barriers
 from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.indexing import BucketIndexer
@@ -143,14 +143,10 @@ class Service:
             if len(getattr(layout, name)) > p.MAX_STR:
                 raise Handled(p.E_LIMIT, f"layout.{name} is longer than {p.MAX_STR} characters")
         who = self.creds.principal(msg)  # checked by authorize already: this only names it
+        self._check_place(msg, who)  # before the bucket is listed: a refused Register costs no LIST
         await self.indexer.index_namespace(layout.namespace)
-        # No await from here to add: the checks hold when the session is added.
-        if why := self.sessions.owner_conflict(msg.worker_id, who.name):
-            raise Handled(p.E_FORBIDDEN, why)
+        self._check_place(msg, who)  # again: others registered while we listed. No await from here to add.
         t = who.tenant
-        if why := self.sessions.refusal(msg, admin=who.admin, principal=who.name, cap=t.max_workers if t else 0,
-                                        field=f"max_workers of tenant {t.name!r}" if t else "daemon.max_workers"):
-            raise Handled(p.E_LIMIT, why)
         for old in self.sessions.by_worker_id(msg.worker_id):
             self.drop_worker(old, "re-registered")
         token = secrets.token_hex(16)
@@ -175,6 +171,15 @@ class Service:
         of = min(principal or num, num)
         session = min(self.dc.max_session_slots, of) if self.dc.max_session_slots else max(1, of // max(tp_size, 1))
         return principal, session
+
+    def _check_place(self, msg: p.Register, who: Principal) -> None:
+        """Raises Handled unless ``who`` may take a place for ``msg``: its worker_id, its max_workers."""
+        if why := self.sessions.owner_conflict(msg.worker_id, who.name):
+            raise Handled(p.E_FORBIDDEN, why)
+        t = who.tenant
+        if why := self.sessions.refusal(msg, admin=who.admin, principal=who.name, cap=t.max_workers if t else 0,
+                                        field=f"max_workers of tenant {t.name!r}" if t else "daemon.max_workers"):
+            raise Handled(p.E_LIMIT, why)
 
     def unregister(self, _msg: p.Unregister, w: WorkerSession) -> p.Released:
         return p.Released(count=self.drop_worker(w, "unregistered", quarantine=False))

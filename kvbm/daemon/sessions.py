@@ -145,6 +145,10 @@ class Sessions:
     def __len__(self) -> int:
         return len(self.workers)
 
+    def uses(self, namespace: str) -> bool:
+        """Whether a registered worker uses ``namespace``."""
+        return any(w.namespace == namespace for w in self.workers.values())
+
     def by_worker_id(self, worker_id: str) -> list[WorkerSession]:
         return [w for w in self.workers.values() if w.worker_id == worker_id]
 

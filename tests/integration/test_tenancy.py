@@ -18,7 +18,7 @@ import pytest
 import zmq
 from needs import require
 from otheruid import PROBE, available, result, spawn_as_other
-from serve_proc import ServeProc
+from serve_proc import ServeProc, wait_until
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
@@ -402,5 +402,59 @@ def test_a_session_holds_at_most_its_stated_budget(tmp_path: Path) -> None:
             assert "session" in why and "max_session_slots" in why, why
             assert onboard(two, ks[:4]).count == 4
             assert reg.session_slots == 4
+    finally:
+        d.stop()
+
+
+# -- what a refused or departed registration costs ---------------------------------------------------------
+def bucket_cfg(tmp: Path, s3: dict, **daemon: object) -> dict:
+    cfg = base_cfg(tmp, endpoint=f"ipc://{tmp}/d.sock", events_endpoint="", index_bucket="lazy", **daemon)
+    cfg["s3"] = {"enabled": True, **s3}
+    return cfg
+
+
+def layout(model: str) -> KVLayout:
+    return KVLayout(model=model, num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=SLOT)
+
+
+def test_a_register_refused_at_max_workers_lists_nothing(tmp_path: Path, s3_server, s3_prefix: str) -> None:
+    """The limits are checked before the bucket is listed for the new namespace: 10 Registers with fresh model
+    names beyond max_workers are refused `limit` and none of them costs a LIST (namespaces_indexed stays 1)."""
+    s3 = {"endpoint": s3_server.endpoint, "bucket": s3_server.bucket, "prefix": s3_prefix,
+          "access_key": s3_server.access_key, "secret_key": s3_server.secret_key}
+    d = ServeProc(tmp_path, bucket_cfg(tmp_path, s3, max_workers=1)).start()
+    try:
+        with d.client() as first:
+            first.register(layout("listed-model"))
+            for i in range(10):
+                with d.client() as extra:
+                    assert refusal(extra.register, layout(f"random-{i}"), worker_id=f"x{i}") == p.E_LIMIT
+            daemon = first.stats()["daemon"]
+            assert daemon["namespaces_indexed"] == 1 and daemon["refused_workers"] == 10, daemon
+    finally:
+        d.stop()
+
+
+def test_namespaces_whose_listing_failed_are_retried_only_while_registered(tmp_path: Path) -> None:
+    """S3 down (nothing listens at its endpoint): 20 workers register a namespace each and leave again. The
+    daemon keeps retrying only the namespaces a registered worker still uses (none once they left), not one
+    retry task per namespace ever seen."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: every S3 request is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    s3 = {"endpoint": f"http://127.0.0.1:{port}", "bucket": "kvbm-down", "access_key": "k", "secret_key": "s",
+          "max_retries": 0}
+    d = ServeProc(tmp_path, bucket_cfg(tmp_path, s3)).start()
+    try:
+        with d.client() as stay:
+            stay.register(layout("stays"), worker_id="stays")
+            for i in range(20):
+                with d.client() as c:
+                    c.register(layout(f"leaves-{i}"), worker_id=f"l{i}")
+            # Retries run on a backoff of 0.5 s and more: wait until one has passed for every namespace.
+            pending = wait_until(lambda: stay.stats()["daemon"]["namespaces_pending"] <= 1, timeout=30)
+            assert stay.stats()["daemon"]["namespaces_pending"] == 1, pending
     finally:
         d.stop()
