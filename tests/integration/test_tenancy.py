@@ -458,3 +458,38 @@ def test_namespaces_whose_listing_failed_are_retried_only_while_registered(tmp_p
             assert stay.stats()["daemon"]["namespaces_pending"] == 1, pending
     finally:
         d.stop()
+
+
+# -- tenants that would share namespaces ---------------------------------------------------------------
+def test_overlapping_tenant_models_are_refused_at_start(tmp_path: Path) -> None:
+    """Two tenants allowed `meta-llama/*` and `meta-llama/Llama-3*` would read and overwrite each other's blocks:
+    `kvbm serve` refuses the config, naming both tenants and the field."""
+    cfg = base_cfg(tmp_path, endpoint=f"ipc://{tmp_path}/d.sock", events_endpoint="", tenants=[
+        {"name": "a", "token_file": str(tmp_path / "a.token"), "models": ["team-a/*", "meta-llama/*"]},
+        {"name": "b", "token_file": str(tmp_path / "b.token"), "models": ["meta-llama/Llama-3*"]},
+    ])
+    d = ServeProc(tmp_path, cfg)
+    with pytest.raises(RuntimeError) as e:
+        d.start()
+        d.stop()
+    assert "daemon.tenants[1].models" in str(e.value) and "'a'" in str(e.value) and "'b'" in str(e.value), e.value
+
+
+@pytest.mark.parametrize(("x", "y", "overlap"), [
+    ("meta-llama/*", "meta-llama/*", True), ("*", "team-a/llama", True), ("a*", "*b", True),
+    ("team-?/x", "team-a/*", True), ("[ab]-model", "b-*", True), ("[!a]x", "ax", False),
+    ("team-a/*", "team-b/*", False), ("a*c", "*b", False), ("org/[0-9]*", "org/x*", False),
+])
+def test_model_pattern_overlap(x: str, y: str, overlap: bool) -> None:
+    """Whether some model name matches both patterns, decided exactly (not just by matching one against the
+    other's text: `a*` and `*b` share `ab`)."""
+    from kvbm.config import load_config
+    from kvbm.errors import ConfigError
+
+    env = {"KVBM_DAEMON_TENANTS": f'[{{name: x, token_file: /x, models: ["{x}"]}}, '
+                                  f'{{name: y, token_file: /y, models: ["{y}"]}}]'}
+    if overlap:
+        with pytest.raises(ConfigError, match=r"daemon\.tenants\[1\]\.models"):
+            load_config(environ=env)
+    else:
+        load_config(environ=env)
