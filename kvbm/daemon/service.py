@@ -193,7 +193,7 @@ class Service:
     async def barrier(self, msg: p.Barrier, w: WorkerSession) -> p.BarrierReply:
         # A Barrier holds an in-flight place while it waits: never longer than daemon.barrier_timeout_s.
         msg.timeout_s = min(msg.timeout_s or self.dc.barrier_timeout_s, self.dc.barrier_timeout_s)
-        return await self.barriers.arrive(msg, msg.world_size or w.tp_size)
+        return await self.barriers.arrive(msg, msg.world_size or w.tp_size, w.principal)
 
     # -- blocks ----------------------------------------------------------------------------------------
     async def lookup(self, msg: p.Lookup, _w: WorkerSession) -> p.LookupReply:

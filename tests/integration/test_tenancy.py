@@ -237,6 +237,28 @@ def test_a_tenant_floods_only_its_own_registrations_and_requests(tenants: ServeP
         assert a1.stats()["daemon"]["client_limited"] >= 16
 
 
+def test_an_engine_id_is_its_credentials_own(tenants: ServeProc) -> None:
+    """engine_id is the client's choice: tenant b registering a's engine_id gets b's own engine of that name, so
+    b's rank cannot complete (nor join) a barrier of a's engine; a's ranks still meet each other."""
+    with tenant_client(tenants, "a") as a0, tenant_client(tenants, "a") as a1, tenant_client(tenants, "b") as b:
+        a0.register(LAYOUT_A, engine_id="eng-x", tp_rank=0, tp_size=2)
+        a1.register(LAYOUT_A, engine_id="eng-x", tp_rank=1, tp_size=2)
+        b.register(LAYOUT_B, engine_id="eng-x", tp_rank=1, tp_size=2)
+        replies: dict[str, p.BarrierReply] = {}
+        t = threading.Thread(target=lambda: replies.setdefault("a0", a0.barrier("eng-x", "s1", 0, 2, timeout_s=1.0)))
+        t.start()
+        time.sleep(0.2)  # a0 waits at the barrier
+        replies["b"] = b.barrier("eng-x", "s1", 1, 2, timeout_s=1.0)
+        t.join()
+        assert not replies["a0"].complete and replies["a0"].arrived == 1, replies  # b's rank is not a's
+        assert not replies["b"].complete and replies["b"].arrived == 1, replies
+        t = threading.Thread(target=lambda: replies.setdefault("a1", a1.barrier("eng-x", "s2", 1, 2, timeout_s=5.0)))
+        t.start()
+        assert a0.barrier("eng-x", "s2", 0, 2, timeout_s=5.0).complete
+        t.join()
+        assert replies["a1"].complete
+
+
 def flood_barriers(endpoint: str, token: str, n: int) -> zmq.Socket:
     """``n`` Barriers asking to wait an hour for a rank that never comes, sent without waiting for replies."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
