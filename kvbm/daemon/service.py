@@ -3,8 +3,9 @@ worker's session and returning the reply. No ZeroMQ here (see :mod:`kvbm.daemon.
 handlers can be called directly.
 
 Pins: blocks onboarded for a worker stay pinned in G2 until it sends Release or Unregister, or its lease
-runs out (:mod:`kvbm.daemon.sessions` owns the slot references). Slot requests carrying another G2 pool generation
-than this daemon's are refused (``E_STALE``).
+runs out: the manager hands out read leases (``reserve_read``, as ``prepare_store`` on the store path) and
+:mod:`kvbm.daemon.sessions` holds them; nothing here touches the registry or the G2 pool. Slot requests
+carrying another G2 pool generation than this daemon's are refused (``E_STALE``).
 """
 
 from __future__ import annotations
@@ -272,41 +273,25 @@ class Service:
         run = self.manager.held_run(keys)
         if why := self.sessions.no_room(w, len(run)):  # what it would pin: the leading held run
             raise Handled(p.E_FULL, why)
-        reg = self.manager.registry
-        reg.pin(keys)  # before the await, so nothing we bring up is evicted before the worker reads it
         source = self.metrics.slowest(run)  # the tier the onboard's latency comes from
         self.sessions.reserve(w, len(run))
         try:
-            n = await self.manager.onboard(keys, to=TierName.G2)
-        except BaseException:
-            reg.unpin(keys)
-            raise
+            # The worker's leases: each block pinned in G2 and its very slot referenced until it releases it.
+            leases = await self.manager.reserve_read(keys, TierName.G2)
         finally:
             self.sessions.unreserve(w, len(run))
-        g2 = g2_of(self.manager)
-        held: list[tuple[BlockKey, int]] = []
-        nbytes: list[int] = []
-        for k in keys[:n]:
-            got = g2.acquire(k)  # the worker's reference on this very slot, until it releases it
-            if got is None:
-                break
-            held.append((k, got[0]))
-            nbytes.append(got[1])
-        n = len(held)
-        reg.unpin(keys[n:])
         if self.sessions.alive(w):
-            self.sessions.pin(w, held)
-        else:
-            reg.unpin(keys[:n])
-            for _k, slot in held:
-                g2.unref(slot)
-            n, held, nbytes = 0, [], []
+            self.sessions.pin(w, leases)
+        else:  # dropped while we waited: nobody will release them
+            self.manager.release(leases)
+            leases = []
+        n = len(leases)
         self.stats.onboard_seconds += time.perf_counter() - t0
         self.metrics.onboard.labels(tier=source).observe(time.perf_counter() - t0)
         if n:
             self.publisher.publish(p.BlocksOnboarded(namespace=msg.namespace, hashes=msg.hashes[:n],
                                                      worker_id=w.worker_id))
-        return p.Onboarded(count=n, slots=[slot for _k, slot in held], nbytes=nbytes)
+        return p.Onboarded(count=n, slots=[lease.slot for lease in leases], nbytes=[lease.nbytes for lease in leases])
 
     def release(self, msg: p.Release, w: WorkerSession) -> p.Released:
         self._check_generation(msg)

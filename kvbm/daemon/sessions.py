@@ -1,9 +1,9 @@
 """Worker sessions: what the daemon holds on behalf of each registered worker, in one place.
 
-A session owns the worker's lease (``last_seen``), its pins (blocks it onboarded: a registry pin so
-eviction leaves the block in G2, plus a reference on the exact G2 slot it was handed, so an Evict and
-re-store of the same key can never give that slot to another block while the worker copies out of it)
-and its prepared stores (key -> slot it is copying into).
+A session owns the worker's lease (``last_seen``), its pins (blocks it onboarded: the manager's read leases,
+:mod:`kvbm.manager.leases`, each a registry pin plus a reference on the exact G2 slot it was handed) and its
+prepared stores (key -> slot it is copying into). It holds them as opaque values and gives them back through
+the manager: it never touches the registry nor the pool itself.
 
 Dropping a session: on Unregister or daemon shutdown the worker is done with its slots, so they are
 released at once. On lease expiry or a re-registration under the same ``worker_id`` the old worker may
@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.manager.core import BlockManager
-from kvbm.tiers.pool import SlotPoolTier
+from kvbm.manager.leases import Lease
 
 
 class WorkerSession:
@@ -53,7 +53,7 @@ class WorkerSession:
         self.tp_size = msg.tp_size
         self.layout = msg.layout
         self.namespace = msg.layout.namespace
-        self.pins: dict[BlockKey, list[int]] = {}  # key -> G2 slots handed out by Onboard (one per Onboard)
+        self.pins: dict[BlockKey, list[Lease]] = {}  # key -> read leases handed out by Onboard (one per Onboard)
         self.prepared: dict[BlockKey, int] = {}  # key -> G2 slot handed out by PrepareStore
         self.last_seen = time.monotonic()
         self.slots = slots  # G2 slots it may hold at once (0: unbounded, an admin session)
@@ -72,7 +72,7 @@ class WorkerSession:
 class _Quarantine:
     """The slots of a dropped worker that may still be copying."""
 
-    def __init__(self, pins: dict[BlockKey, list[int]], prepared: dict[BlockKey, int], until: float, why: str,
+    def __init__(self, pins: dict[BlockKey, list[Lease]], prepared: dict[BlockKey, Lease], until: float, why: str,
                  principal: str = ""):
         self.principal = principal  # still charged for these slots
         self.pins = pins
@@ -99,12 +99,6 @@ class Sessions:
         self.workers: dict[str, WorkerSession] = {}
         self._quarantine: dict[str, _Quarantine] = {}
         self.held: dict[str, int] = {}  # G2 slots held per principal: its sessions' and its quarantines'
-
-    @property
-    def pool(self) -> SlotPoolTier:
-        tier = self.manager.by_name[self.store_tier]
-        assert isinstance(tier, SlotPoolTier)
-        return tier
 
     # -- membership -------------------------------------------------------------------------------------
     def add(self, token: str, msg: p.Register, *, admin: bool = False, principal: str = "",
@@ -203,28 +197,27 @@ class Sessions:
         return mine
 
     # -- pins -------------------------------------------------------------------------------------------
-    def pin(self, w: WorkerSession, held: list[tuple[BlockKey, int]]) -> None:
-        """Record slots (already referenced via ``pool.acquire``, keys registry-pinned) handed to ``w``."""
-        for k, slot in held:
-            w.pins.setdefault(k, []).append(slot)
-        w.npins += len(held)
-        self._charge(w.principal, len(held))
+    def pin(self, w: WorkerSession, leases: list[Lease]) -> None:
+        """Record read leases (:meth:`BlockManager.reserve_read`) handed to ``w``."""
+        for lease in leases:
+            w.pins.setdefault(lease.key, []).append(lease)
+        w.npins += len(leases)
+        self._charge(w.principal, len(leases))
 
     def release(self, w: WorkerSession, keys: Iterable[BlockKey]) -> int:
-        """Drop one pin per key (the slot handed out first); returns pins released."""
-        done = 0
+        """Drop one pin per key (the lease handed out first); returns pins released."""
+        done: list[Lease] = []
         for k in keys:
-            slots = w.pins.get(k)
-            if not slots:
+            leases = w.pins.get(k)
+            if not leases:
                 continue
-            self.pool.unref(slots.pop(0))
-            if not slots:
+            done.append(leases.pop(0))
+            if not leases:
                 del w.pins[k]
-            self.manager.registry.unpin([k])
-            done += 1
-        w.npins -= done
-        self._charge(w.principal, -done)
-        return done
+        self.manager.release(done)
+        w.npins -= len(done)
+        self._charge(w.principal, -len(done))
+        return len(done)
 
     # -- dropping -------------------------------------------------------------------------------------
     def drop(self, w: WorkerSession, *, quarantine: bool, why: str = "") -> int:
@@ -232,19 +225,17 @@ class Sessions:
         if self.workers.pop(w.token, None) is None:
             return 0
         pins = w.pin_count()
-        for k, slots in w.pins.items():
-            self.manager.registry.unpin([k] * len(slots))
+        leases = [lease for held in w.pins.values() for lease in held]
         prepared = list(w.prepared)
         self._charge(w.principal, -(pins + len(prepared)))
         if quarantine and (w.pins or prepared):
+            self.manager.detach_read(leases)  # evictable again; the slots stay referenced until the grace ends
             detached = self.manager.detach_store(prepared)
             q = _Quarantine(w.pins, detached, time.monotonic() + self.grace_s, why, w.principal)
             self._quarantine[w.token] = q
             self._charge(w.principal, q.slots())
         else:
-            for slots in w.pins.values():
-                for slot in slots:
-                    self.pool.unref(slot)
+            self.manager.release(leases)
             if prepared:
                 self.manager.complete_store(prepared, ok=False)
         w.pins = {}
@@ -274,13 +265,9 @@ class Sessions:
         self._charge(q.principal, q.slots() - before)
 
     def _release_quarantined(self, q: _Quarantine, pins: Iterable[BlockKey], prepared: Iterable[BlockKey]) -> None:
-        for k in pins:
-            for slot in q.pins.pop(k, []):
-                self.pool.unref(slot)
-        for k in prepared:
-            slot = q.prepared.pop(k, None)
-            if slot is not None:
-                self.pool.unref(slot)
+        done = [lease for k in pins for lease in q.pins.pop(k, [])]
+        done += [lease for k in prepared if (lease := q.prepared.pop(k, None)) is not None]
+        self.manager.release(done)
 
     def reap_quarantine(self) -> int:
         """Release quarantines whose grace period is over; returns slots released."""

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError
+from kvbm.manager.leases import Lease
 from kvbm.manager.room import Room
 from kvbm.manager.state import ManagerState
 from kvbm.tiers.pool import SlotPoolTier
@@ -96,10 +97,10 @@ class ExternalStores:
             self.room.unreserve(pool, fp * len(batch))
         return done
 
-    def detach(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
+    def detach(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Lease]:
         """Abort prepared stores whose writer may still be copying: the keys are free to be stored
-        again, but their slots stay referenced (returned; the caller unrefs them when safe)."""
-        slots: dict[BlockKey, int] = {}
+        again, but their slots stay referenced (returned as leases; the caller releases them when safe)."""
+        leases: dict[BlockKey, Lease] = {}
         for key in keys:
             ent = self._prepared.pop(key, None)
             if ent is None:
@@ -107,6 +108,6 @@ class ExternalStores:
             pool = self._pool(ent[0])
             slot = pool.detach(key)
             if slot is not None:
-                slots[key] = slot
+                leases[key] = Lease(key, ent[0], slot, ent[1], pinned=False)
             self.room.unreserve(pool, pool.footprint(ent[1]))
-        return slots
+        return leases
