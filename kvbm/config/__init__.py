@@ -177,7 +177,7 @@ def _validate(cfg: Config) -> Config:
     if cfg.daemon.max_inflight_per_client < 1:
         raise ConfigError("daemon.max_inflight_per_client: must be >= 1")
     if cfg.daemon.max_session_slots < 0:
-        raise ConfigError("daemon.max_session_slots: must be >= 0 (0: the principal's budget over tp_size)")
+        raise ConfigError("daemon.max_session_slots: must be >= 0 (0: the principal's budget over the engine's ranks)")
     _validate_tenants(cfg.daemon.tenants)
     _validate_discovery(cfg)
     return cfg

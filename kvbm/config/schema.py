@@ -189,7 +189,7 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     max_inflight_per_client: int = 256
     # G2 slots one session holds at once (pinned + prepared), stated to it in Registered.session_slots; beyond it
     # a slot request is answered `full`. 0: its principal's budget (a tenant's max_slots, else all of G2) over
-    # the session's tp_size, so the ranks of one engine together fit.
+    # the engine's ranks (the Register's tp_size x its layout's pp_size), so the ranks of one engine together fit.
     max_session_slots: int = 0
     # Tenants (empty: one tenant, anyone who can reach the sockets). With tenants, a Register needs a tenant's
     # token (or the admin token) and may only name that tenant's models/namespaces; see TenantConfig.

@@ -152,7 +152,8 @@ class Service:
             self.drop_worker(old, "re-registered")
         token = secrets.token_hex(16)
         admin = who.admin
-        principal_slots, slots = self.slot_budgets(t, msg.tp_size) if not admin else (0, 0)
+        ranks = max(msg.tp_size, 1) * max(layout.pp_size, 1)  # the engine's workers, all sharing G2
+        principal_slots, slots = self.slot_budgets(t, ranks) if not admin else (0, 0)
         self.sessions.add(token, msg, admin=admin, principal=who.name, max_inflight=t.max_inflight if t else 0,
                           slots=slots, principal_slots=principal_slots)
         self.stats.registered += 1
@@ -164,13 +165,14 @@ class Service:
             block_nbytes=layout.block_nbytes, session_slots=slots or g2.num_slots,
         )
 
-    def slot_budgets(self, tenant: TenantConfig | None, tp_size: int) -> tuple[int, int]:
+    def slot_budgets(self, tenant: TenantConfig | None, ranks: int) -> tuple[int, int]:
         """(the principal's G2 slot budget, 0 when unbounded; a new session's): a tenant's ``max_slots`` or an
-        equal share of G2; a session's ``daemon.max_session_slots`` or its principal's over its ``tp_size``."""
+        equal share of G2; a session's ``daemon.max_session_slots`` or its principal's over its engine's
+        ``ranks`` (tp_size x pp_size: the ranks of one engine together fit)."""
         num = g2_of(self.manager).num_slots
         principal = (tenant.max_slots or max(1, num // len(self.creds.tenants))) if tenant is not None else 0
         of = min(principal or num, num)
-        session = min(self.dc.max_session_slots, of) if self.dc.max_session_slots else max(1, of // max(tp_size, 1))
+        session = min(self.dc.max_session_slots, of) if self.dc.max_session_slots else max(1, of // ranks)
         return principal, session
 
     def _check_place(self, msg: p.Register, who: Principal) -> None:

@@ -374,7 +374,8 @@ def full_message(fn: object, *args: object) -> str:
 def test_a_tenant_cannot_hold_all_of_g2(tmp_path: Path) -> None:
     """Tenant a (max_slots 8) pins 8 blocks and keeps pinging: its 9th pin and its PrepareStore are refused
     `full` naming its budget, while tenant b (the default share: half of G2's 64 slots) pins 20 blocks and
-    stores; once a releases it pins again. Registered states each session's budget."""
+    stores; once a releases it pins again. Registered states each session's budget (a rank of a TP=2 engine:
+    half its tenant's)."""
     cfg = base_cfg(tmp_path, endpoint=f"ipc://{tmp_path}/d.sock", events_endpoint="", tenants=[
         {"name": "a", "token_file": str(tmp_path / "a.token"), "models": ["team-a/*"], "max_slots": 8},
         {"name": "b", "token_file": str(tmp_path / "b.token"), "models": ["team-b/*"]},
@@ -400,6 +401,8 @@ def test_a_tenant_cannot_hold_all_of_g2(tmp_path: Path) -> None:
             assert release(a, held[:8]) == 8
             assert onboard(a, held[4:12]).count == 8
             assert reg_a.session_slots == 8 and reg_b.session_slots == 32, (reg_a, reg_b)
+            with tenant_client(d, "b") as b1:  # a rank of a TP=2 engine: the engine's share, halved
+                assert b1.register(LAYOUT_B, worker_id="b-r1", tp_rank=1, tp_size=2).session_slots == 16
     finally:
         d.stop()
 
