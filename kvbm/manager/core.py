@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 
 import msgspec
 
@@ -37,6 +37,7 @@ from kvbm.manager.cascade import WriteThrough
 from kvbm.manager.external import ExternalStores
 from kvbm.manager.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.manager.knowledge import IndexSync
+from kvbm.manager.leases import Lease, ReadLeases
 from kvbm.manager.moves import Moves, forget_if_gone
 from kvbm.manager.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED, JOURNAL_NAME
 from kvbm.manager.policy import PERSISTENT
@@ -79,6 +80,7 @@ class BlockManager:
                                           max_concurrent_cascades, max_owed_blocks)
         self.owed_writes = self.write_through.owed
         self.external = ExternalStores(self.state, self.room, self.write_through.schedule)  # worker-filled G2 slots
+        self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
         self._pools_registered = False
 
     def _move(self, key: BlockKey, dst: str) -> Awaitable[bool]:
@@ -150,6 +152,11 @@ class BlockManager:
     def where(self, key: BlockKey) -> list[str]:
         return self.registry.where(key)
 
+    def held_run(self, keys: Sequence[BlockKey]) -> list[str]:
+        """The fastest tier of each block of the leading run of ``keys`` held anywhere (no statistics: what an
+        onboard would bring up)."""
+        return self.registry.match_prefix(keys)
+
     # -- writes ----------------------------------------------------------------------------------------
     async def put(
         self, key: BlockKey, data: memoryview | bytes, tier: str | None = None, *, cascade: bool = True
@@ -197,15 +204,34 @@ class BlockManager:
         """
         return await self.external.prepare(keys, nbytes, tier)
 
+    def store_need(self, keys: Sequence[BlockKey], tier: str = TierName.G2) -> int:
+        """At most how many slots :meth:`prepare_store` of ``keys`` would reserve now."""
+        return self.external.wanted(keys, tier)
+
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
         """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below."""
         done = self.external.complete(keys, ok, cascade=cascade)
         self.stats.offload_blocks += done
         return done
 
-    def detach_store(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
-        """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`)."""
+    def detach_store(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Lease]:
+        """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`); their
+        slots stay held by the leases returned until :meth:`release`."""
         return self.external.detach(keys)
+
+    # -- external reads (a worker copies a block out of a G2 slot itself; kvbm.manager.leases) -----------------
+    async def reserve_read(self, keys: Sequence[BlockKey], tier: str = TierName.G2) -> list[Lease]:
+        """Bring the leading held run of ``keys`` into pool tier ``tier`` and lease each block's slot to the
+        caller (pinned there, the slot referenced) until :meth:`release`."""
+        return await self.leases.reserve(keys, tier)
+
+    def detach_read(self, leases: Iterable[Lease]) -> None:
+        """Let leased blocks be evicted again while their slots stay referenced (a reader that may still copy)."""
+        self.leases.detach(leases)
+
+    def release(self, leases: Iterable[Lease]) -> int:
+        """Give back what leases (read, or detached stores) still hold; returns slots released."""
+        return self.leases.release(leases)
 
     async def _store(self, tier: Tier, key: BlockKey, data: memoryview | bytes) -> None:
         fp = tier.footprint(len(data))
