@@ -80,6 +80,7 @@ class BlockManager:
         self.owed_writes = self.write_through.owed
         self.external = ExternalStores(self.state, self.room, self.write_through.schedule)  # worker-filled G2 slots
         self._pools_registered = False
+        self._reconciled: set[str | None] = set()  # bucket scopes (a namespace, None: all) reconciled with the disk
 
     def _move(self, key: BlockKey, dst: str) -> Awaitable[bool]:
         return self.moves.move(key, dst)
@@ -112,8 +113,25 @@ class BlockManager:
                         await self.owed_writes.resume(tier.dir / JOURNAL_NAME)
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
-        """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`)."""
-        return await self.index.index_tier(name, namespace, refresh=refresh)
+        """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`). The first listing
+        of a shared tier (or of a namespace in it) is also reconciled with the disk above it: what the disk holds
+        and the listing lacks is owed to it (:meth:`OwedWrites.reconcile`); an admin rescan (``refresh``) is not."""
+        n = await self.index.index_tier(name, namespace, refresh=refresh)
+        if not refresh:
+            await self._reconcile(name, namespace)
+        return n
+
+    async def _reconcile(self, name: str, namespace: str | None) -> int:
+        if self.by_name[name].kind != "s3" or None in self._reconciled or namespace in self._reconciled:
+            return 0
+        self._reconciled.add(namespace)
+        n = 0
+        for tier in self.tiers:
+            if tier.name == name:
+                break
+            if isinstance(tier, DiskTier):
+                n += await self.owed_writes.reconcile(tier.name, name, namespace)
+        return n
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""
