@@ -31,6 +31,7 @@ from pathlib import Path
 
 from kvbm.blocks import BlockKey
 from kvbm.manager.state import ManagerState
+from kvbm.tiers.base import SharedTier
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +124,14 @@ class OwedWrites:
 
     async def _pay(self, tier: str, key: BlockKey) -> bool:
         owed = self._owed[tier]
-        if self.s.registry.where(key) and not self.s.registry.holds(tier, key):
+        held = self.s.registry.holds(tier, key)
+        if self.s.registry.where(key) and (not held or self._unconfirmed(tier, key)):
             self._again.discard((tier, key))
             self.s.stats.catch_up_writes += 1
             await self.cascade(key)
-            if not self.s.registry.holds(tier, key) and (tier, key) in self._again:
+            if (tier, key) in self._again and (not self.s.registry.holds(tier, key) or self._unconfirmed(tier, key)):
                 self._again.discard((tier, key))
-                return False  # the tier failed again (an outage): still owed
+                return False  # the tier failed again (an outage, or its re-check HEAD failed): still owed
         # Written now, or by another path meanwhile, or no copy left above to write from: owed no more.
         paid = self.s.registry.holds(tier, key)
         owed.pop(key, None)
@@ -137,6 +139,12 @@ class OwedWrites:
         if paid:
             self.s.stats.owed_paid += 1
         return paid
+
+    def _unconfirmed(self, tier: str, key: BlockKey) -> bool:
+        """A shared tier's entry not seen lately (owed because its re-check failed): the cascade HEADs it again,
+        and writes it if the bucket lacks it."""
+        t = self.s.by_name[tier]
+        return isinstance(t, SharedTier) and not t.seen_within(key)
 
     # -- the journal -------------------------------------------------------------------------------
     def _note(self, op: str, tier: str, key: BlockKey) -> None:

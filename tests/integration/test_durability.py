@@ -626,3 +626,50 @@ def test_blocks_owed_to_s3_when_the_daemon_crashed_reach_it_after_a_restart(outa
     finally:
         d.stop()
     assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks)
+
+
+def _delete_from_bucket(srv: EmbeddedS3, prefix: str, ks: list[BlockKey]) -> None:
+    """Another node's purge: the objects leave the bucket, no daemon is told."""
+
+    async def go() -> None:
+        t = s3_tier(srv, prefix)
+        await t.start()
+        try:
+            await t.delete_blocks(ks)
+        finally:
+            await t.close()
+
+    asyncio.run(go())
+
+
+def test_a_stale_g4_entry_whose_recheck_failed_is_owed_and_repaired(outage_s3, tmp_path):
+    """A daemon (G2+G3+G4, every G4 entry stale at once: ``copy_max_age_s: 0``) holds 3 blocks in the bucket that
+    another node then purges. With S3 down, the same blocks are stored again (only the stale G4 entry is left):
+    the re-check HEAD fails, so the block is owed to G4, and once S3 is back it is checked and written again:
+    the bucket holds all 3 with their bytes (before: neither counted nor owed, never repaired)."""
+    srv, prefix = outage_s3, "stalehead"
+    cfg = daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True)
+    cfg["s3"]["copy_max_age_s"] = 0
+    d = ServeProc(tmp_path, cfg).start()
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(3)]
+    try:
+        with d.client(admin=True) as c:
+            c.register(LAYOUT, worker_id="w")
+            assert c.store(ks, [payload(k) for k in ks], durable=True).durable == 3
+            _delete_from_bucket(srv, prefix, ks)
+            assert c.evict(ks, tiers=["G2", "G3"]).removed == 6
+            assert c.lookup(ks).tiers == ["G4"] * 3  # the stale entries: all this daemon knows of them
+            srv.stop(force=True)
+            ack = c.store(ks, [payload(k) for k in ks], durable=True)
+            assert ack.stored == 3 and ack.durable == 3  # on G3
+            assert wait_until(lambda: c.stats()["manager"]["owed"].get("G4") == 3, timeout=30), c.stats()["manager"]
+            restart(srv)
+
+            def in_s3() -> int:
+                return sum(in_bucket(srv, prefix, k) is not None for k in ks)
+
+            assert wait_until(lambda: in_s3() == 3, timeout=60) or in_s3() == 3, f"{in_s3()} of 3 in the bucket"
+            assert wait_until(lambda: c.stats()["manager"]["owed"] == {}, timeout=30)
+    finally:
+        d.stop()
+    assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks)
