@@ -288,15 +288,30 @@ class BlockManager:
     async def delete(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None, *,
                      gone: bool = False) -> int:
         """Remove blocks from the given tiers (default all), a batch per tier; returns copies removed. ``gone``:
-        another process already deleted them from disk/S3 (a purge), so only the indexes are updated."""
+        another process already deleted them from disk/S3 (a purge), so only the indexes are updated.
+
+        Only what a tier really deleted leaves the index: a key whose delete failed (a failed DeleteObjects, a
+        per-key error) is still held there and stays indexed. A tier that fails does not stop the others; the
+        first failure is raised once every tier was tried (TierUnavailableError naming the tier)."""
         by_tier: dict[str, list[BlockKey]] = {}
         for key in keys:
             for name in self.registry.where(key) if tiers is None else tiers:
                 by_tier.setdefault(name, []).append(key)
         removed = 0
+        failed: list[tuple[str, Exception]] = []
         for name, ks in by_tier.items():
-            removed += self.registry.remove_many(name, ks)
-            await self.by_name[name].delete_blocks(ks, gone=gone)
+            tier = self.by_name[name]
+            try:
+                await tier.delete_blocks(ks, gone=gone)
+            except Exception as e:  # the other tiers still delete; raised below
+                failed.append((name, e))
+            removed += self.registry.remove_many(name, [k for k in ks if not tier.contains(k)])
+        if failed:
+            name, e = failed[0]
+            if isinstance(e, TierUnavailableError):
+                raise TierUnavailableError(f"{name} could not delete every block ({e}); {removed} copies removed, "
+                                           "the rest stay indexed") from e
+            raise e
         return removed
 
     # -- reporting -------------------------------------------------------------------------------------

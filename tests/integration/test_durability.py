@@ -673,3 +673,52 @@ def test_a_stale_g4_entry_whose_recheck_failed_is_owed_and_repaired(outage_s3, t
     finally:
         d.stop()
     assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks)
+
+
+def test_a_failed_bucket_delete_keeps_its_index_entries_and_deletes_the_other_tiers(outage_s3, tmp_path):
+    """G2+G3+G4, 3 blocks on each; S3 down, an admin Evict from G4 then G3: the DeleteObjects fails, so the error
+    says so, G4's index keeps the 3 blocks the bucket still holds (before: dropped, to come back at the next
+    listing) and G3 still deletes its copies (before: skipped). With S3 back the same Evict deletes them from the
+    bucket, and a rescan finds nothing to bring back."""
+    from kvbm import protocol as p
+    from kvbm.client import DaemonError
+
+    srv, prefix = outage_s3, "faileddelete"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True)).start()
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(3)]
+
+    def blocks(c, tier: str) -> int:
+        return next(t for t in c.stats()["tiers"] if t["tier"] == tier)["blocks"]
+
+    try:
+        with d.client(admin=True) as c:
+            c.register(LAYOUT, worker_id="w")
+            assert c.store(ks, [payload(k) for k in ks], durable=True).durable == 3
+            assert wait_until(lambda: blocks(c, "G4") == 3 and blocks(c, "G3") == 3, timeout=30)
+            srv.stop(force=True)
+            with pytest.raises(DaemonError) as ei:
+                c.evict(ks, tiers=["G4", "G3"])
+            assert blocks(c, "G4") == 3, "blocks the bucket still holds left the index"
+            assert blocks(c, "G3") == 0, "the disk's copies were not deleted after the bucket's delete failed"
+            assert ei.value.code == p.E_UNAVAILABLE and "G4" in str(ei.value), (ei.value.code, str(ei.value))
+            restart(srv)
+            got = wait_until(lambda: _evict_or_none(c, ks), timeout=60)
+            assert got is not None and got.removed == 3
+            assert blocks(c, "G4") == 0
+            again = c.request(p.Reindex(namespace=LAYOUT.namespace, tiers=["G4"]), p.Reindexed, timeout_s=60)
+            assert again.blocks == 0 and blocks(c, "G4") == 0
+    finally:
+        d.stop()
+    assert all(in_bucket(srv, prefix, k) is None for k in ks)
+
+
+def _evict_or_none(c, ks):
+    from kvbm import protocol as p
+    from kvbm.client import DaemonError
+
+    try:
+        return c.evict(ks, tiers=["G4"])
+    except DaemonError as e:
+        if e.code != p.E_UNAVAILABLE:
+            raise
+        return None
