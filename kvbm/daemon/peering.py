@@ -1,4 +1,5 @@
-"""The daemon's part in a fleet (see :mod:`kvbm.fleet`): what other daemons sharing the bucket store and delete.
+"""The daemon's peering with the rest of its fleet (see :mod:`kvbm.fleet`): learning what the other daemons sharing
+the bucket store and delete.
 
 It owns the bucket probe, the peer followers (``daemon.peers`` and the members discovery finds) and the
 discovery loop, and applies what they learn to the manager's index of the shared tier, inside
