@@ -16,12 +16,12 @@ import zmq.asyncio
 from kvbm.config import Config
 from kvbm.daemon.auth import load_credentials
 from kvbm.daemon.events import EventPublisher
-from kvbm.daemon.fleet import FleetMember, shared_tier
 from kvbm.daemon.health import readiness
 from kvbm.daemon.indexing import BucketIndexer
 from kvbm.daemon.kvevents import KVEventSubscriber, describe_views
 from kvbm.daemon.logs import logj
 from kvbm.daemon.metrics import Metrics, MetricsServer
+from kvbm.daemon.peering import FleetMember, shared_tier
 from kvbm.daemon.prefetch import Prefetcher
 from kvbm.daemon.service import Service, g2_of
 from kvbm.daemon.sessions import Sessions, WorkerSession

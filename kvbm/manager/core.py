@@ -82,6 +82,7 @@ class BlockManager:
         self.external = ExternalStores(self.state, self.room, self.write_through.schedule)  # worker-filled G2 slots
         self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
         self._pools_registered = False
+        self._reconciled: set[str | None] = set()  # bucket scopes (a namespace, None: all) reconciled with the disk
 
     def _move(self, key: BlockKey, dst: str) -> Awaitable[bool]:
         return self.moves.move(key, dst)
@@ -114,8 +115,25 @@ class BlockManager:
                         await self.owed_writes.resume(tier.dir / JOURNAL_NAME)
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
-        """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`)."""
-        return await self.index.index_tier(name, namespace, refresh=refresh)
+        """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`). The first listing
+        of a shared tier (or of a namespace in it) is also reconciled with the disk above it: what the disk holds
+        and the listing lacks is owed to it (:meth:`OwedWrites.reconcile`); an admin rescan (``refresh``) is not."""
+        n = await self.index.index_tier(name, namespace, refresh=refresh)
+        if not refresh:
+            await self._reconcile(name, namespace)
+        return n
+
+    async def _reconcile(self, name: str, namespace: str | None) -> int:
+        if self.by_name[name].kind != "s3" or None in self._reconciled or namespace in self._reconciled:
+            return 0
+        self._reconciled.add(namespace)
+        n = 0
+        for tier in self.tiers:
+            if tier.name == name:
+                break
+            if isinstance(tier, DiskTier):
+                n += await self.owed_writes.reconcile(tier.name, name, namespace)
+        return n
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""
@@ -296,15 +314,30 @@ class BlockManager:
     async def delete(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None, *,
                      gone: bool = False) -> int:
         """Remove blocks from the given tiers (default all), a batch per tier; returns copies removed. ``gone``:
-        another process already deleted them from disk/S3 (a purge), so only the indexes are updated."""
+        another process already deleted them from disk/S3 (a purge), so only the indexes are updated.
+
+        Only what a tier really deleted leaves the index: a key whose delete failed (a failed DeleteObjects, a
+        per-key error) is still held there and stays indexed. A tier that fails does not stop the others; the
+        first failure is raised once every tier was tried (TierUnavailableError naming the tier)."""
         by_tier: dict[str, list[BlockKey]] = {}
         for key in keys:
             for name in self.registry.where(key) if tiers is None else tiers:
                 by_tier.setdefault(name, []).append(key)
         removed = 0
+        failed: list[tuple[str, Exception]] = []
         for name, ks in by_tier.items():
-            removed += self.registry.remove_many(name, ks)
-            await self.by_name[name].delete_blocks(ks, gone=gone)
+            tier = self.by_name[name]
+            try:
+                await tier.delete_blocks(ks, gone=gone)
+            except Exception as e:  # the other tiers still delete; raised below
+                failed.append((name, e))
+            removed += self.registry.remove_many(name, [k for k in ks if not tier.contains(k)])
+        if failed:
+            name, e = failed[0]
+            if isinstance(e, TierUnavailableError):
+                raise TierUnavailableError(f"{name} could not delete every block ({e}); {removed} copies removed, "
+                                           "the rest stay indexed") from e
+            raise e
         return removed
 
     # -- reporting -------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ class ManagerStats(msgspec.Struct):
     owed_paid: int = 0  # owed write-throughs that reached their tier
     owed_dropped: int = 0  # write-throughs not owed: s3.max_owed_blocks were owed already
     owed_resumed: int = 0  # owed write-throughs read back from the journal at start (a restart after an outage)
+    owed_reconciled: int = 0  # blocks on disk the bucket's first listing lacked, owed to it (kvbm.manager.owed)
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
 
 
