@@ -144,7 +144,7 @@ def policy_hits(reqs: Sequence[TraceRequest], capacity: int, **kw: Any) -> int:
     """The daemon's placement policy (:mod:`kvbm.manager.placement`) as a cache of ``capacity`` blocks."""
     from kvbm.manager.placement import simulate
 
-    return simulate([r.hash_ids for r in reqs], capacity, **kw)
+    return simulate([r.hash_ids for r in reqs], capacity, times=[r.timestamp_ms / 1e3 for r in reqs], **kw)
 
 
 def _has_policy() -> bool:
