@@ -221,22 +221,25 @@ class WorkerClient(_Core):
     def store(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer], *, durable: bool = False) -> p.Ack:
         """prepare -> copy into G2 slots -> commit. Raises Overloaded when the daemon sheds it.
 
-        More than :attr:`store_batch` blocks go in batches of that many, pipelined: the next batch's
+        More than :attr:`store_batch` blocks (or than G2 holds: then in batches that all fit in half of it, so a
+        store larger than G2 streams through it) go in batches of that many, pipelined: the next batch's
         PrepareStore is sent before this batch is copied, and up to :attr:`store_window` CommitStores are in
         flight, so the daemon reserves and commits while this process copies.
         """
         ns, hashes, n = self._store_msgs(keys, bufs)
         if not hashes:
             return p.Ack(stored=0)
-        if len(hashes) > self.store_batch:
-            return self._store_pipelined(ns, hashes, bufs, n, durable)
+        # In flight at once: the batch prepared ahead, the one being copied and store_window commits.
+        step = self._store_step(len(hashes), self.store_batch, self.store_window + 2)
+        if len(hashes) > step:
+            return self._store_pipelined(ns, hashes, bufs, n, durable, step)
         with reserving(self, hashes, n, durable=durable, namespace=ns) as res:
             self._copy_in(res.slots, bufs, n)
         assert res.ack is not None
         return res.ack
 
-    def _store_pipelined(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int, durable: bool) -> p.Ack:
-        step = self.store_batch
+    def _store_pipelined(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int, durable: bool,
+                         step: int) -> p.Ack:
         spans = [(i, min(i + step, len(hashes))) for i in range(0, len(hashes), step)]
 
         def prepare(a: int, b: int) -> p.PrepareStore:

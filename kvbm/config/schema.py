@@ -88,6 +88,14 @@ class DiskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_hits_to_offload: int = 0
 
 
+class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Placement policy (kvbm.manager.placement): which blocks a full tier lets go of, and what a hit keeps."""
+
+    eviction: Literal["lru", "frequency"] = "lru"  # frequency: reference classes with ageing (docs/traces.md)
+    age0_s: float = 600.0  # frequency: seconds of waiting that halve a fresh block's hit density
+    ghost_blocks: int = 1 << 20  # frequency: reference counts remembered (blocks that left every tier too)
+
+
 class S3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     """G4: S3-compatible object storage."""
 
@@ -252,6 +260,7 @@ class Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     embedded_s3: EmbeddedS3Config = msgspec.field(default_factory=EmbeddedS3Config)
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 
     @property
     def block_nbytes(self) -> int:

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -40,6 +41,7 @@ from kvbm.manager.knowledge import IndexSync
 from kvbm.manager.leases import Lease, ReadLeases
 from kvbm.manager.moves import Moves, forget_if_gone
 from kvbm.manager.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED, JOURNAL_NAME
+from kvbm.manager.placement import PlacementPolicy
 from kvbm.manager.policy import PERSISTENT
 from kvbm.manager.room import Room
 from kvbm.manager.state import CopyObserver, ManagerState, ManagerStats, StateField
@@ -66,12 +68,16 @@ class BlockManager:
         max_pending_cascades: int = 1024,
         max_concurrent_cascades: int = 32,
         max_owed_blocks: int = DEFAULT_MAX_OWED,
+        eviction: str = "lru",
+        policy_options: dict[str, Any] | None = None,
     ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise KvbmError(f"duplicate tier names: {names}")
         # The one state every part shares; the parts get it and the callables they use, never the manager.
         self.state = ManagerState(list(tiers), Registry(names), mover=mover, min_hits_to_offload=min_hits_to_offload)
+        if eviction != "lru":  # admission, eviction and promotion: kvbm.manager.placement
+            self.state.placement = PlacementPolicy(self.state.registry, names, eviction, **(policy_options or {}))
         self.index = IndexSync(self.state)  # blocks found elsewhere (kvbm.manager.knowledge)
         self.room = Room(self.state, self._move, self.index.real_copies)  # reservations and eviction
         self.moves = Moves(self.state, self.room)  # coalesced copies between tiers
