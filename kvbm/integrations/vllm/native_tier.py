@@ -165,8 +165,12 @@ class KvbmTier(SecondaryTierManager):
         self._cancel = threading.Event()  # drain_jobs: queued stores are reported failed, not run
         self._daemon_tiers: dict[str, tuple[int, int]] = {}  # daemon tier -> (blocks, bytes), from Stats
         self._stats_at = 0.0
-        # At startup: a misconfiguration (chunk bigger than the daemon's blocks) is logged now.
-        self._store_link.get()
+        # At startup, before any step: a misconfiguration (a chunk bigger than the daemon's blocks) is logged
+        # now, and the first lookup does not pay for a registration. From here on each link is used by its
+        # own thread only (which also reconnects it).
+        for lk in (self._store_link, self._lookup_link, self._load_link):
+            if lk.get() is None:
+                break
         self._lookups = _Lookups(self._lookup_link, tier_type)
         self._threads = [threading.Thread(target=self._run, args=(self._stores, self._store_link, self._store),
                                           name="kvbm-native-store", daemon=True),
