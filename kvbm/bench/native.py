@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-KVBM_TIER = {"type": "KvbmTier", "module_path": "kvbm.integrations.vllm.native_tier"}
+from kvbm.integrations.vllm.native_config import TIER_MODULE, TIER_TYPE
+
+KVBM_TIER = {"type": TIER_TYPE, "module_path": TIER_MODULE}
 
 
 def offloading_config(tiers: list[dict[str, Any]], *, chunk_bytes: int = 8192, cpu_bytes: int = 1 << 20,

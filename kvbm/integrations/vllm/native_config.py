@@ -66,3 +66,18 @@ class NativeTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         endpoint = (self.daemon or os.environ.get("KVBM_DAEMON") or os.environ.get("KVBM_DAEMON_ENDPOINT")
                     or default_endpoint())
         return endpoint, curve_options(creds)
+
+
+TIER_TYPE = "KvbmTier"  # the class vLLM's SecondaryTierFactory imports from TIER_MODULE
+TIER_MODULE = "kvbm.integrations.vllm.native_tier"
+
+
+def kv_transfer_config(cpu_bytes: int, **tier: Any) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for its native offloading (``OffloadingConnector`` with
+    ``TieringOffloadingSpec``: a CPU tier of ``cpu_bytes``) with kvbm's tier below it; ``tier``: the tier's keys
+    (:class:`NativeTierConfig`)."""
+    NativeTierConfig.parse(tier)  # a bad key is an error here, not in vLLM's engine process
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(cpu_bytes),
+                                          "secondary_tiers": [{"type": TIER_TYPE, "module_path": TIER_MODULE,
+                                                               **tier}]}}
