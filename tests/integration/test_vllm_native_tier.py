@@ -166,6 +166,15 @@ def test_a_killed_daemon_means_misses_dropped_stores_and_failed_loads_never_an_e
         b.settle(timeout_s=TIMEOUT_S / 2)
         assert counter(b.stats(), STORES) >= 1
 
+        # An engine started while the daemon is dead starts (vLLM never sees an exception) and misses.
+        c, took = _timed(engine, tier(daemon))
+        try:
+            assert took < TIMEOUT_S
+            assert c.lookup(keys)[0] == ["MISS"] * 3
+            c.finish()
+        finally:
+            c.shutdown()
+
         # The daemon is back (empty): the tier reconnects on its own and stores and hits resume.
         daemon.start()
         after = chunk_keys(2, "after")
@@ -257,6 +266,38 @@ def test_the_namespace_is_the_chunk_layout_and_never_the_connectors():
     assert kvbm_hash(key) == bytes(range(32))  # group 0: vLLM's block hash, as kvbm's connector keys blocks
     g1 = bytes(range(32)) + (1).to_bytes(4, "big")
     assert kvbm_hash(g1) != kvbm_hash(key) and len(kvbm_hash(g1)) == 32
+
+
+def test_vllms_backpressure_detector_sees_the_tiers_stores_and_drops_them(daemon):
+    from kvbm.bench.native import chunk_keys
+
+    # Water marks no store can meet: after the warm-up the detector is under pressure and vLLM's manager drops
+    # stores to this tier (never a stalled step), counted by vLLM's own metric.
+    bp = {"backpressure_cls": "EMABackpressureDetector", "policy_cls": "DropStorePolicy", "high_water_s": 1e-12,
+          "low_water_s": 1e-12, "warmup_completions": 2}
+    a = engine(tier(daemon, backpressure=bp))
+    try:
+        for i in range(8):
+            a.store(chunk_keys(1, f"bp-{i}"))
+            a.settle()
+        stats = a.stats()
+        assert counter(stats, "vllm:kv_offload_tiering_backpressure_stores_dropped", "KvbmTier") >= 1, stats
+        assert counter(stats, "vllm:kv_offload_tiering_write_bytes", "KvbmTier") >= 2 * a.row_bytes
+    finally:
+        a.shutdown()
+
+
+def test_the_tier_reads_the_daemon_endpoint_from_a_kvbm_config(tmp_path):
+    import json
+
+    from kvbm.errors import ConfigError
+    from kvbm.integrations.vllm.native_config import NativeTierConfig
+
+    path = tmp_path / "kvbm.yaml"
+    path.write_text(json.dumps({"daemon": {"endpoint": "tcp://127.0.0.1:5999"}}))
+    assert NativeTierConfig.parse({"kvbm_config": str(path)}).client()[0] == "tcp://127.0.0.1:5999"
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[kvbm\]\.daemon and kvbm_config"):
+        NativeTierConfig.parse({"kvbm_config": str(path), "daemon": "tcp://x:1"})
 
 
 def test_a_bad_tier_key_is_an_error_naming_it():
