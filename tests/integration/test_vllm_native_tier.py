@@ -268,6 +268,25 @@ def test_the_namespace_is_the_chunk_layout_and_never_the_connectors():
     assert kvbm_hash(g1) != kvbm_hash(key) and len(kvbm_hash(g1)) == 32
 
 
+def test_reset_cache_with_stores_in_flight_drains_every_job(daemon):
+    from kvbm.bench.native import chunk_keys
+
+    # vLLM's reset_cache calls drain_jobs, collects the finished jobs and asserts none is left in flight.
+    a = engine(tier(daemon, max_queued_stores=1000), cpu_bytes=4 << 20)
+    try:
+        keys = chunk_keys(200, "drain")
+        for i in range(0, 200, 2):
+            a.store(keys[i : i + 2])  # 100 store jobs queued behind the store thread
+        a.reset_primary()
+        assert not a.manager._jobs and not a.manager.has_pending_work()
+        stats = a.stats()
+        done = counter(stats, "vllm:kv_offload_tiering_write_bytes", "KvbmTier") / a.row_bytes
+        failed = counter(stats, "vllm:kv_offload_tiering_cascade_job_failures", "KvbmTier")
+        assert done + 2 * failed == 200, (done, failed)  # each job stored, or reported failed (not run)
+    finally:
+        a.shutdown()
+
+
 def test_vllms_backpressure_detector_sees_the_tiers_stores_and_drops_them(daemon):
     from kvbm.bench.native import chunk_keys
 
