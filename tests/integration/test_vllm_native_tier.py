@@ -105,6 +105,37 @@ def test_stored_chunks_survive_an_engine_restart_and_load_byte_exact(daemon):
         b.shutdown()
 
 
+def test_chunks_the_daemon_evicts_become_block_removed_events(daemon):
+    from kvbm.bench.native import chunk_keys
+
+    # G2 holds 64 chunks and there is no disk tier: storing 96 evicts the oldest from the daemon for good.
+    a = engine(tier(daemon, events_endpoint=f"ipc://{daemon.tmp}/ev.sock"), cpu_bytes=2 << 20)
+    try:
+        time.sleep(0.5)  # the events subscription is up (a late one only misses removals)
+        keys = chunk_keys(96, "evicted")
+        for i in range(0, 96, 8):
+            a.store(keys[i : i + 8])
+            a.settle()
+        stored, removed = [], []
+
+        def removals() -> bool:
+            for e in a.events():
+                if e.ownership == "kvbm":
+                    (removed if e.removed else stored).extend(e.keys)
+            return len(removed) >= 32
+
+        assert wait_until(removals, timeout=30), (len(stored), len(removed))
+        assert set(removed) <= set(keys[:64]) and len(set(removed)) == len(removed), "removed what was not evicted"
+        assert stored == keys
+        a.reset_primary()  # vLLM's CPU tier forgets them too: a removed chunk is a miss, a kept one a hit
+        assert a.lookup([removed[0]])[0] == ["MISS"]
+        a.finish()
+        assert a.lookup([keys[-1]])[0] == ["HIT"]
+        a.finish()
+    finally:
+        a.shutdown()
+
+
 def test_two_engines_on_one_node_share_chunks(daemon):
     from kvbm.bench.native import chunk_keys
 

@@ -27,7 +27,9 @@ class NativeTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     lookup_give_up_ms: Annotated[float, msgspec.Meta(ge=0)] = 500.0
     # Store jobs queued behind the store thread at most; more are dropped (and counted), never queued.
     max_queued_stores: Annotated[int, msgspec.Meta(ge=1)] = 64
-    enable_kv_events: bool = False  # BlockStored events for chunks kvbm took (with vLLM's events on)
+    enable_kv_events: bool = False  # BlockStored/BlockRemoved events for kvbm's chunks (with vLLM's events on)
+    # The daemon's block events (for BlockRemoved): else kvbm_config's daemon.events_endpoint, else kvbm's default.
+    events_endpoint: str | None = None
     locality: Literal["LOCAL", "REMOTE"] | None = None
     stats_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # how often the daemon's tier figures are read
     curve_server_key: str | None = None
@@ -50,6 +52,18 @@ class NativeTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         if cfg.daemon and cfg.kvbm_config:
             raise ConfigError(f"{PREFIX}.daemon and kvbm_config: set one (kvbm_config names the endpoint)")
         return cfg
+
+    def events(self) -> str:
+        """The daemon's events endpoint this config names."""
+        if self.events_endpoint:
+            return self.events_endpoint
+        if self.kvbm_config:
+            from kvbm.config import load_config
+
+            return load_config(self.kvbm_config).daemon.events_endpoint
+        from kvbm.config import default_events_endpoint
+
+        return default_events_endpoint()
 
     def client(self) -> tuple[str, dict[str, Any]]:
         """The daemon's endpoint and the WorkerClient keyword arguments (credentials) this config names."""

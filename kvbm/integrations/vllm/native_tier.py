@@ -53,6 +53,7 @@ from kvbm.blocks.layout import KVLayout
 from kvbm.integrations.vllm.geometry import Geometry
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link, is_load
 from kvbm.integrations.vllm.native_config import NativeTierConfig
+from kvbm.integrations.vllm.native_events import RemovalWatch
 from kvbm.integrations.vllm.native_keys import kvbm_hash, native_layout
 
 if TYPE_CHECKING:
@@ -146,9 +147,13 @@ class KvbmTier(SecondaryTierManager):
 
         self._lookup_link, self._store_link, self._load_link = link("lookup"), link("store"), link("load")
         self.events: list[OffloadingEvent] | None = None
+        self._removals: RemovalWatch | None = None
         if cfg.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self.events = []
+                self._removals = RemovalWatch(cfg.events(), self.layout.namespace,
+                                              curve_server_key=client_kw.get("curve_server_key") or "",
+                                              curve_keypair=client_kw.get("curve_keypair"))
             else:
                 log.warning("kvbm tier: enable_kv_events is set but vLLM's KV cache events are off; no events")
         # Scheduler thread only.
@@ -278,8 +283,12 @@ class KvbmTier(SecondaryTierManager):
                 self._stats.increase_counter(STORES_DROPPED, 1, (d.dropped,))
                 self._stats.increase_counter(BLOCKS_DROPPED, len(d.keys), (d.dropped,))
             elif d.success and self.events is not None:
+                # removal_expected: a BlockRemoved follows when the daemon no longer holds it (RemovalWatch).
                 self.events.append(OffloadingEvent(keys=d.keys, medium=Medium.CPU, removed=False,
-                                                   locality=self.locality, ownership="kvbm"))
+                                                   locality=self.locality, ownership="kvbm",
+                                                   removal_expected=self._removals is not None))
+                if self._removals is not None:
+                    self._removals.announce([(kvbm_hash(k), k) for k in d.keys])
             # A failed store's time is not a latency sample: vLLM's backpressure detector reads only successes.
             results.append(JobResult(d.job_id, d.success, None, d.seconds, d.nbytes or None))
 
@@ -287,9 +296,13 @@ class KvbmTier(SecondaryTierManager):
         return self._store_jobs > 0 or not self._done.empty()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if not self.events:
+        if self.events is None:
             return ()
         events, self.events = self.events, []
+        gone = self._removals.take() if self._removals is not None else []
+        if gone:
+            events.append(OffloadingEvent(keys=gone, medium=Medium.CPU, removed=True, locality=self.locality,
+                                          ownership="kvbm", removal_expected=True))
         return events
 
     def drain_jobs(self) -> None:
@@ -310,6 +323,8 @@ class KvbmTier(SecondaryTierManager):
         self._lookups.shutdown()
         for link in (self._lookup_link, self._store_link, self._load_link):
             link.close()
+        if self._removals is not None:
+            self._removals.close()
         self._rows = None  # releases the export of vLLM's primary memoryview, so vLLM can unmap it
 
     # -- the tier's threads ------------------------------------------------------------------------------------
