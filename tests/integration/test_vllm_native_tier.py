@@ -75,13 +75,16 @@ def test_stored_chunks_survive_an_engine_restart_and_load_byte_exact(daemon):
     from kvbm.bench.native import chunk_keys
 
     keys = chunk_keys(6, "restart")
-    a = engine(tier(daemon))
+    a = engine(tier(daemon, stats_interval_s=0.2))
     try:
         assert a.store(keys) == 6
         a.settle()
         stats = a.stats()
         assert counter(stats, "vllm:kv_offload_tiering_write_bytes", "KvbmTier") == 6 * a.row_bytes
         assert stats["vllm:kvbm_tier_daemon_up"] == 1
+        # kvbm's own per-tier figures, read from the daemon in the background.
+        g2 = "vllm:kvbm_tier_daemon_blocks:('G2',)"
+        assert wait_until(lambda: a.stats().get(g2, 0) >= 6, timeout=30)
         kvbm_events = [e for e in a.events() if e.ownership == "kvbm"]
         assert [k for e in kvbm_events for k in e.keys] == keys and not kvbm_events[0].removed
     finally:
