@@ -364,14 +364,23 @@ def test_a_bad_tier_key_is_an_error_naming_it():
 
 
 def test_bench_native_compares_kvbm_and_fs_under_the_same_manager(tmp_path):
-    from kvbm.bench.nativecmp import NativeOptions, native_table, run_native
+    import json
 
-    report = run_native(NativeOptions(chunk_bytes=64 * 1024, chunks=8, repeats=1, workdir=str(tmp_path)),
-                        lambda _s: None)
+    from click.testing import CliRunner
+
+    from kvbm.cli.bench import bench
+
+    out = tmp_path / "native.json"
+    res = CliRunner().invoke(bench, ["native", "--chunk-size", "64KiB", "--chunks", "8", "--repeats", "1",
+                                     "--workdir", str(tmp_path), "--json", str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "hit: daemon restart" in res.output
+    report = json.loads(out.read_text())
     rows = {r["tier"]: r for r in report["rows"]}
     assert set(rows) == {"kvbm", "fs"}
     for r in rows.values():
         assert r["engine_restart_hit"] == 1.0 and r["other_engine_hit"] == 1.0, r
         assert r["store_GBps"] > 0 and r["engine_restart_load_GBps"] > 0 and r["store_failures"] == 0, r
     assert rows["kvbm"]["daemon_restart_hit"] == 1.0 and rows["fs"].get("daemon_restart_hit") is None
-    assert "hit: daemon restart" in native_table(report)
+    bad = CliRunner().invoke(bench, ["native", "--tiers", "kvbm,s3"])
+    assert bad.exit_code != 0 and "--tiers" in bad.output
