@@ -353,6 +353,24 @@ def test_the_tier_reads_the_daemon_endpoint_from_a_kvbm_config(tmp_path):
         NativeTierConfig.parse({"kvbm_config": str(path), "daemon": "tcp://x:1"})
 
 
+def test_the_documented_transfer_config_resolves_to_vllms_spec_and_kvbms_tier():
+    from vllm.config import KVTransferConfig
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from kvbm.integrations.vllm.native_config import kv_transfer_config
+    from kvbm.integrations.vllm.native_tier import STORES_DROPPED, KvbmTier
+
+    ktc = KVTransferConfig(**kv_transfer_config(1 << 30, daemon="tcp://127.0.0.1:5557"))
+    extra = ktc.kv_connector_extra_config
+    assert ktc.kv_connector == "OffloadingConnector"
+    assert OffloadingSpecFactory.get_spec_cls(extra) is TieringOffloadingSpec
+    assert SecondaryTierFactory.get_tier_class(extra["secondary_tiers"][0]) is KvbmTier
+    # vLLM's Prometheus side asks the spec for every metric it may see, kvbm's tier's included.
+    assert STORES_DROPPED in TieringOffloadingSpec.build_metric_definitions(extra)
+
+
 def test_a_bad_tier_key_is_an_error_naming_it():
     from kvbm.errors import ConfigError
     from kvbm.integrations.vllm.native_config import NativeTierConfig
