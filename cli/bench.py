@@ -1,4 +1,4 @@
-"""``kvbm bench``: throughput and latency benchmarks (tiers, manager, long-doc-qa, fleet, serve, trace).
+"""``kvbm bench``: throughput and latency benchmarks (tiers, manager, long-doc-qa, fleet, serve, trace, native).
 
 Each subcommand prints a table, writes JSON with ``--json PATH`` (machine description, options and
 every figure) and draws a PNG with ``--plot PATH``. Runs use temp dirs, a dedicated bucket prefix on
@@ -440,3 +440,31 @@ def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: str, capa
     click.echo("")
     click.echo(trace_table(report, markdown))
     _emit(report, json_path, plot_path, plot_trace)
+
+
+@bench.command("native")
+@click.option("--chunk-size", default="256KiB", show_default=True,
+              help="Bytes of one vLLM CPU-tier chunk (one vLLM block of one worker).")
+@click.option("--chunks", default=256, show_default=True, help="Chunks stored and loaded per pass.")
+@click.option("--repeats", default=3, show_default=True, help="Passes per tier, interleaved (medians reported).")
+@click.option("--tiers", default="kvbm,fs", show_default=True, help="Secondary tiers compared: kvbm, fs.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Where the fs tier's files and kvbm's disk tier go (a real disk).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+def native_cmd(chunk_size: str, chunks: int, repeats: int, tiers: str, workdir: str | None, json_path: str | None,
+               markdown: bool) -> None:
+    """kvbm's tier against vLLM's own fs tier under vLLM's TieringOffloadingManager (CPU primary tier)."""
+    from kvbm.bench.nativecmp import NativeOptions, native_table, run_native
+
+    names = _csv(tiers)
+    if not names or set(names) - {"kvbm", "fs"}:
+        raise click.BadParameter(f"--tiers: kvbm and/or fs, got {tiers!r}")
+    if chunks < 1 or repeats < 1:
+        raise click.BadParameter("--chunks and --repeats must be >= 1")
+    opts = NativeOptions(chunk_bytes=parse_size(chunk_size, "--chunk-size"), chunks=chunks, repeats=repeats,
+                         workdir=workdir, tiers=names)
+    report = run_native(opts, click.echo)
+    click.echo("")
+    click.echo(native_table(report, markdown))
+    _emit(report, json_path, None, None)
