@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from kvbm.config import parse_size
+from kvbm.cli.common import SIZE
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -60,7 +60,7 @@ def with_s3(fn: Any) -> Any:
 
 
 @bench.command("tiers")
-@click.option("--block-size", default="8MiB", show_default=True, help="Block size (e.g. 8MiB, 512KiB).")
+@click.option("--block-size", type=SIZE, default="8MiB", show_default=True, help="Block size (e.g. 8MiB, 512KiB).")
 @click.option("--blocks", default=64, show_default=True, help="Blocks per run.")
 @click.option("--repeats", default=3, show_default=True, help="Runs per path (the median is reported).")
 @click.option("--groups", default="memory,disk,s3", show_default=True, help="Which groups of paths to run.")
@@ -82,7 +82,7 @@ def with_s3(fn: Any) -> Any:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Draw a PNG here.")
 @click.option("--markdown", is_flag=True, help="Print the table as markdown.")
-def tiers_cmd(block_size: str, blocks: int, repeats: int, groups: str, s3_clients: str, file_io: str,
+def tiers_cmd(block_size: int, blocks: int, repeats: int, groups: str, s3_clients: str, file_io: str,
               disk_modes: str, boto3_threads: int, s3_concurrency: int, s3_reference: bool, peer_python: str | None,
               peer_domain: str, workdir: str | None,
               s3_endpoint: str | None,
@@ -95,7 +95,7 @@ def tiers_cmd(block_size: str, blocks: int, repeats: int, groups: str, s3_client
     if blocks < 1 or repeats < 1:
         raise click.BadParameter("--blocks and --repeats must be >= 1")
     opts = TiersOptions(
-        block_bytes=parse_size(block_size, "--block-size"), blocks=blocks, repeats=repeats, groups=_csv(groups),
+        block_bytes=block_size, blocks=blocks, repeats=repeats, groups=_csv(groups),
         s3_clients=_csv(s3_clients), file_io=_csv(file_io), disk_modes=_csv(disk_modes),
         boto3_threads=boto3_threads, s3_concurrency=s3_concurrency, s3_reference=s3_reference, workdir=workdir,
         peer_python=peer_python, peer_domain=peer_domain,
@@ -127,7 +127,7 @@ def tiers_cmd(block_size: str, blocks: int, repeats: int, groups: str, s3_client
 @click.option("--daemon-registered", default=None, type=int,
               help="Blocks registered in the daemon before its lookups [default: --registered].")
 @click.option("--onboard-blocks", default=32, show_default=True, help="Blocks per onboard (overhead figure).")
-@click.option("--block-size", default="8MiB", show_default=True, help="Block size of the onboard figure.")
+@click.option("--block-size", type=SIZE, default="8MiB", show_default=True, help="Block size of the onboard figure.")
 @click.option("--repeats", default=3, show_default=True,
               help="Repeats of the registry, lookup and onboard figures (the median is reported).")
 @click.option("--groups", default="ingest,lookup,memory,daemon,onboard", show_default=True)
@@ -136,7 +136,7 @@ def tiers_cmd(block_size: str, blocks: int, repeats: int, groups: str, s3_client
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--markdown", is_flag=True, help="Print the table as markdown.")
 def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, daemon_events: int, daemon_batch: int,
-                daemon_lookups: int, daemon_registered: int | None, onboard_blocks: int, block_size: str, repeats: int,
+                daemon_lookups: int, daemon_registered: int | None, onboard_blocks: int, block_size: int, repeats: int,
                 groups: str, workdir: str | None, s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str,
                 s3_bucket: str, json_path: str | None, markdown: bool) -> None:
     """Event ingest rate, prefix lookup latency, index memory per block and onboard overhead."""
@@ -149,7 +149,7 @@ def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, 
         registered=registered, prefix_blocks=prefix_blocks, lookups=lookups, daemon=daemon,
         daemon_events=max(daemon_events, prefix_blocks + daemon_batch), daemon_batch=daemon_batch,
         daemon_lookups=daemon_lookups, daemon_registered=daemon_registered, onboard_blocks=onboard_blocks,
-        block_bytes=parse_size(block_size, "--block-size"),
+        block_bytes=block_size,
         onboard_repeats=repeats, groups=_csv(groups), workdir=workdir, s3_endpoint=s3_endpoint,
         s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
     )
@@ -270,7 +270,7 @@ def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: st
 @click.option("--blocks", default=20, show_default=True, help="Blocks stored durably on A, looked up on B.")
 @click.option("--hit-timeout", default=10.0, show_default=True, help="Seconds B may take to find a block.")
 @click.option("--lookups", default=200, show_default=True, help="Lookups timed on B (misses and G2 hits).")
-@click.option("--block-size", default="64KiB", show_default=True)
+@click.option("--block-size", type=SIZE, default="64KiB", show_default=True)
 @click.option("--listing-sizes", default="100000,1000000", show_default=True,
               help="Bucket sizes (block objects) to list, comma separated.")
 @click.option("--listing-prefix", default="", help="Keep the listing objects under this prefix and reuse them.")
@@ -287,7 +287,7 @@ def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: st
 @with_s3
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--markdown", is_flag=True, help="Print the table as markdown.")
-def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block_size: str, listing_sizes: str,
+def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block_size: int, listing_sizes: str,
               listing_prefix: str, put_concurrency: int, list_concurrency: int, groups: str, fanout_daemons: int,
               rounds: int, modes: str, negative_ttl: float, cluster: bool, kill_volume: bool, workdir: str | None,
               s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str, s3_bucket: str,
@@ -304,7 +304,7 @@ def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block
                                  "--cluster starts its own store: no --s3-endpoint")
     opts = FleetOptions(
         daemons=daemons, blocks=blocks, hit_timeout_s=hit_timeout, lookups=lookups,
-        block_bytes=parse_size(block_size, "--block-size"),
+        block_bytes=block_size,
         listing_sizes=tuple(int(x) for x in _csv(listing_sizes)), listing_prefix=listing_prefix.strip("/"),
         put_concurrency=put_concurrency, list_concurrency=list_concurrency, groups=_csv(groups), workdir=workdir,
         fanout_daemons=fanout_daemons, fanout_rounds=rounds, fanout_modes=_csv(modes), negative_ttl_s=negative_ttl,
@@ -338,9 +338,12 @@ def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block
 @click.option("--turns", default=4, show_default=True, help="multi-turn: turns per conversation.")
 @click.option("--turn-tokens", default=512, show_default=True, help="multi-turn: new tokens per turn.")
 @click.option("--max-tokens", default=16, show_default=True, help="Output tokens per request (greedy, ignore_eos).")
-@click.option("--vllm-kv", default="1GiB", show_default=True, help="vLLM's KV space (--kv-cache-memory-bytes).")
-@click.option("--g2", default="256MiB", show_default=True, help="The daemon's G2 (host) capacity in long-doc-qa.")
-@click.option("--g3", default="768MiB", show_default=True, help="The daemon's G3 (disk) capacity in long-doc-qa.")
+@click.option("--vllm-kv", type=SIZE, default="1GiB", show_default=True,
+              help="vLLM's KV space (--kv-cache-memory-bytes).")
+@click.option("--g2", type=SIZE, default="256MiB", show_default=True,
+              help="The daemon's G2 (host) capacity in long-doc-qa.")
+@click.option("--g3", type=SIZE, default="768MiB", show_default=True,
+              help="The daemon's G3 (disk) capacity in long-doc-qa.")
 @click.option("--block-size", default=128, show_default=True, help="vLLM block size (CPU: a multiple of 32).")
 @click.option("--tokens-per-block", default=256, show_default=True, help="Tokens per kvbm block.")
 @click.option("--layers", default=8, show_default=True)
@@ -363,7 +366,7 @@ def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG (four panels).")
 @click.option("--markdown", is_flag=True, help="Print the tables as markdown.")
-def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_kv: str, g2: str, g3: str,
+def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_kv: int, g2: int, g3: int,
               tokens_per_block: int, block_size: int, request_timeout: float, json_path: str | None,
               plot_path: str | None, markdown: bool, **kw: Any) -> None:
     """vLLM's OpenAI server over HTTP (streamed, C in flight): recompute, vLLM's prefix cache, kvbm, peers."""
@@ -378,8 +381,8 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
         raise click.BadParameter(f"a multiple of --block-size {block_size}", param_hint="--tokens-per-block")
     opts = ServeBenchOptions(
         workloads=_csv(workloads), sources=_csv(sources), lengths=tuple(int(x) for x in _csv(lengths)),
-        s3_clients=_csv(s3_clients), vllm_kv_bytes=parse_size(vllm_kv, "--vllm-kv"), g2_bytes=parse_size(g2, "--g2"),
-        g3_bytes=parse_size(g3, "--g3"), block_size=block_size,
+        s3_clients=_csv(s3_clients), vllm_kv_bytes=vllm_kv, g2_bytes=g2,
+        g3_bytes=g3, block_size=block_size,
         vllm_blocks_per_kvbm_block=tokens_per_block // block_size, request_timeout_s=request_timeout, **kw)
     try:
         opts.check()

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 import click
 
-from kvbm.config import Config, Source, load_config_sources
-from kvbm.errors import KvbmError
+from kvbm.config import SIZE_HINT, Config, Source, load_config_sources, parse_size
+from kvbm.errors import ConfigError, KvbmError
 from kvbm.ops.link import DaemonLink, daemon_reachable
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -78,6 +78,26 @@ def one_line_errors(fn: F) -> F:
             raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+class SizeType(click.ParamType):
+    """A size option (``--max-bytes 500GiB``): parsed once, by the config's own parser; >= 0."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            n = parse_size(value)
+        except ConfigError:
+            self.fail(f"cannot read {value!r} as a size ({SIZE_HINT})", param, ctx)
+        if n < 0:
+            self.fail("must be >= 0", param, ctx)
+        return n
+
+
+SIZE = SizeType()
 
 
 def human_bytes(n: float) -> str:

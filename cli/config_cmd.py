@@ -9,7 +9,7 @@ import click
 import msgspec
 
 from kvbm.cli.common import CliState, config_option, one_line_errors, pass_state
-from kvbm.config import Config
+from kvbm.config import SIZE_FIELDS, Config, format_size
 from kvbm.redact import is_secret_name
 
 REDACTED = "<redacted>"
@@ -22,6 +22,8 @@ def effective_fields(cfg: Config, sources: dict[str, str]) -> list[dict[str, Any
     def add(path: str, name: str, value: Any) -> None:
         if is_secret_name(name) and value:
             value = REDACTED
+        elif path in SIZE_FIELDS:
+            value = format_size(value)
         rows.append({"field": path, "value": value, "source": sources.get(path, "default")})
 
     for f in msgspec.structs.fields(Config):

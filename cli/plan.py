@@ -10,8 +10,7 @@ import click
 
 from kvbm.blocks import ALIGNED_HEADER_LEN, MIN_HEADER_LEN
 from kvbm.blocks.layout import DTYPE_BYTES, KVLayout
-from kvbm.cli.common import CliState, config_option, human_bytes, one_line_errors, pass_state
-from kvbm.config import parse_size
+from kvbm.cli.common import SIZE, CliState, config_option, human_bytes, one_line_errors, pass_state
 from kvbm.errors import ConfigError
 from kvbm.transfer import round_up
 
@@ -85,25 +84,16 @@ def render(rep: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        return parse_size(value, f"--{param.name}")
-    except ConfigError as e:
-        raise click.BadParameter(str(e)) from None
-
-
 @click.command("plan")
 @click.option("--model-config", "model_config", required=True, type=click.Path(dir_okay=False, exists=True),
               help="The model's Hugging Face config.json.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--dtype", default=None, help="KV-cache dtype if not the model's (e.g. fp8, bfloat16).")
-@click.option("--block-bytes", callback=_size, default=None, help="Block size (default: the config's block_bytes).")
-@click.option("--device", callback=_size, default=None, help="G1 capacity per GPU (default: the config's).")
-@click.option("--host", callback=_size, default=None, help="G2 host-memory capacity (default: the config's).")
-@click.option("--disk", callback=_size, default=None, help="G3 disk capacity (default: the config's).")
-@click.option("--s3", callback=_size, default=None, help="G4 bucket budget (default: the config's s3.capacity).")
+@click.option("--block-bytes", type=SIZE, default=None, help="Block size (default: the config's block_bytes).")
+@click.option("--device", type=SIZE, default=None, help="G1 capacity per GPU (default: the config's).")
+@click.option("--host", type=SIZE, default=None, help="G2 host-memory capacity (default: the config's).")
+@click.option("--disk", type=SIZE, default=None, help="G3 disk capacity (default: the config's).")
+@click.option("--s3", type=SIZE, default=None, help="G4 bucket budget (default: the config's s3.capacity).")
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @one_line_errors
@@ -131,6 +121,6 @@ def plan_cmd(state: CliState, model_config: str, tp: int, dtype: str | None, blo
     for name, given, section in (("G1", device, cfg.device), ("G2", host, cfg.host), ("G3", disk, cfg.disk),
                                  ("G4", s3, cfg.s3)):
         if given is not None or section.enabled:
-            caps[name] = given if given is not None else parse_size(section.capacity, f"{name} capacity")
+            caps[name] = given if given is not None else section.capacity
     rep = plan(layout, bb, caps)
     click.echo(json.dumps(rep, indent=2) if as_json else "\n".join(render(rep)))

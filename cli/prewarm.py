@@ -12,6 +12,7 @@ import click
 
 from kvbm.blocks import BlockKey
 from kvbm.cli.common import (
+    SIZE,
     CliState,
     config_option,
     daemon_options,
@@ -20,7 +21,6 @@ from kvbm.cli.common import (
     one_line_errors,
     pass_state,
 )
-from kvbm.config import parse_size
 from kvbm.errors import ConfigError
 from kvbm.fleet.recency import read_access_times
 from kvbm.ops import (
@@ -91,7 +91,7 @@ async def _available(tier: Any, namespace: str, keys: list[BlockKey] | None) -> 
 @click.option("--hottest", type=click.IntRange(min=1), default=None, metavar="N",
               help="Only the N most recently used blocks of the namespace, fleet-wide (the bucket's access logs; "
                    "write time where no hit is recorded).")
-@click.option("--hottest-bytes", "hottest_bytes", metavar="SIZE", default=None,
+@click.option("--hottest-bytes", "hottest_bytes", metavar="SIZE", type=SIZE, default=None,
               help="Only the most recently used blocks that fit in SIZE (e.g. 50GiB); with --hottest, both limits.")
 @click.option("--to", "to", type=click.Choice(["disk", "host"]), default="disk", show_default=True,
               help="disk: write block files into the disk tier's directory; host: have the running daemon "
@@ -104,7 +104,7 @@ async def _available(tier: Any, namespace: str, keys: list[BlockKey] | None) -> 
 @pass_state
 def prewarm(state: CliState, namespace: str, hashes_file: str | None, tokens_file: str | None,
             block_tokens: int | None, hash_scheme: str | None, vllm_block_size: int | None, salt: str | None,
-            lora: str | None, hottest: int | None, hottest_bytes: str | None, to: str, concurrency: int,
+            lora: str | None, hottest: int | None, hottest_bytes: int | None, to: str, concurrency: int,
             as_json: bool, daemon_endpoint: str | None, direct: bool, daemon_timeout: float) -> None:
     """Pull KV blocks from the bucket into a faster tier before requests need them.
 
@@ -136,12 +136,7 @@ def prewarm(state: CliState, namespace: str, hashes_file: str | None, tokens_fil
         raise click.UsageError("give --hashes or --tokens, not both")
     if (hottest or hottest_bytes) and (hashes_file or tokens_file):
         raise click.UsageError("--hottest/--hottest-bytes pick from the whole namespace; not with --hashes/--tokens")
-    budget = None
-    if hottest_bytes is not None:
-        try:
-            budget = parse_size(hottest_bytes, "--hottest-bytes")
-        except ConfigError as e:
-            raise click.BadParameter(str(e), param_hint="--hottest-bytes") from None
+    budget = hottest_bytes
     if tokens_file and not block_tokens:
         raise click.UsageError("--tokens needs --block-tokens (tokens per kvbm block)")
     if (block_tokens or vllm_block_size or hash_scheme or salt or lora) and not tokens_file:

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from kvbm.cli.common import (
+    SIZE,
     CliState,
     config_option,
     daemon_options,
@@ -31,7 +32,6 @@ from kvbm.ops import (
     iter_disk,
     open_bucket,
     parse_duration,
-    parse_size,
     plan_log_purge,
     plan_purge,
     with_access,
@@ -47,18 +47,6 @@ def _duration(_ctx: Any, param: click.Parameter, value: str | None) -> float | N
         return parse_duration(value)
     except ConfigError as e:
         raise click.BadParameter(str(e), param=param) from None
-
-
-def _size(_ctx: Any, param: click.Parameter, value: str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        n = parse_size(value, "--max-bytes")
-    except ConfigError as e:
-        raise click.BadParameter(str(e), param=param) from None
-    if n < 0:
-        raise click.BadParameter("must be >= 0", param=param)
-    return n
 
 
 def _plan_lines(plan: list[Entry]) -> list[str]:
@@ -81,7 +69,7 @@ def _plan_lines(plan: list[Entry]) -> list[str]:
               "<namespace>/<shard>/<hash> (e.g. 'llama-3-8b-0123456789abcdef/ab').")
 @click.option("--all", "all_", is_flag=True,
               help="Every block in scope (of --namespace/--model, or of every namespace).")
-@click.option("--max-bytes", metavar="SIZE", callback=_size,
+@click.option("--max-bytes", metavar="SIZE", type=SIZE,
               help="Keep each namespace at most SIZE (e.g. 10GiB) per store, deleting its least recently used "
                    "blocks first.")
 @click.option("--by", "by", type=click.Choice(["access", "written"]), default="access", show_default=True,

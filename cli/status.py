@@ -19,7 +19,7 @@ from kvbm.cli.common import (
     one_line_errors,
     pass_state,
 )
-from kvbm.config import Config, parse_size
+from kvbm.config import Config
 from kvbm.daemon.metrics import breaker_state
 from kvbm.ops import DaemonLink, Selector, iso, iter_bucket, iter_disk, open_bucket, summarize
 
@@ -30,10 +30,15 @@ async def storage_report(cfg: Config, disk: bool = True, bucket: bool = True) ->
     out: dict[str, Any] = {"mode": "direct"}
     if disk and cfg.disk.enabled:
         entries = await asyncio.to_thread(lambda: list(iter_disk(cfg.disk_dir)))
-        out["disk"] = {"dir": str(cfg.disk_dir), "capacity_bytes": parse_size(cfg.disk.capacity, "disk.capacity"),
+        out["disk"] = {"dir": str(cfg.disk_dir), "capacity_bytes": cfg.disk.capacity,
                        **_usage(summarize(entries))}
     if bucket and cfg.s3.enabled:
-        tier = await open_bucket(cfg)
+        tier = await open_bucket(cfg, start_embedded=False)  # an inspection command starts nothing
+        if tier is None:
+            from kvbm.s3server import embedded_dir
+
+            out["bucket"] = {"embedded": embedded_dir(cfg.embedded_s3), "running": False}
+            return out
         try:
             foreign = [0]
             entries = [e async for e in iter_bucket(tier, Selector(shard_chars=tier.shard_chars), foreign)]
@@ -119,7 +124,10 @@ def render_storage(rep: dict[str, Any]) -> list[str]:
         d = rep["disk"]
         lines.append(f"disk {d['dir']} (capacity {human_bytes(d['capacity_bytes'])})")
         lines += _ns_table(d)
-    if "bucket" in rep:
+    if "bucket" in rep and not rep["bucket"].get("reachable"):
+        lines.append(f"bucket: the embedded SeaweedFS is not running ({rep['bucket']['embedded']}); "
+                     "`kvbm serve` or `kvbm s3 start` starts it")
+    elif "bucket" in rep:
         b = rep["bucket"]
         lines.append(f"bucket {b['bucket']} at {b['endpoint']}, prefix {b['prefix'] or '(none)'}/")
         lines += _ns_table(b)
@@ -127,6 +135,10 @@ def render_storage(rep: dict[str, Any]) -> list[str]:
             lines.append(f"  {b['foreign_objects']} other objects under the prefix are not kvbm blocks (ignored)")
     if not lines:
         lines.append("no disk or S3 tier is enabled in this config")
+    if "daemon" in rep:  # first: what a user asking for the status most needs to know
+        d = rep["daemon"]
+        why = "not running (kvbm serve)" if not d["running"] else f"not answering ({d['reason']})"
+        lines.insert(0, f"daemon: {why}")
     return lines
 
 
@@ -249,8 +261,9 @@ def status(state: CliState, daemon_endpoint: str | None, direct: bool, daemon_ti
         lines = render_daemon(rep)
     else:
         rep = asyncio.run(storage_report(cfg))
-        if why and why != "--direct":
-            rep["daemon"] = why
+        if why != "--direct":
+            rep["daemon"] = {"running": not why.startswith("no daemon at"),
+                             "endpoint": daemon_endpoint or cfg.daemon.endpoint, "reason": why}
         lines = render_storage(rep)
     if as_json:
         click.echo(json.dumps(rep, indent=2, default=str))

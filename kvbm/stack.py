@@ -6,7 +6,7 @@ import asyncio
 import logging
 from typing import Any
 
-from kvbm.config import Config, parse_size
+from kvbm.config import Config
 from kvbm.manager.core import BlockManager
 from kvbm.tiers.base import Tier
 
@@ -72,12 +72,12 @@ async def build_stack(
     embedded = None
     try:
         if device and "G1" in tiers and cfg.device.enabled:
-            built.append(DeviceTier(parse_size(cfg.device.capacity, "device.capacity"), slot, cfg.device.device))
+            built.append(DeviceTier(cfg.device.capacity, slot, cfg.device.device))
         if "G2" in tiers and cfg.host.enabled:
-            built.append(HostTier(parse_size(cfg.host.capacity, "host.capacity"), slot,
+            built.append(HostTier(cfg.host.capacity, slot,
                                   host_shm_name or cfg.host.shm_name, cfg.host.pin))
         if "G3" in tiers and cfg.disk.enabled:
-            built.append(DiskTier(cfg.disk_dir, parse_size(cfg.disk.capacity, "disk.capacity"),
+            built.append(DiskTier(cfg.disk_dir, cfg.disk.capacity,
                                   make_file_io(cfg.transfer), fsync=cfg.disk.fsync, o_direct=cfg.disk.o_direct,
                                   io_threads=cfg.transfer.io_threads))
         if "G4" in tiers and cfg.s3.enabled:

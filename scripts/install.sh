@@ -5,7 +5,7 @@
 #   KVBM_EXTRAS=vllm,bench  bash scripts/install.sh   # also vLLM's CPU build (~2 min, 3.4 GB)
 #   KVBM_NIXL=cu13 (or empty for none)  bash scripts/install.sh
 # This is the development/CI environment. Into an environment you already run (vLLM's), install kvbm
-# itself instead: `python -m pip install "/path/to/kvbm[cu13]"` (README, Install); that leaves torch alone.
+# itself instead: `python -m pip install "/path/to/kvbm[cu13]"` (docs/install.md); that leaves torch alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -113,7 +113,7 @@ def check(args: argparse.Namespace, report: dict[str, Any]) -> None:
         run([str(py), "-m", "pip", "install", *quiet, str(args.src)], "pip_install_kvbm", report)
     else:
         # A host without network: kvbm's wheel and the wheels it lacks, fetched elsewhere with the host's own
-        # `pip freeze` as constraints, then installed with --no-index (README, Install on a GPU host).
+        # `pip freeze` as constraints, then installed with --no-index (docs/install.md, a GPU host without network).
         dist = Path(args.work) / "dist"
         run([*pip, "wheel", *quiet, "--no-deps", "--no-build-isolation", "-w", str(dist), str(args.src)],
             "build_kvbm_wheel", report)

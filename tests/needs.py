@@ -5,12 +5,17 @@ so its reason starts with ``[needs <component>]``. ``KVBM_REQUIRE=s3,nixl,...`` 
 the components that must be present: a skip naming one of them fails the test (or the module, for a
 skip at import time), so a CI machine that lost SeaweedFS or vLLM goes red instead of quietly green.
 Skips naming other components (say ``curve`` or ``tmpfs``) stay skips.
+
+``KVBM_HIDE=nixl,vllm`` with ``PYTHONPATH=tests/hide`` runs the suite as if those packages were not installed
+(``tests/hide/sitecustomize.py``); ``.ci/run`` runs a subset that way before the main run.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
@@ -23,6 +28,7 @@ COMPONENTS = {
     "vllm": "vLLM's CPU build (KVBM_EXTRAS=vllm bash scripts/install.sh)",
     "curve": "libzmq built with CURVE",
     "tmpfs": "permission to mount a tmpfs",
+    "lmcache": "LMCache 0.5.6 in a peer python for the benchmark comparison (scripts/lmcache_venv.sh)",
     "otheruid": "root with setpriv and a system python3 another uid may run (tests/otheruid.py)",
 }
 _TAG = re.compile(r"\[needs ([a-z0-9_]+)\]")
@@ -35,6 +41,24 @@ def required() -> set[str]:
     if unknown:
         raise pytest.UsageError(f"KVBM_REQUIRE names unknown components {sorted(unknown)}; "
                                 f"known: {sorted(COMPONENTS)}")
+    return names
+
+
+def hidden() -> set[str]:
+    """The components ``KVBM_HIDE`` hides; checked against what tests/hide/sitecustomize.py really hid."""
+    names = {n.strip() for n in os.environ.get("KVBM_HIDE", "").split(",") if n.strip()}
+    if not names:
+        return names
+    site = sys.modules.get("sitecustomize")
+    groups = getattr(site, "GROUPS", None)
+    if groups is None or Path(site.__file__).parent != Path(__file__).parent / "hide":  # type: ignore[union-attr]
+        raise pytest.UsageError(f"KVBM_HIDE={os.environ['KVBM_HIDE']} needs PYTHONPATH=tests/hide "
+                                "(tests/hide/sitecustomize.py does the hiding, in every process the run starts)")
+    unknown = names - groups.keys()
+    if unknown:
+        raise pytest.UsageError(f"KVBM_HIDE names unknown packages {sorted(unknown)}; known: {sorted(groups)}")
+    if names & required():
+        raise pytest.UsageError(f"KVBM_HIDE hides {sorted(names & required())}, which KVBM_REQUIRE requires")
     return names
 
 
@@ -95,6 +119,7 @@ _collect_failures: list[str] = []
 
 def pytest_configure(config: pytest.Config) -> None:
     required()  # fail fast on a misspelt KVBM_REQUIRE
+    hidden()  # ... and on a KVBM_HIDE that would not hide
 
 
 @pytest.hookimpl(hookwrapper=True)

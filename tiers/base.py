@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -51,6 +53,9 @@ class Tier(abc.ABC):
 
     name: str  # "G1", "G2", "G3", "G4"
     kind: str  # "device", "host", "disk", "s3"
+    # An existing directory on this node that outlives a restart (the disk tier's): where the manager keeps what must
+    # survive one, e.g. the journal of writes owed to S3. None for memory and remote tiers.
+    local_dir: Path | None = None
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -153,3 +158,9 @@ class SharedTier(Protocol):
     def forget(self, key: BlockKey) -> None: ...
     def seen_within(self, key: BlockKey, max_age_s: float | None = None) -> bool: ...
     async def exists_many(self, keys: Iterable[BlockKey]) -> dict[BlockKey, int | None]: ...
+    def list_pages(
+        self, list_prefix: str, delimiter: str = "", dirs: list[str] | None = None, start_after: str = ""
+    ) -> AsyncIterator[list[tuple[BlockKey | None, str, int, datetime | None]]]:
+        """One list of (key or None for a foreign object, object key, size, last-modified) per LIST page under
+        the raw key prefix ``list_prefix`` (what the fleet's members and access logs read)."""
+        ...

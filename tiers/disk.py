@@ -66,6 +66,7 @@ class DiskTier(Tier):
     ) -> None:
         super().__init__(capacity_bytes)
         self.dir = Path(dir)
+        self.local_dir = self.dir  # the manager's journal of owed writes lives here too
         self.file_io = file_io or PlainFileIO()
         self.fsync = fsync
         self.o_direct = o_direct

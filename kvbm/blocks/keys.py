@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from kvbm.blocks import MAX_HASH_LEN, BlockKey
+from kvbm.blocks.format import MAX_HASH_LEN, BlockKey
 from kvbm.errors import ConfigError
 
 SLUG_MAX = 48

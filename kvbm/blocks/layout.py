@@ -118,6 +118,3 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     def namespace(self) -> str:
         """Storage namespace: a readable model slug plus the fingerprint (syntax: :mod:`kvbm.blocks.keys`)."""
         return make_namespace(self.model, self.fingerprint)
-
-    def num_full_blocks(self, num_tokens: int) -> int:
-        return num_tokens // self.block_tokens

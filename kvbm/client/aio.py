@@ -39,7 +39,6 @@ class AsyncWorkerClient(_Core):
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._heartbeat: asyncio.Task[None] | None = None
         self._registering = asyncio.Lock()  # one re-registration at a time (batches of a store run at once)
 
     def _socket(self) -> zmq.asyncio.Socket:
@@ -105,20 +104,6 @@ class AsyncWorkerClient(_Core):
         self._reg_msg = msg
         self._attach(reg)
         return reg
-
-    def start_heartbeat(self, interval_s: float) -> None:
-        """Ping every ``interval_s`` so the daemon keeps this worker's lease (and pins) alive."""
-
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                try:
-                    await self.ping()
-                except (DaemonUnavailable, DaemonError):
-                    pass
-
-        if self._heartbeat is None:
-            self._heartbeat = asyncio.ensure_future(beat())
 
     async def ping(self) -> None:
         await self.request(p.Ping(), p.Pong)
@@ -191,9 +176,6 @@ class AsyncWorkerClient(_Core):
         return await self.request(p.Evict(namespace=ns, hashes=hashes, tiers=tiers), p.Evicted)
 
     async def close(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            self._heartbeat = None
         try:
             if self.token:
                 await self.request(p.Unregister(), p.Released, timeout_s=min(self.timeout_s, 2.0))

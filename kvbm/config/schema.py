@@ -17,14 +17,39 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 10
           "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4}
 
 
+SIZE_HINT = "e.g. 8MiB, 2GB, 4096"
+
+
 def parse_size(value: int | str, field: str = "size") -> int:
     """``8MiB`` / ``2 GB`` / ``4096`` -> bytes."""
     if isinstance(value, int):
         return value
     m = SIZE_RE.match(str(value))
     if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise ConfigError(f"{field}: cannot read {value!r} as a size (e.g. 8MiB, 2GB, 4096)")
+        raise ConfigError(f"{field}: cannot read {value!r} as a size ({SIZE_HINT})")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+# The size fields (bytes once built; YAML and env may spell them "8MiB"): parsed by size_field, printed by
+# format_size in `kvbm config show`.
+SIZE_FIELDS = frozenset({"block_bytes", "device.capacity", "host.capacity", "disk.capacity", "s3.capacity"})
+
+
+def size_field(value: int | str, field: str) -> int:
+    """A size field's bytes, parsed where the config is built (``__post_init__`` of its section): every
+    ``*.capacity`` and ``block_bytes`` is an ``int`` after loading, whatever the YAML or env spelled."""
+    n = parse_size(value, field)
+    if n < 0:
+        raise ConfigError(f"{field}: must be >= 0")
+    return n
+
+
+def format_size(n: int) -> str:
+    """The shortest exact spelling of ``n`` bytes (``3GiB``, ``2GB``, ``1000``), as ``kvbm config show`` prints."""
+    units = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024),
+             ("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000))
+    exact = [f"{n // size}{unit}" for unit, size in units if n and n % size == 0]
+    return min(exact, key=len, default=str(n))  # the fewest digits; binary units first on a tie
 
 
 def default_cache_dir() -> Path:
@@ -63,17 +88,23 @@ class DeviceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """G1: device memory (CUDA when available, else CPU tensors stand in)."""
 
     enabled: bool = True
-    capacity: int | str = "256MiB"
+    capacity: int | str = "256MiB"  # bytes once built (a size string in YAML/env)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+
+    def __post_init__(self) -> None:
+        self.capacity = size_field(self.capacity, "device.capacity")
 
 
 class HostConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """G2: a pool of fixed-size slots in shared memory (pinned on CUDA hosts)."""
 
     enabled: bool = True
-    capacity: int | str = "1GiB"
+    capacity: int | str = "1GiB"  # bytes once built (a size string in YAML/env)
     shm_name: str = ""  # empty: a unique name per process
     pin: bool = True
+
+    def __post_init__(self) -> None:
+        self.capacity = size_field(self.capacity, "host.capacity")
 
 
 class DiskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -81,11 +112,14 @@ class DiskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     enabled: bool = True
     dir: str = ""  # empty: <cache dir>/disk
-    capacity: int | str = "16GiB"
+    capacity: int | str = "16GiB"  # bytes once built (a size string in YAML/env)
     o_direct: bool = True
     fsync: bool = True
     # G2->G3 frequency filter (as Dynamo's): only blocks read at least this often are written down.
     min_hits_to_offload: int = 0
+
+    def __post_init__(self) -> None:
+        self.capacity = size_field(self.capacity, "disk.capacity")
 
 
 class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -110,7 +144,7 @@ class S3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     addressing: Literal["path", "virtual"] = "path"
     verify_tls: bool = True
     create_bucket: bool = True
-    capacity: int | str = "1TiB"
+    capacity: int | str = "1TiB"  # bytes once built (a size string in YAML/env)
     client: Literal["aiobotocore", "http", "nixl"] = "http"  # block bodies; control calls use aiobotocore
     max_concurrency: int = 8
     connect_timeout_s: float = 2.0
@@ -138,6 +172,9 @@ class S3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     # Write-throughs owed to S3 while it is down or shedding (kvbm.manager.owed) at most; beyond, blocks stay on
     # disk only.
     max_owed_blocks: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        self.capacity = size_field(self.capacity, "s3.capacity")
 
 
 class EmbeddedS3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
@@ -251,7 +288,7 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
 
 
 class Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
-    block_bytes: int | str = "8MiB"
+    block_bytes: int | str = "8MiB"  # bytes once built (a size string in YAML/env)
     hash_scheme: Literal["kvbm", "vllm"] = "kvbm"
     device: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
     host: HostConfig = msgspec.field(default_factory=HostConfig)
@@ -262,9 +299,12 @@ class Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 
+    def __post_init__(self) -> None:
+        self.block_bytes = size_field(self.block_bytes, "block_bytes")
+
     @property
     def block_nbytes(self) -> int:
-        return parse_size(self.block_bytes, "block_bytes")
+        return int(self.block_bytes)
 
     @property
     def disk_dir(self) -> Path:

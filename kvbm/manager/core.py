@@ -46,7 +46,6 @@ from kvbm.manager.policy import PERSISTENT
 from kvbm.manager.room import Room
 from kvbm.manager.state import CopyObserver, ManagerState, ManagerStats, StateField
 from kvbm.tiers.base import Tier
-from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
 from kvbm.transfer.memory import MemoryMover
@@ -116,9 +115,9 @@ class BlockManager:
             for tier in self.tiers:
                 if index is True or tier.kind in index:
                     await self.index_tier(tier.name)
-                    if isinstance(tier, DiskTier) and self.owed_writes.journal is None:
+                    if tier.local_dir is not None and self.owed_writes.journal is None:
                         # What was owed to S3 when the last run stopped (kvbm.manager.owed), the disk now indexed.
-                        await self.owed_writes.resume(tier.dir / JOURNAL_NAME)
+                        await self.owed_writes.resume(tier.local_dir / JOURNAL_NAME)
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
         """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`). The first listing

@@ -159,12 +159,13 @@ def _scandir(path: str) -> list[os.DirEntry[str]]:
         return []
 
 
-async def open_bucket(cfg: Config) -> Any:
+async def open_bucket(cfg: Config, *, start_embedded: bool = True) -> Any:
     """A started :class:`S3Tier` for ``cfg`` that never creates a bucket.
 
     An explicit ``s3.endpoint`` is used as is; an empty one means the embedded SeaweedFS (started or
-    reused) when ``embedded_s3.enabled``, else AWS S3. Raises ConfigError (credentials, missing bucket)
-    or TierUnavailableError (unreachable endpoint)."""
+    reused; without ``start_embedded`` only reused, and None when it is not running) when
+    ``embedded_s3.enabled``, else AWS S3. Raises ConfigError (credentials, missing bucket) or
+    TierUnavailableError (unreachable endpoint)."""
     import msgspec
 
     from kvbm.tiers.s3 import make_s3_tier
@@ -175,9 +176,15 @@ async def open_bucket(cfg: Config) -> Any:
     endpoint = cfg.s3.endpoint or None
     creds = None
     if endpoint is None and cfg.embedded_s3.enabled:
+        from kvbm.s3server import running_from_config
         from kvbm.stack import start_embedded_s3
 
-        emb = await asyncio.to_thread(start_embedded_s3, cfg)
+        if start_embedded:
+            emb = await asyncio.to_thread(start_embedded_s3, cfg)
+        else:
+            emb = await asyncio.to_thread(running_from_config, cfg.embedded_s3, cfg.s3.bucket)
+            if emb is None:
+                return None
         endpoint, creds = emb.endpoint, (emb.access_key, emb.secret_key)
     tier = make_s3_tier(s3cfg, endpoint, creds)
     await tier.start()

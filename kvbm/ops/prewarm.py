@@ -15,7 +15,7 @@ from typing import Any
 from kvbm.blocks import BlockKey
 from kvbm.blocks.keys import check_namespace, is_hash_hex
 from kvbm.client.lease import pin_window
-from kvbm.config import Config, parse_size
+from kvbm.config import Config
 from kvbm.errors import ConfigError, KvbmError
 from kvbm.ops.inventory import Entry, Selector, iter_bucket, iter_disk, with_access
 from kvbm.ops.link import DaemonLink
@@ -167,7 +167,7 @@ async def prewarm_disk(cfg: Config, tier: Any, wanted: Sequence[tuple[BlockKey, 
     from kvbm.tiers.s3 import HEADER_LEN
     from kvbm.transfer import make_file_io
 
-    cap = parse_size(cfg.disk.capacity, "disk.capacity")
+    cap = cfg.disk.capacity
     disk = DiskTier(cfg.disk_dir, cap, make_file_io(cfg.transfer), fsync=cfg.disk.fsync,
                     o_direct=cfg.disk.o_direct, io_threads=max(1, min(concurrency, 16)))
     used = sum(e.size for e in iter_disk(cfg.disk_dir))

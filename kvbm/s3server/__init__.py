@@ -33,13 +33,9 @@ from kvbm.s3server.embedded import EmbeddedS3
 from kvbm.s3server.ports import choose_ports, pick_ports, port_free
 from kvbm.s3server.probe import PROBE_KEY, probe_put, s3_client
 from kvbm.s3server.procs import pid_alive, pid_is_weed, terminate, weeds_serving
-from kvbm.s3server.service import embedded_from_config, ensure_running, stop_dir
+from kvbm.s3server.service import embedded_dir, embedded_from_config, ensure_running, running_from_config, stop_dir
 from kvbm.s3server.state import IDENTITY_FILE, LOCK_FILE, LOG_FILE, PID_FILE, STATE_FILE, dir_lock
 from kvbm.s3server.weed import find_weed, weed_runs
-
-# The names these helpers had before the package split; tests import them.
-_pid_alive = pid_alive
-_s3_client = s3_client
 
 __all__ = [
     "IDENTITY_FILE",
@@ -51,6 +47,7 @@ __all__ = [
     "EmbeddedS3",
     "choose_ports",
     "dir_lock",
+    "embedded_dir",
     "embedded_from_config",
     "ensure_running",
     "find_weed",
@@ -60,6 +57,7 @@ __all__ = [
     "pid_is_weed",
     "port_free",
     "probe_put",
+    "running_from_config",
     "s3_client",
     "stop_dir",
     "terminate",

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.s3server import state as st
-from kvbm.s3server.ports import PORT_NAMES, choose_ports
+from kvbm.s3server.ports import PORT_NAMES, check_port, choose_ports
 from kvbm.s3server.probe import probe_put, s3_client
 from kvbm.s3server.procs import pid_alive, pid_is_weed, terminate, weeds_serving
 from kvbm.s3server.weed import find_weed, log_tail, weed_command, weed_runs
@@ -39,6 +39,7 @@ class EmbeddedS3:
     ) -> None:
         if len(bucket) < 3:
             raise ConfigError(f"bucket {bucket!r} is shorter than 3 characters")
+        check_port(port)
         self.dir = Path(dir).absolute()
         self.port = port
         self.access_key = access_key
@@ -102,6 +103,19 @@ class EmbeddedS3:
                     return self
             self._launch(state)
         return self
+
+    def attach(self) -> bool:
+        """Reuse the server already running from this dir; never launch or adopt one (inspection commands
+        start nothing). False when none runs there."""
+        if self.running:
+            return True
+        if st.read_state(self.dir) is None:  # never started here: touch nothing, not even the lock file
+            return False
+        with st.dir_lock(self.dir, self.startup_timeout_s + 30.0):
+            if not self.secret_key:
+                self.secret_key = st.stored_secret(self.dir, self.access_key) or ""
+            state = st.read_state(self.dir)
+            return bool(state and self.secret_key and self._try_reuse(state))
 
     def stop(self, *, force: bool = False, reused_too: bool = False) -> None:
         """Stop the server (SIGTERM to its process group, SIGKILL after stop_timeout_s; at once if ``force``).
@@ -239,8 +253,10 @@ class EmbeddedS3:
                     self.port = 0
 
     def __del__(self) -> None:
-        # Never leak a child we own; a detached or reused server is left alone.
-        if self._proc is not None and not self._detached and self._proc.poll() is None:
+        # Never leak a child we own; a detached or reused server is left alone (and an object whose __init__
+        # refused its arguments has no child).
+        proc = getattr(self, "_proc", None)
+        if proc is not None and not self._detached and proc.poll() is None:
             with contextlib.suppress(Exception):
-                terminate(self._proc.pid, 0.0, self._proc)
+                terminate(proc.pid, 0.0, proc)
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import random
 import socket
 
+from kvbm.config import SEAWEED_GRPC_OFFSET, check_embedded_port
 from kvbm.errors import TierUnavailableError
 
 # Ports are drawn below the Linux ephemeral range (32768+) so client sockets cannot take them, and so that
 # port + 10000 (SeaweedFS's gRPC convention) stays below it too.
 _PORT_LO, _PORT_HI = 10000, 22700
 PORT_NAMES = ("s3", "master", "volume", "filer")
+GRPC_OFFSET = SEAWEED_GRPC_OFFSET
+check_port = check_embedded_port
 
 
 def port_free(port: int) -> bool:

@@ -25,10 +25,23 @@ def ensure_running(
 
 def embedded_from_config(cfg: Any, bucket: str = "kvbm") -> EmbeddedS3:
     """``ensure_running`` for a :class:`kvbm.config.EmbeddedS3Config` (``dir`` empty: the cache dir)."""
+    return ensure_running(embedded_dir(cfg), port=cfg.port, access_key=cfg.access_key, secret_key=cfg.secret_key,
+                          bucket=bucket)
+
+
+def running_from_config(cfg: Any, bucket: str = "kvbm") -> EmbeddedS3 | None:
+    """The embedded server of a :class:`kvbm.config.EmbeddedS3Config` if it already runs, else None (starts
+    nothing: ``kvbm status``)."""
+    s3 = EmbeddedS3(embedded_dir(cfg), port=cfg.port, access_key=cfg.access_key, secret_key=cfg.secret_key,
+                    bucket=bucket)
+    return s3 if s3.attach() else None
+
+
+def embedded_dir(cfg: Any) -> str:
+    """The data dir of a :class:`kvbm.config.EmbeddedS3Config` (``dir`` empty: ``<cache dir>/seaweedfs``)."""
     from kvbm.config import default_cache_dir
 
-    d = cfg.dir or str(default_cache_dir() / "seaweedfs")
-    return ensure_running(d, port=cfg.port, access_key=cfg.access_key, secret_key=cfg.secret_key, bucket=bucket)
+    return cfg.dir or str(default_cache_dir() / "seaweedfs")
 
 
 def stop_dir(dir: str | os.PathLike[str], stop_timeout_s: float = 30.0) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from needs import skip
 
 from kvbm.cli.bench import bench
 
@@ -37,7 +38,7 @@ def test_peer_python_without_lmcache_fails_naming_it(tmp_path: Path) -> None:
 def test_peer_lmcache_rows_next_to_kvbm(tmp_path: Path) -> None:
     peer = os.environ.get("KVBM_BENCH_PEER_PYTHON")
     if not peer:
-        pytest.skip("lmcache: no peer python (set KVBM_BENCH_PEER_PYTHON; scripts/lmcache_venv.sh builds one)")
+        skip("lmcache", "no peer python (set KVBM_BENCH_PEER_PYTHON; scripts/lmcache_venv.sh builds one)")
     out = tmp_path / "tiers.json"
     # Named relative to the working directory, as in `--peer-python .venv-lmcache/bin/python`: the peer must
     # still start although it runs from its own temp dir.

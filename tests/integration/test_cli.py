@@ -173,7 +173,7 @@ def test_status_direct_matches_written(s3_server, s3_prefix, tmp_path):
     env = cli_env(s3_server, s3_prefix, tmp_path)
 
     rep = json.loads(run(env, "status", "--json").output)
-    assert rep["mode"] == "direct" and "no daemon" in rep["daemon"]
+    assert rep["mode"] == "direct" and not rep["daemon"]["running"] and "no daemon" in rep["daemon"]["reason"]
     b = rep["bucket"]
     assert b["namespaces"][NS]["objects"] == 7 and b["namespaces"][NS]["bytes"] == 7 * (PAYLOAD + 128)
     assert b["namespaces"][NS3]["objects"] == 3
@@ -186,6 +186,46 @@ def test_status_direct_matches_written(s3_server, s3_prefix, tmp_path):
 
     text = run(env, "status", "--direct").output
     assert NS in text and NS3 in text and "TOTAL" in text and "not kvbm blocks" in text
+
+
+def fresh_machine_env(tmp_path: Path, weed: str) -> dict[str, str]:
+    """A new user's environment: the packaged default config (embedded SeaweedFS, disk tier and daemon socket
+    under the cache dir), an empty cache dir, no KVBM_* settings but where ``weed`` is."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBM_")}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), HOME=str(tmp_path / "home"), KVBM_WEED=weed)
+    return env
+
+
+def test_status_with_no_daemon_starts_nothing_and_says_so(weed_binary, tmp_path):
+    """`kvbm status` on a fresh machine: no daemon, no SeaweedFS running. An inspection command starts nothing
+    (before: it launched the embedded SeaweedFS, left it running, and never said the daemon was down); once the
+    embedded server runs (`kvbm s3 start`), status lists its bucket without starting anything else."""
+    from kvbm.s3server import stop_dir, weeds_serving
+
+    kvbm = str(Path(sys.executable).parent / "kvbm")
+    env = fresh_machine_env(tmp_path, weed_binary)
+    weed_dir = tmp_path / "cache" / "kvbm" / "seaweedfs"
+    try:
+        r = subprocess.run([kvbm, "status"], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.splitlines()[0] == "daemon: not running (kvbm serve)", r.stdout
+        assert "embedded SeaweedFS is not running" in r.stdout, r.stdout
+        assert not weeds_serving(weed_dir), "kvbm status started the embedded SeaweedFS"
+        rep = json.loads(subprocess.run([kvbm, "status", "--json"], env=env, capture_output=True, text=True,
+                                        timeout=120, check=True).stdout)
+        assert rep["daemon"] == {"running": False, "endpoint": f"ipc://{tmp_path}/cache/kvbm/run/kvbm.sock",
+                                 "reason": rep["daemon"]["reason"]} and "no daemon socket" in rep["daemon"]["reason"]
+        assert rep["bucket"] == {"embedded": str(weed_dir), "running": False}, rep
+        assert rep["disk"]["total"]["objects"] == 0 and not weeds_serving(weed_dir)
+
+        subprocess.run([kvbm, "s3", "start"], env=env, capture_output=True, timeout=120, check=True)
+        (pid, _), = weeds_serving(weed_dir)
+        rep = json.loads(subprocess.run([kvbm, "status", "--json"], env=env, capture_output=True, text=True,
+                                        timeout=120, check=True).stdout)
+        assert rep["bucket"]["reachable"] and rep["bucket"]["total"]["objects"] == 0, rep
+        assert [p for p, _ in weeds_serving(weed_dir)] == [pid]  # the running one, reused
+    finally:
+        stop_dir(weed_dir, stop_timeout_s=5.0)
 
 
 def test_errors_are_one_line(s3_server, s3_prefix, s3_bucket, tmp_path):

@@ -212,9 +212,9 @@ def test_parallel_listing_returns_exactly_the_serial_set_and_indexes_by_shard(s3
             await rec.flush()
             full = [e async for e in t.list_objects()]
             serial = [(b, k, s) for b, k, s, _m in full]
-            t._s3.meta.events.unregister("before-parse.s3.ListObjectsV2", s3fastlist._fast_list_contents)
+            t._s3.meta.events.unregister("before-parse.s3.ListObjectsV2", s3fastlist.fast_list_contents)
             assert [e async for e in t.list_objects()] == full  # the fast page parser agrees with botocore's
-            t._s3.meta.events.register("before-parse.s3.ListObjectsV2", s3fastlist._fast_list_contents)
+            t._s3.meta.events.register("before-parse.s3.ListObjectsV2", s3fastlist.fast_list_contents)
             par = [(b, k, s) async for b, k, s, _m in t.list_objects_parallel(concurrency=4)]
             one_ns = [(b, k, s) async for b, k, s, _m in t.list_objects_parallel(NS)]
             prefixes.clear()

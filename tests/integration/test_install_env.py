@@ -1,7 +1,7 @@
 """kvbm installs into an environment that already has another torch (2.11.0+cu130, what GPU images ship;
 CI runs 2.13.0+cpu) without touching it, and works there: scripts/install_env_check.py, as a host without
 network installs it (a wheelhouse, --no-index). ``--mode online`` (the plain `pip install`) is the same check
-through the registry; it takes ~4 min here, so it is the script's, not the suite's (README, Install)."""
+through the registry; it takes ~4 min here, so it is the script's, not the suite's (docs/install.md)."""
 
 from __future__ import annotations
 

@@ -7,18 +7,23 @@ import os
 import time
 
 import pytest
+from needs import needs, require
 
 from kvbm.blocks import BlockKey
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError, WriteShedError
 from kvbm.s3server import EmbeddedS3, pick_ports
 from kvbm.tiers.s3 import HEADER_LEN, CircuitBreaker, S3Tier, make_s3_tier
+from kvbm.transfer import nixl_available
 
 pytestmark = pytest.mark.s3
 
 NS = "tiny-llama-0123456789abcdef"
 NS2 = "other-model-fedcba9876543210"
 MiB = 1024 * 1024
+HAVE_NIXL, NIXL_WHY = nixl_available()
+NIXL = pytest.param("nixl", marks=needs("nixl", HAVE_NIXL, f"s3.client nixl: {NIXL_WHY}"))
+CLIENTS = ["aiobotocore", "http", NIXL]
 
 
 def make_tier(srv: EmbeddedS3, prefix: str, client: str = "aiobotocore", *, bucket: str | None = None,
@@ -31,7 +36,7 @@ def key(i: int, ns: str = NS) -> BlockKey:
     return BlockKey(ns, i.to_bytes(4, "big") + os.urandom(12))
 
 
-@pytest.mark.parametrize("client", ["aiobotocore", "http", "nixl"])
+@pytest.mark.parametrize("client", CLIENTS)
 def test_roundtrip_8mib(s3_server, s3_prefix, client):
     async def run():
         t = make_tier(s3_server, s3_prefix, client, max_concurrency=4)
@@ -86,7 +91,8 @@ def test_key_scheme(s3_server):
     assert t0.object_key(k) == f"{NS}/abcdef01" and t0.parse_key(f"{NS}/abcdef01") == k
 
 
-def test_cross_node_reuse(s3_server, s3_prefix):
+@pytest.mark.parametrize("b_client", ["http", NIXL])
+def test_cross_node_reuse(s3_server, s3_prefix, b_client):
     async def run():
         a = make_tier(s3_server, s3_prefix)
         await a.start()
@@ -94,7 +100,7 @@ def test_cross_node_reuse(s3_server, s3_prefix):
         blobs = [os.urandom(64 * 1024) for _ in keys]
         for k, b in zip(keys, blobs, strict=True):
             await a.put(k, b)
-        b_node = make_tier(s3_server, s3_prefix, "nixl", scan_on_start=True)  # another node, other data path
+        b_node = make_tier(s3_server, s3_prefix, b_client, scan_on_start=True)  # another node, other data path
         await b_node.start()  # scan_on_start fills the index from the bucket
         try:
             assert all(b_node.nbytes(k) == 64 * 1024 for k in keys)
@@ -111,7 +117,7 @@ def test_cross_node_reuse(s3_server, s3_prefix):
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("client", ["aiobotocore", "http", "nixl"])
+@pytest.mark.parametrize("client", CLIENTS)
 def test_corrupt_object_is_a_counted_miss(s3_server, s3_prefix, client):
     async def run():
         t = make_tier(s3_server, s3_prefix, client)
@@ -138,7 +144,7 @@ def test_corrupt_object_is_a_counted_miss(s3_server, s3_prefix, client):
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("client", ["aiobotocore", "http", "nixl"])
+@pytest.mark.parametrize("client", CLIENTS)
 def test_wrong_credentials_clear_error(s3_server, s3_prefix, client):
     async def run():
         for creds in ((s3_server.access_key, "wrong-secret"), ("nobody", "nothing")):
@@ -234,6 +240,7 @@ def test_circuit_breaker_states():
 def test_endpoint_killed_then_recovers(weed_binary, tmp_path):
     """A dedicated server is killed mid-run: reads miss, writes are shed (both data paths); a restart on
     the same dir and port brings the tiers back without restarting them."""
+    require("nixl", HAVE_NIXL, f"the outage runs the three S3 clients together, nixl among them: {NIXL_WHY}")
     srv = EmbeddedS3(tmp_path / "sw", weed=weed_binary, bucket="kvbm-outage", stop_timeout_s=1.0, reuse=False)
     opts = dict(breaker_failures=2, breaker_reset_s=3.0, max_retries=0, connect_timeout_s=0.5,
                 read_timeout_s=5.0, nixl_timeout_s=1.5)
@@ -321,3 +328,27 @@ def test_put_bodies_are_unsigned_unless_asked(s3_server, s3_prefix, sign_payload
     assert len(sent) == 1
     header, body_sha = sent[0]
     assert header == (body_sha.encode() if sign_payload else b"UNSIGNED-PAYLOAD")
+
+
+def test_list_pages_is_the_shared_tier_interface(s3_server, s3_prefix):
+    """What the fleet reads (members, access logs) is a public method of the shared-tier interface: pages of
+    (key, object key, size, last-modified), foreign objects with key None."""
+    from kvbm.tiers.base import SharedTier
+
+    async def run():
+        t = make_tier(s3_server, s3_prefix, "http")
+        await t.start()
+        try:
+            assert isinstance(t, SharedTier)
+            keys = [key(i) for i in range(3)]
+            for k in keys:
+                await t.put(k, b"x" * 100)
+            await t.put_aux(f"{s3_prefix}/{NS}/zz/not-a-block", b"foreign")
+            rows = [row async for page in t.list_pages(f"{s3_prefix}/{NS}/") for row in page]
+            assert {(r[0], r[2]) for r in rows if r[0] is not None} == {(k, 100 + HEADER_LEN) for k in keys}
+            assert [r[1] for r in rows if r[0] is None] == [f"{s3_prefix}/{NS}/zz/not-a-block"]
+            assert all(r[3] is not None for r in rows)
+        finally:
+            await t.close()
+
+    asyncio.run(run())

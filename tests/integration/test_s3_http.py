@@ -9,18 +9,22 @@ import os
 import threading
 
 import pytest
+from needs import needs
 
 from kvbm.blocks import BlockKey, encode_block
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
-from kvbm.s3server import EmbeddedS3, _s3_client
+from kvbm.s3server import EmbeddedS3, s3_client
 from kvbm.tiers import s3 as s3mod
 from kvbm.tiers.s3 import HEADER_LEN, S3Tier, make_s3_tier
+from kvbm.transfer import nixl_available
 
 pytestmark = pytest.mark.s3
 
 NS = "tiny-llama-0123456789abcdef"
 MiB = 1024 * 1024
+HAVE_NIXL, NIXL_WHY = nixl_available()
+CLIENTS = ["aiobotocore", "http", pytest.param("nixl", marks=needs("nixl", HAVE_NIXL, f"s3.client nixl: {NIXL_WHY}"))]
 
 
 def make_tier(srv: EmbeddedS3, prefix: str, client: str = "http", **over) -> S3Tier:
@@ -59,7 +63,7 @@ def test_roundtrip_sizes_byte_exact_with_metadata(s3_server, s3_prefix):
             await t.close()
 
     okeys, keys, blobs = asyncio.run(run())
-    cli = _s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
+    cli = s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
     for okey, k, b in zip(okeys, keys, blobs, strict=True):
         obj = cli.get_object(Bucket=s3_server.bucket, Key=okey)
         assert obj["Metadata"]["kvbm-namespace"] == NS
@@ -74,7 +78,7 @@ def test_corrupt_truncated_and_missing_objects_are_misses(s3_server, s3_prefix):
     """Objects written around kvbm (plain botocore): a flipped byte, a cut body, a body shorter than the
     header and another block's body are counted corrupt misses and deleted; a missing object is a plain
     miss. None of them is an error or opens the breaker."""
-    cli = _s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
+    cli = s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
 
     async def run():
         t = make_tier(s3_server, s3_prefix)
@@ -113,10 +117,10 @@ def test_corrupt_truncated_and_missing_objects_are_misses(s3_server, s3_prefix):
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("client", ["aiobotocore", "http", "nixl"])
+@pytest.mark.parametrize("client", CLIENTS)
 def test_checksums_run_off_the_event_loop(s3_server, s3_prefix, client, monkeypatch):
     """The xxh3 of an 8 MiB body (PUT: header; GET: verification) never runs on the event loop's thread."""
-    import kvbm.blocks as blocks
+    import kvbm.blocks.format as blocks  # where checksum lives (and is looked up by pack_header and verify)
 
     threads: list[tuple[str, int]] = []
     real = blocks.checksum
@@ -218,7 +222,7 @@ def test_signer_sends_unsigned_payload_unless_asked(s3_server, s3_prefix, monkey
         finally:
             await t.close()
 
-    cli = _s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
+    cli = s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key)
     asyncio.run(run(False))
     assert seen[-1] == "UNSIGNED-PAYLOAD"
     seen.clear()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvbm.errors import TierUnavailableError
-from kvbm.s3server import STATE_FILE, EmbeddedS3, _pid_alive, pick_ports, port_free, stop_dir
+from kvbm.s3server import STATE_FILE, EmbeddedS3, pick_ports, pid_alive, port_free, stop_dir
 
 pytestmark = pytest.mark.s3
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_background_service_cli(weed_binary, tmp_path):
         info = json.loads(r.stdout)
         assert info["status"] == "started" and info["endpoint"].startswith("http://127.0.0.1:")
         pid = info["pid"]
-        assert _pid_alive(pid) and (d / "weed.pid").read_text().strip() == str(pid)
+        assert pid_alive(pid) and (d / "weed.pid").read_text().strip() == str(pid)
         assert "kvbm-local-secret" not in (d / "kvbm-s3.json").read_text()
         again = json.loads(cli("start").stdout)
         assert again["status"] == "reused" and again["pid"] == pid
@@ -69,7 +69,7 @@ def test_background_service_cli(weed_binary, tmp_path):
         assert st.returncode == 0 and json.loads(st.stdout)["running"], st.stderr
         r = cli("stop", "--timeout", "1")
         assert json.loads(r.stdout)["status"] == "stopped"
-        assert not _pid_alive(pid)
+        assert not pid_alive(pid)
         r = cli("status")
         assert r.returncode == 3 and not json.loads(r.stdout)["running"]
     finally:

@@ -243,7 +243,7 @@ def test_kvbm_keys_generate_writes_a_private_keypair(tmp_path):
 
 @curve
 def test_curve_daemon_serves_allow_listed_clients_only_on_both_sockets(tmp_path):
-    from kvbm.integrations.vllm import _Link, curve_options
+    from kvbm.integrations.vllm import Link, curve_options
     from kvbm.security import load_keypair
 
     keydir, allowed = tmp_path / "keys", tmp_path / "clients"
@@ -297,12 +297,12 @@ def test_curve_daemon_serves_allow_listed_clients_only_on_both_sockets(tmp_path)
             def resolve(self, _slot):
                 return 1
 
-        link = _Link(d.endpoint, _G(), lambda _k: LAYOUT_A, "eng-curve", "connector-r0", 10.0, opts)
+        link = Link(d.endpoint, _G(), lambda _k: LAYOUT_A, "eng-curve", "connector-r0", 10.0, opts)
         client = link.get()
         assert client is not None, link.degraded_reason
         assert client.lookup(ks).matched == 2
         link.close()
-        bad_link = _Link(d.endpoint, _G(), lambda _k: LAYOUT_A, "eng-curve", "connector-bad", 2.0,
+        bad_link = Link(d.endpoint, _G(), lambda _k: LAYOUT_A, "eng-curve", "connector-bad", 2.0,
                          curve_options({**extra, "curve_client_key_file": bad["secret_key_file"]}))
         assert bad_link.get() is None and "DaemonUnavailable" in bad_link.degraded_reason
 

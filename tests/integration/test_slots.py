@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from needs import skip
 from serve_proc import ServeProc
 
 from kvbm import protocol as p
@@ -157,7 +158,7 @@ def small_shm(tmp_path, monkeypatch):
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+        skip("tmpfs", f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     monkeypatch.setattr(host_mod, "SHM_DIR", mnt)
     yield mnt
     for _ in range(20):

@@ -42,7 +42,7 @@ def readme_vllm_command() -> list[str]:
 
 def as_test_command(cmd: list[str], model: str, port: int) -> list[str]:
     """README's command with this checkout's interpreter, the tiny model and test-only flags appended."""
-    out = [sys.executable if c == ".venv/bin/python" else
+    out = [sys.executable if c in (".venv/bin/python", "python") else
            str(Path(sys.executable).parent / "vllm") if c == ".venv/bin/vllm" else c for c in cmd]
     if "--model" in out:
         out[out.index("--model") + 1] = model

@@ -72,6 +72,37 @@ def test_bad_config_names_the_field(tmp_path, text, field):
         load_config(p, environ={})
 
 
+@pytest.mark.parametrize("port", [55536, 56883, 65535, 70000, -1])
+def test_embedded_s3_port_whose_grpc_port_is_out_of_range_is_refused_at_load(port):
+    """SeaweedFS listens on port + 10000 for gRPC: above 55535 that is no port, which the start reported
+    only as 'port 56883 (or its gRPC port 66883) is in use'."""
+    from kvbm.s3server import EmbeddedS3
+
+    with pytest.raises(ConfigError, match=r"embedded_s3\.port: .* 0 \(any free port\) or 1-55535") as ei:
+        load_config(environ={"KVBM_EMBEDDED_S3_PORT": str(port)})
+    if port > 55535:
+        assert f"gRPC port {port + 10000}" in str(ei.value)
+    with pytest.raises(ConfigError, match=r"port: .* 1-55535"):  # the class the CLI and tests start directly
+        EmbeddedS3("/nonexistent", port=port)
+    assert load_config(environ={"KVBM_EMBEDDED_S3_PORT": "55535"}).embedded_s3.port == 55535
+
+
+def test_sizes_are_bytes_once_the_config_is_built(tmp_path):
+    """Every size field is parsed once, where its section is built (YAML, env or in code), so no consumer
+    parses a size again (before: 17 call sites of parse_size, each naming its field)."""
+    from kvbm.config import DiskConfig, S3Config
+
+    f = tmp_path / "c.yaml"
+    f.write_text("block_bytes: 4MiB\nhost:\n  capacity: 2GB\n")
+    cfg = load_config(f, environ={"KVBM_DISK_CAPACITY": "3GiB", "KVBM_DEVICE_CAPACITY": "4096"})
+    got = (cfg.block_bytes, cfg.host.capacity, cfg.disk.capacity, cfg.device.capacity, cfg.s3.capacity)
+    assert got == (4 << 20, 2 * 10**9, 3 << 30, 4096, 1 << 40) and all(type(v) is int for v in got)
+    assert DiskConfig(capacity="1KiB").capacity == 1024 and S3Config().capacity == 1 << 40
+    f.write_text("disk:\n  capacity: -5\n")
+    with pytest.raises(ConfigError, match=r"disk\.capacity: must be >= 0"):
+        load_config(f, environ={})
+
+
 def test_bad_env_value_names_the_variable():
     with pytest.raises(ConfigError, match="KVBM_S3_MAX_CONCURRENCY"):
         load_config(environ={"KVBM_S3_MAX_CONCURRENCY": "x"})

@@ -202,3 +202,23 @@ def test_concurrent_onboards_of_the_same_prefix_coalesce(tmp_path):
             assert mgr.registry.count("G1") == 4
 
     run(go())
+
+
+def test_the_owed_writes_journal_lives_in_the_tier_that_says_it_has_a_local_dir(tmp_path):
+    """The manager asks a tier where node-local state survives a restart (``Tier.local_dir``), instead of
+    checking for the disk tier's class: a disk tier keeps the journal in its directory, memory tiers have none."""
+    disk = DiskTier(str(tmp_path / "disk"), 4 * (SLOT + 8192), make_file_io(), fsync=False)
+    host = HostTier(4 * SLOT, SLOT)
+    assert disk.local_dir == tmp_path / "disk" and host.local_dir is None
+    host.local_dir = tmp_path / "host-state"  # any tier may name one; the manager uses the first indexed
+    host.local_dir.mkdir()
+
+    async def go():
+        mgr = BlockManager([host, disk], make_memory_mover())
+        await mgr.start()
+        try:
+            return mgr.owed_writes.journal
+        finally:
+            await mgr.close()
+
+    assert run(go()) == tmp_path / "host-state" / ".kvbm-owed.journal"

@@ -1,4 +1,5 @@
-"""KVBM_REQUIRE: a skip naming a required component fails the run; other skips stay skips.
+"""KVBM_REQUIRE: a skip naming a required component fails the run; other skips stay skips. KVBM_HIDE: the
+suite runs as if an optional package were not installed.
 
 Runs a real pytest in a subprocess on a small test tree that uses tests/needs.py like the suite does.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent.parent  # tests/, where needs.py lives
+HIDE = (HERE / "hide").resolve()  # sitecustomize.py: KVBM_HIDE's hiding
 
 CONFTEST = """
 from needs import (pytest_configure, pytest_make_collect_report, pytest_runtest_makereport,
@@ -49,9 +51,16 @@ def test_never_runs():
 """
 
 
-def run_pytest(tmp_path: Path, require: str | None, *files: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "KVBM_REQUIRE"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+def clean_env() -> dict[str, str]:
+    """This environment without KVBM_REQUIRE/KVBM_HIDE and the hiding sitecustomize (as CI's hidden step has)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVBM_REQUIRE", "KVBM_HIDE")}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != HIDE]
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *paths])
+    return env
+
+
+def run_pytest(tmp_path: Path, require: str | None, *files: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**clean_env(), **extra}
     if require is not None:
         env["KVBM_REQUIRE"] = require
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
@@ -96,3 +105,52 @@ def test_an_unknown_component_in_kvbm_require_is_a_usage_error(tree):
     r = run_pytest(tree, "vllm,sewaedfs", "test_parts.py")
     assert r.returncode == pytest.ExitCode.USAGE_ERROR, r.stdout + r.stderr
     assert "sewaedfs" in r.stdout + r.stderr
+
+
+PROBE = """
+import importlib.util, subprocess, sys
+from kvbm.transfer import nixl_available
+import kvbm.integrations.vllm_apicheck  # kvbm's own vLLM probe imports fine without vLLM
+child = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, cwd="/")
+print("probe:", importlib.util.find_spec("vllm") is None, importlib.util.find_spec("nixl_cu12") is None,
+      nixl_available()[0], child.returncode, (child.stderr.strip().splitlines() or ["imported"])[-1])
+"""
+
+
+@pytest.mark.parametrize("hide", [None, "nixl,vllm"])
+def test_kvbm_hide_hides_nixl_and_vllm_here_and_in_every_process_started(tmp_path, hide):
+    """What CI's hidden step relies on: with the packages installed (this venv has both), KVBM_HIDE makes the
+    interpreter, and a subprocess started from another directory, see neither (find_spec None, import fails)."""
+    env = clean_env()
+    if hide:
+        env.update(KVBM_HIDE=hide, PYTHONPATH=os.pathsep.join([str(HIDE), env["PYTHONPATH"]]))
+    r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    probe = next(ln for ln in r.stdout.splitlines() if ln.startswith("probe: ")).split(None, 5)[1:]  # NIXL logs too
+    if hide:
+        halted = "ModuleNotFoundError: import of vllm halted; None in sys.modules"
+        assert probe == ["True", "True", "False", "1", halted], r.stdout
+    else:
+        import importlib.util
+
+        from needs import require
+
+        from kvbm.transfer import nixl_available
+
+        require("vllm", importlib.util.find_spec("vllm") is not None, "the unhidden case needs vLLM installed")
+        require("nixl", nixl_available()[0], "the unhidden case needs NIXL installed")
+        assert probe == ["False", "False", "True", "0", "imported"], r.stdout
+
+
+def test_kvbm_hide_that_would_not_hide_is_a_usage_error(tree):
+    r = run_pytest(tree, None, "test_parts.py", KVBM_HIDE="nixl")  # no tests/hide on PYTHONPATH
+    assert r.returncode == pytest.ExitCode.USAGE_ERROR, r.stdout + r.stderr
+    assert "needs PYTHONPATH=tests/hide" in r.stdout + r.stderr
+    hidden = {"PYTHONPATH": os.pathsep.join([str(HIDE), str(HERE)])}
+    r = run_pytest(tree, "nixl", "test_parts.py", KVBM_HIDE="nixl", **hidden)
+    assert r.returncode == pytest.ExitCode.USAGE_ERROR and "which KVBM_REQUIRE requires" in r.stdout + r.stderr
+    r = run_pytest(tree, None, "test_parts.py", KVBM_HIDE="nixl,vlm", **hidden)
+    assert r.returncode == pytest.ExitCode.USAGE_ERROR and "unknown packages ['vlm']" in r.stdout + r.stderr
+    r = run_pytest(tree, None, "test_parts.py", KVBM_HIDE="nixl,vllm", **hidden)
+    assert r.returncode == 0 and "1 passed, 4 skipped" in r.stdout, r.stdout + r.stderr

@@ -4,10 +4,11 @@ every other kind (Mamba state, chunked local attention, ...) is a clear error at
 from __future__ import annotations
 
 import pytest
+from needs import import_or_skip
 
 from kvbm.errors import ConfigError
 
-pytest.importorskip("vllm", reason="the vLLM CPU build is not installed (KVBM_EXTRAS=vllm)")
+import_or_skip("vllm", "vllm", "the vLLM CPU build is not installed (KVBM_EXTRAS=vllm)")
 
 
 def config(*specs, hash_block_size: int | None = None):

@@ -4,11 +4,12 @@ CPU ISA, block size, revision), unknown cache dtypes are refused, any model name
 from __future__ import annotations
 
 import pytest
+from needs import import_or_skip
 
 from kvbm.blocks.keys import check_namespace
 from kvbm.errors import ConfigError
 
-pytest.importorskip("vllm", reason="the vLLM CPU build is not installed (KVBM_EXTRAS=vllm)")
+import_or_skip("vllm", "vllm", "the vLLM CPU build is not installed (KVBM_EXTRAS=vllm)")
 
 
 def vllm_config(model: str, **kw):

@@ -9,7 +9,7 @@ from typing import Any
 from kvbm.blocks import MIN_HEADER_LEN, BlockKey, unpack_header, verify
 from kvbm.errors import CorruptBlockError
 from kvbm.tiers.s3.bodies import OFFLOOP_BYTES, BodyBuffers
-from kvbm.tiers.s3.codes import _MISS_CODES, _err_code
+from kvbm.tiers.s3.codes import MISS_CODES, error_code
 
 HEADER_LEN = MIN_HEADER_LEN
 
@@ -50,7 +50,7 @@ class AioBody:
         try:
             resp = await self._s3.get_object(Bucket=self.bucket, Key=okey)
         except Exception as e:
-            if _err_code(e) in _MISS_CODES:
+            if error_code(e) in MISS_CODES:
                 return None
             raise
         total = int(resp["ContentLength"])

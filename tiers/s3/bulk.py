@@ -17,8 +17,8 @@ from kvbm.blocks import (
 from kvbm.blocks.keys import is_namespace
 from kvbm.errors import TierUnavailableError
 from kvbm.tiers.base import StoredBlock
-from kvbm.tiers.s3.codes import _MISS_CODES, _err_code, _one_line
-from kvbm.tiers.s3.fastlist import _FAST_LIST, _fast_timestamp
+from kvbm.tiers.s3.codes import MISS_CODES, error_code, one_line
+from kvbm.tiers.s3.fastlist import FAST_LIST, fast_timestamp
 from kvbm.tiers.s3.session import HEADER_LEN, S3Session
 
 log = logging.getLogger("kvbm.tiers.s3")
@@ -64,11 +64,11 @@ class S3Listing(S3Session):
             list_prefix += f"{namespace.strip('/')}/"
         if key_prefix:
             list_prefix += key_prefix.lstrip("/")
-        async for page in self._list_pages(list_prefix):
+        async for page in self.list_pages(list_prefix):
             for entry in page:
                 yield entry
 
-    async def _list_pages(
+    async def list_pages(
         self, list_prefix: str, delimiter: str = "", dirs: list[str] | None = None, start_after: str = ""
     ) -> AsyncIterator[list[tuple[BlockKey | None, str, int, _dt.datetime | None]]]:
         """One list per LIST page under the raw key prefix ``list_prefix`` (keys after ``start_after``); with
@@ -83,18 +83,18 @@ class S3Listing(S3Session):
                 kw["StartAfter"] = start_after
             if token:
                 kw["ContinuationToken"] = token
-            fast = _FAST_LIST.set(True)
+            fast = FAST_LIST.set(True)
             try:
                 resp = await self._s3.list_objects_v2(**kw)
             except Exception as e:
-                raise TierUnavailableError(f"S3 LIST {list_prefix!r} at {self.endpoint_name}: {_one_line(e)}") from None
+                raise TierUnavailableError(f"S3 LIST {list_prefix!r} at {self.endpoint_name}: {one_line(e)}") from None
             finally:
-                _FAST_LIST.reset(fast)
+                FAST_LIST.reset(fast)
             if dirs is not None:
                 dirs.extend(cp["Prefix"] for cp in resp.get("CommonPrefixes", ()) or ())
             fast = resp.get("KvbmContents")
-            if fast is not None:  # parsed by _fast_list_contents
-                yield [(parse(k), k, size, _fast_timestamp(mt) if mt else None) for k, size, mt in fast]
+            if fast is not None:  # parsed by fast_list_contents
+                yield [(parse(k), k, size, fast_timestamp(mt) if mt else None) for k, size, mt in fast]
             else:
                 yield [(parse(o["Key"]), o["Key"], int(o.get("Size", 0)), o.get("LastModified"))
                        for o in resp.get("Contents", ()) or ()]
@@ -103,6 +103,9 @@ class S3Listing(S3Session):
             token = resp.get("NextContinuationToken")
             if not token:
                 break
+
+    # kvbm.fleet (members, recency) still calls it by its old private name; list_pages is the interface's.
+    _list_pages = list_pages
 
     async def list_objects_parallel(
         self, namespace: str | None = None, concurrency: int | None = None
@@ -129,7 +132,7 @@ class S3Listing(S3Session):
             seen (None when the listing reached its end)."""
             pages = 0
             async with sem:
-                async for page in self._list_pages(prefix, delimiter, dirs, after):
+                async for page in self.list_pages(prefix, delimiter, dirs, after):
                     if page:
                         await queue.put(page)
                     pages += 1
@@ -144,7 +147,7 @@ class S3Listing(S3Session):
             dirs: list[str] = []
             tail: list[tuple[BlockKey | None, str, int, _dt.datetime | None]] = []
             async with sem:  # objects right under the namespace, and its shard directories
-                async for page in self._list_pages(ns_prefix, "/", dirs):
+                async for page in self.list_pages(ns_prefix, "/", dirs):
                     tail += [e for e in page if e[1] > last]
             if tail:
                 await queue.put(tail)
@@ -220,7 +223,7 @@ class S3Bulk(S3Listing):
             try:
                 await self._s3.put_object(Bucket=self.bucket, Key=okey, Body=body)
             except Exception as e:
-                raise TierUnavailableError(f"S3 PUT {okey} at {self.endpoint_name}: {_one_line(e)}") from None
+                raise TierUnavailableError(f"S3 PUT {okey} at {self.endpoint_name}: {one_line(e)}") from None
 
     async def get_aux(self, okey: str) -> bytes | None:
         """GET a small non-block object; None when it does not exist."""
@@ -232,9 +235,9 @@ class S3Bulk(S3Listing):
                 async with resp["Body"] as stream:
                     return bytes(await stream.read())
             except Exception as e:
-                if _err_code(e) in _MISS_CODES:
+                if error_code(e) in MISS_CODES:
                     return None
-                raise TierUnavailableError(f"S3 GET {okey} at {self.endpoint_name}: {_one_line(e)}") from None
+                raise TierUnavailableError(f"S3 GET {okey} at {self.endpoint_name}: {one_line(e)}") from None
 
     async def head_many(self, keys: Iterable[BlockKey]) -> dict[BlockKey, dict[str, Any] | None]:
         """HEAD each block (``max_concurrency`` at a time): ``{key: {size, nbytes, last_modified, metadata}}``
@@ -250,9 +253,9 @@ class S3Bulk(S3Listing):
                 try:
                     r = await self._s3.head_object(Bucket=self.bucket, Key=okey)
                 except Exception as e:
-                    if _err_code(e) in _MISS_CODES:
+                    if error_code(e) in MISS_CODES:
                         return k, None
-                    raise TierUnavailableError(f"S3 HEAD {okey} at {self.endpoint_name}: {_one_line(e)}") from None
+                    raise TierUnavailableError(f"S3 HEAD {okey} at {self.endpoint_name}: {one_line(e)}") from None
             size = int(r["ContentLength"])
             meta = r.get("Metadata") or {}
             nb = int(meta["kvbm-nbytes"]) if str(meta.get("kvbm-nbytes", "")).isdigit() else size - HEADER_LEN
@@ -292,7 +295,7 @@ class S3Bulk(S3Listing):
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
-                    if _err_code(e) in _MISS_CODES:
+                    if error_code(e) in MISS_CODES:
                         return k, None
                     return k, e
                 self.observe("head", time.perf_counter() - t0)
@@ -339,7 +342,7 @@ class S3Bulk(S3Listing):
                     Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True}
                 )
             except Exception as e:
-                errors.extend((k, _err_code(e) or type(e).__name__, _one_line(e)) for k in chunk)
+                errors.extend((k, error_code(e) or type(e).__name__, one_line(e)) for k in chunk)
                 continue
             failed = {err["Key"]: err for err in resp.get("Errors", ()) or ()}
             for k in chunk:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from kvbm.errors import ConfigError, KvbmError, TierUnavailableError
 
-_CRED_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidClientTokenId", "InvalidToken",
+CRED_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidClientTokenId", "InvalidToken",
                "ExpiredToken"}
-_MISS_CODES = {"NoSuchKey", "404", "NotFound"}
+MISS_CODES = {"NoSuchKey", "404", "NotFound"}
 
 
-def _err_code(e: BaseException) -> str:
+def error_code(e: BaseException) -> str:
     resp = getattr(e, "response", None)
     if isinstance(resp, dict):
         err = resp.get("Error") or {}
@@ -20,13 +20,13 @@ def _err_code(e: BaseException) -> str:
     return ""
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
 
 
 def probe_failure(endpoint: str, backend: str, code: str, e: BaseException) -> KvbmError:
     """What a body backend's start-up probe (a real write + read) raises: rejected credentials are
     misconfiguration (ConfigError, the start fails), anything else leaves the tier unreachable."""
-    if code in _CRED_CODES:
+    if code in CRED_CODES:
         return ConfigError(f"S3 credentials rejected by {endpoint} ({code}, {backend})")
-    return TierUnavailableError(f"{backend} cannot use {endpoint}: {_one_line(e)}")
+    return TierUnavailableError(f"{backend} cannot use {endpoint}: {one_line(e)}")

@@ -11,7 +11,7 @@ import urllib.parse
 from typing import Any
 
 
-def _fast_timestamp(value: Any) -> Any:
+def fast_timestamp(value: Any) -> Any:
     """botocore's timestamp parser, with ISO 8601 (what S3 LIST returns) parsed by ``datetime.fromisoformat``."""
     if isinstance(value, str) and len(value) >= 20 and value[4] == "-" and value[10] == "T":
         try:
@@ -26,20 +26,20 @@ def _fast_timestamp(value: Any) -> Any:
     return parse_timestamp(value)
 
 
-# Set only around S3Tier._list_pages' own requests: other callers of the client get botocore's usual reply.
-_FAST_LIST: contextvars.ContextVar[bool] = contextvars.ContextVar("kvbm_fast_list", default=False)
+# Set only around S3Tier.list_pages' own requests: other callers of the client get botocore's usual reply.
+FAST_LIST: contextvars.ContextVar[bool] = contextvars.ContextVar("kvbm_fast_list", default=False)
 _CONTENTS_RE = re.compile(rb"<Contents>(.*?)</Contents>", re.S)
 _KEY_RE = re.compile(rb"<Key>(.*?)</Key>", re.S)
 _SIZE_RE = re.compile(rb"<Size>(\d+)</Size>")
 _MTIME_RE = re.compile(rb"<LastModified>([^<]*)</LastModified>")
 
 
-def _fast_list_contents(response_dict: dict[str, Any], customized_response_dict: dict[str, Any], **_: Any) -> None:
+def fast_list_contents(response_dict: dict[str, Any], customized_response_dict: dict[str, Any], **_: Any) -> None:
     """Parse a ListObjectsV2 page's ``<Contents>`` here (a few regex matches per object) and hand botocore the
     page without them: its generic XML-to-dict parser costs ~50 us per object, the bulk of the client CPU
     of a million-object listing. The entries go to ``KvbmContents`` as ``(key, size, last-modified text)``."""
     body = response_dict.get("body")
-    if not _FAST_LIST.get() or response_dict.get("status_code") != 200 or not isinstance(body, bytes | bytearray):
+    if not FAST_LIST.get() or response_dict.get("status_code") != 200 or not isinstance(body, bytes | bytearray):
         return
     if b"<Contents>" not in body:
         return

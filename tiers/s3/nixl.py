@@ -16,7 +16,7 @@ from kvbm.blocks import MIN_HEADER_LEN, BlockKey
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.tiers.s3.bodies import OFFLOOP_BYTES, BodyBuffers, copy_payload
-from kvbm.tiers.s3.codes import _one_line, probe_failure
+from kvbm.tiers.s3.codes import one_line, probe_failure
 from kvbm.transfer.nixl_agent import nixl_api
 
 if TYPE_CHECKING:
@@ -213,7 +213,7 @@ class _NixlObj:
         except asyncio.TimeoutError:
             raise TierUnavailableError(f"NIXL OBJ {op} {okey}: no answer in {self.cfg.nixl_timeout_s:g}s") from None
         except Exception as e:
-            raise TierUnavailableError(f"NIXL OBJ {op} {okey}: {type(e).__name__}: {_one_line(e)}") from None
+            raise TierUnavailableError(f"NIXL OBJ {op} {okey}: {type(e).__name__}: {one_line(e)}") from None
 
     async def write(self, okey: str, body: bytes | bytearray) -> None:
         # NIXL registers memory by address; bytes are immutable but readable, which is all WRITE needs.

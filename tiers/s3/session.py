@@ -12,18 +12,18 @@ from typing import Any
 
 from kvbm.blocks import MIN_HEADER_LEN, BlockKey
 from kvbm.blocks.keys import object_relkey, parse_object_relkey
-from kvbm.config import S3Config, parse_size
+from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.tiers.base import Tier, TierStats, no_observe
 from kvbm.tiers.s3.aio import AioBody
 from kvbm.tiers.s3.bodies import BodyBackend
 from kvbm.tiers.s3.breaker import CircuitBreaker
-from kvbm.tiers.s3.codes import _CRED_CODES, _err_code, _one_line, probe_failure
-from kvbm.tiers.s3.fastlist import _fast_list_contents, _fast_timestamp
+from kvbm.tiers.s3.codes import CRED_CODES, error_code, one_line, probe_failure
+from kvbm.tiers.s3.fastlist import fast_list_contents, fast_timestamp
 from kvbm.tiers.s3.http import HttpBodyClient
 from kvbm.tiers.s3.index import ObjectIndex
 from kvbm.tiers.s3.nixl import _NixlBody, _NixlObj, start_nixl
-from kvbm.tiers.s3.signer import UNSIGNED_SIGV4, _register_unsigned_signer
+from kvbm.tiers.s3.signer import UNSIGNED_SIGV4, register_unsigned_signer
 
 log = logging.getLogger("kvbm.tiers.s3")
 
@@ -56,7 +56,7 @@ class S3Session(Tier):
         wait_for_endpoint: bool = False,
     ) -> None:
         cfg = cfg or S3Config()
-        cap = parse_size(cfg.capacity, "s3.capacity") if capacity_bytes is None else capacity_bytes
+        cap = cfg.capacity if capacity_bytes is None else capacity_bytes
         super().__init__(cap)
         self.stats: S3Stats = S3Stats()
         self.cfg = cfg
@@ -120,7 +120,7 @@ class S3Session(Tier):
         session = aiobotocore.session.get_session()
         # LIST pages carry one ISO 8601 timestamp per object; botocore parses them with dateutil (~0.3 ms each,
         # most of a million-object listing's client CPU). The C parser does it in a microsecond.
-        session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_fast_timestamp)
+        session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=fast_timestamp)
         aio_cfg = AioConfig(
             connect_timeout=cfg.connect_timeout_s,
             read_timeout=cfg.read_timeout_s,
@@ -131,7 +131,7 @@ class S3Session(Tier):
             response_checksum_validation="when_required",
         )
         if not cfg.sign_payload:
-            _register_unsigned_signer()
+            register_unsigned_signer()
             aio_cfg = aio_cfg.merge(AioConfig(signature_version=UNSIGNED_SIGV4))
         kwargs: dict[str, Any] = {"region_name": cfg.region, "config": aio_cfg}
         if self.endpoint:
@@ -149,7 +149,7 @@ class S3Session(Tier):
             from botocore.handlers import add_expect_header
 
             self._s3.meta.events.unregister("before-call.s3", add_expect_header)
-            self._s3.meta.events.register("before-parse.s3.ListObjectsV2", _fast_list_contents)
+            self._s3.meta.events.register("before-parse.s3.ListObjectsV2", fast_list_contents)
             await self._connect(session)
         except TierUnavailableError as e:
             if not self.wait_for_endpoint:
@@ -200,7 +200,7 @@ class S3Session(Tier):
                 self.breaker.trip(self.last_error)
                 continue
             except Exception as e:  # anything else: stay offline, keep probing
-                self.last_error = f"{type(e).__name__}: {_one_line(e)}"
+                self.last_error = f"{type(e).__name__}: {one_line(e)}"
                 self.breaker.failure()
                 continue
             self.breaker.success()
@@ -213,7 +213,7 @@ class S3Session(Tier):
             await self._s3.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
             return ""
         except Exception as e:
-            return _err_code(e)
+            return error_code(e)
 
     async def close(self) -> None:
         if self._prober is not None:
@@ -257,7 +257,7 @@ class S3Session(Tier):
         now = time.monotonic()
         if now - self._warned_at > 5.0:
             self._warned_at = now
-            log.warning("S3 %s %s failed at %s: %s", what, key or "", self.endpoint_name, _one_line(e))
+            log.warning("S3 %s %s failed at %s: %s", what, key or "", self.endpoint_name, one_line(e))
 
     # -- index (kvbm.tiers.s3.index) --------------------------------------------------------------
     def seen_within(self, key: BlockKey, max_age_s: float | None = None) -> bool:
@@ -287,17 +287,17 @@ async def check_bucket(tier: S3Session) -> None:
         ) from None
     except (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ReadTimeoutError,
             bex.ConnectionClosedError) as e:
-        raise TierUnavailableError(f"S3 endpoint {where} unreachable: {_one_line(e)}") from None
+        raise TierUnavailableError(f"S3 endpoint {where} unreachable: {one_line(e)}") from None
     except bex.ClientError as e:
-        code = _err_code(e)
-        if code in _CRED_CODES:
+        code = error_code(e)
+        if code in CRED_CODES:
             raise ConfigError(f"S3 credentials rejected by {where} ({code})") from None
         if code in ("AccessDenied", "403", "Forbidden"):
             raise ConfigError(f"S3 access to bucket {tier.bucket!r} denied by {where} ({code})") from None
         if code not in ("NoSuchBucket", "404"):
-            raise TierUnavailableError(f"S3 endpoint {where}: {code}: {_one_line(e)}") from None
+            raise TierUnavailableError(f"S3 endpoint {where}: {code}: {one_line(e)}") from None
     except bex.BotoCoreError as e:
-        raise TierUnavailableError(f"S3 endpoint {where}: {_one_line(e)}") from None
+        raise TierUnavailableError(f"S3 endpoint {where}: {one_line(e)}") from None
     # The bucket does not exist.
     if not tier.cfg.create_bucket:
         raise ConfigError(f"S3 bucket {tier.bucket!r} does not exist at {where} (s3.create_bucket is false)")
@@ -307,9 +307,9 @@ async def check_bucket(tier: S3Session) -> None:
             kw["CreateBucketConfiguration"] = {"LocationConstraint": tier.cfg.region}
         await tier._s3.create_bucket(**kw)
     except bex.ClientError as e:
-        if _err_code(e) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+        if error_code(e) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
             raise ConfigError(
-                f"cannot create S3 bucket {tier.bucket!r} at {where}: {_err_code(e)}: {_one_line(e)}"
+                f"cannot create S3 bucket {tier.bucket!r} at {where}: {error_code(e)}: {one_line(e)}"
             ) from None
     log.info("created S3 bucket %s at %s", tier.bucket, where)
 
@@ -345,7 +345,7 @@ async def start_http(tier: S3Session, session: Any) -> None:
             raise TierUnavailableError("probe read back different bytes")
     except Exception as e:
         client.close()
-        raise probe_failure(tier.endpoint_name, "S3 http client", _err_code(e), e) from None
+        raise probe_failure(tier.endpoint_name, "S3 http client", error_code(e), e) from None
     finally:
         with contextlib.suppress(Exception):
             await tier._s3.delete_object(Bucket=tier.bucket, Key=probe)

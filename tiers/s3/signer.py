@@ -8,7 +8,7 @@ from typing import Any
 UNSIGNED_SIGV4 = "s3v4-kvbm-unsigned-payload"
 
 
-def _register_unsigned_signer() -> None:
+def register_unsigned_signer() -> None:
     """A SigV4 signer that never hashes the body (headers and URL are still signed)."""
     import botocore.auth
 

@@ -56,13 +56,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from kvbm.blocks import FORMAT_VERSION, BlockKey
-from kvbm.config import S3Config
 from kvbm.errors import CorruptBlockError, TierFullError, TierUnavailableError, WriteShedError
 from kvbm.tiers.s3.bulk import S3Bulk
-from kvbm.tiers.s3.codes import _MISS_CODES, _err_code, _one_line
+from kvbm.tiers.s3.codes import MISS_CODES, error_code, one_line
 
 log = logging.getLogger("kvbm.tiers.s3")
 
@@ -115,7 +113,7 @@ class S3Tier(S3Bulk):
             raise
         except Exception as e:
             self._failed("PUT", key, e)
-            raise TierUnavailableError(f"S3 PUT of {key} at {self.endpoint_name} failed: {_one_line(e)}") from None
+            raise TierUnavailableError(f"S3 PUT of {key} at {self.endpoint_name} failed: {one_line(e)}") from None
         finally:
             self._pending_writes -= 1
         self.breaker.success()
@@ -179,7 +177,7 @@ class S3Tier(S3Bulk):
         try:
             resp = await self._s3.head_object(Bucket=self.bucket, Key=okey)
         except Exception as e:
-            if _err_code(e) in _MISS_CODES:
+            if error_code(e) in MISS_CODES:
                 return None
             raise
         return int(resp["ContentLength"])
@@ -195,7 +193,7 @@ class S3Tier(S3Bulk):
             await self._s3.delete_object(Bucket=self.bucket, Key=okey)
         except Exception as e:
             self.stats.errors += 1
-            raise TierUnavailableError(f"S3 DELETE {okey} at {self.endpoint_name}: {_one_line(e)}") from None
+            raise TierUnavailableError(f"S3 DELETE {okey} at {self.endpoint_name}: {one_line(e)}") from None
         self.objects.drop(key)
         if existed:
             self.stats.deletes += 1
@@ -235,12 +233,4 @@ class S3Tier(S3Bulk):
             pending_writes=self._pending_writes, indexed_blocks=len(self.objects.sizes),
         )
         return d
-
-    @classmethod
-    def from_config(
-        cls, cfg: S3Config, endpoint: str | None = None, credentials: tuple[str, ...] | None = None, **kw: Any
-    ) -> S3Tier:
-        from kvbm.tiers.s3.factory import make_s3_tier
-
-        return make_s3_tier(cfg, endpoint, credentials, **kw)
 

@@ -30,22 +30,49 @@ vLLM's own offloading (``OffloadingConnector`` + ``TieringOffloadingSpec``) take
 its CPU tier instead: ``native_tier.KvbmTier`` (loaded by vLLM through ``module_path``; not imported here),
 configured by ``native_config``, keyed by ``native_keys``, its removals from ``native_events``
 (docs/native-tier.md).
+
+Importing this package imports neither torch nor vLLM: each name below loads its module on first use, so
+``kvbm.integrations.vllm.config`` (and kvbm's tests of it) work where vLLM is not installed.
 """
 
-from kvbm.integrations.vllm.config import ConnectorConfig, curve_options
-from kvbm.integrations.vllm.connector import KvbmConnector
-from kvbm.integrations.vllm.fingerprint import kv_backend, kv_cache_dtype, layout_for
-from kvbm.integrations.vllm.geometry import Geometry, MisconfiguredError, daemon_block_bytes
-from kvbm.integrations.vllm.link import Link, Links
-from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
-from kvbm.integrations.vllm.scheduler import SchedulerSide
-from kvbm.integrations.vllm.worker import WorkerSide
+from __future__ import annotations
 
-# The names this module had as a single file.
-_Link, _Geometry, _daemon_block_bytes = Link, Geometry, daemon_block_bytes
+import importlib
+from typing import TYPE_CHECKING, Any
 
+# name -> the module of this package that defines it (loaded on first access: PEP 562)
+_WHERE = {
+    "BlockTransfer": "metadata", "ConnectorConfig": "config", "Geometry": "geometry", "KvbmConnector": "connector",
+    "KvbmConnectorMetadata": "metadata", "Link": "link", "Links": "link", "MisconfiguredError": "geometry",
+    "SchedulerSide": "scheduler", "WorkerSide": "worker", "curve_options": "config",
+    "daemon_block_bytes": "geometry", "kv_backend": "fingerprint", "kv_cache_dtype": "fingerprint",
+    "layout_for": "fingerprint",
+}
 __all__ = [
     "BlockTransfer", "ConnectorConfig", "Geometry", "KvbmConnector", "KvbmConnectorMetadata", "Link", "Links",
     "MisconfiguredError", "SchedulerSide", "WorkerSide", "curve_options", "daemon_block_bytes", "kv_backend",
     "kv_cache_dtype", "layout_for",
 ]
+
+if TYPE_CHECKING:
+    from kvbm.integrations.vllm.config import ConnectorConfig, curve_options
+    from kvbm.integrations.vllm.connector import KvbmConnector
+    from kvbm.integrations.vllm.fingerprint import kv_backend, kv_cache_dtype, layout_for
+    from kvbm.integrations.vllm.geometry import Geometry, MisconfiguredError, daemon_block_bytes
+    from kvbm.integrations.vllm.link import Link, Links
+    from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
+    from kvbm.integrations.vllm.scheduler import SchedulerSide
+    from kvbm.integrations.vllm.worker import WorkerSide
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
