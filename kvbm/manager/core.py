@@ -136,7 +136,7 @@ class BlockManager:
         for tier in self.tiers:
             if tier.name == name:
                 break
-            if isinstance(tier, DiskTier):
+            if tier.local_dir is not None:
                 n += await self.owed_writes.reconcile(tier.name, name, namespace)
         return n
 
