@@ -1,4 +1,4 @@
-"""``kvbm bench``: throughput and latency benchmarks (tiers, manager, long-doc-qa, fleet, serve).
+"""``kvbm bench``: throughput and latency benchmarks (tiers, manager, long-doc-qa, fleet, serve, trace, native).
 
 Each subcommand prints a table, writes JSON with ``--json PATH`` (machine description, options and
 every figure) and draws a PNG with ``--plot PATH``. Runs use temp dirs, a dedicated bucket prefix on
@@ -393,3 +393,81 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
     click.echo("")
     click.echo(serve_table(report, markdown))
     _emit(report, json_path, plot_path, plot_serve)
+
+
+@bench.command("trace")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, exists=True), required=True,
+              help="A Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).")
+@click.option("--limit", default=0, show_default=True, help="Replay only the first N requests (0: all).")
+@click.option("--speedup", default=20.0, show_default=True, help="Timestamps are divided by this.")
+@click.option("--block-size", type=SIZE, default="32KiB", show_default=True, help="Bytes per trace block (a hash_id).")
+@click.option("--capacities", default="0.01,0.03", show_default=True,
+              help="G2+G3 capacity as shares of the trace's distinct blocks, comma separated.")
+@click.option("--g2-share", default=0.25, show_default=True, help="G2's part of G2+G3.")
+@click.option("--s3", "s3_modes", default="off", show_default=True, help="off, on or off,on (G4 behind G2+G3).")
+@click.option("--inflight", default=8, show_default=True, help="Requests in flight at most.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
+@with_s3
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="PNG: hit ratio vs capacity, per tier, with LRU / policy / Belady.")
+@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capacities: str, g2_share: float,
+              s3_modes: str, inflight: int, seed: int, workdir: str | None, s3_endpoint: str | None,
+              s3_access_key: str, s3_secret_key: str, s3_bucket: str, json_path: str | None, plot_path: str | None,
+              markdown: bool) -> None:
+    """Replay a production trace through a real daemon: hit ratio per tier vs LRU / Belady / infinite."""
+    import sys
+
+    from kvbm.bench.trace import TraceOptions, plot_trace, run_trace, trace_table
+
+    try:
+        caps = tuple(float(x) for x in _csv(capacities))
+    except ValueError:
+        raise click.BadParameter(f"numbers, not {capacities!r}", param_hint="--capacities") from None
+    opts = TraceOptions(trace=trace_path, limit=limit, speedup=speedup,
+                        block_bytes=block_size, capacities=caps, g2_share=g2_share,
+                        s3_modes=_csv(s3_modes), inflight=inflight, seed=seed, workdir=workdir,
+                        s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key,
+                        s3_bucket=s3_bucket)
+    try:
+        opts.check()
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    try:
+        report = asyncio.run(run_trace(opts, click.echo))
+    except ValueError as e:  # a bad trace line (named with its field)
+        raise click.ClickException(str(e)) from None
+    report["command"] = ["kvbm", "bench", *sys.argv[sys.argv.index("trace"):]] if "trace" in sys.argv else sys.argv
+    click.echo("")
+    click.echo(trace_table(report, markdown))
+    _emit(report, json_path, plot_path, plot_trace)
+
+
+@bench.command("native")
+@click.option("--chunk-size", type=SIZE, default="256KiB", show_default=True,
+              help="Bytes of one vLLM CPU-tier chunk (one vLLM block of one worker).")
+@click.option("--chunks", default=256, show_default=True, help="Chunks stored and loaded per pass.")
+@click.option("--repeats", default=3, show_default=True, help="Passes per tier, interleaved (medians reported).")
+@click.option("--tiers", default="kvbm,fs", show_default=True, help="Secondary tiers compared: kvbm, fs.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Where the fs tier's files and kvbm's disk tier go (a real disk).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+def native_cmd(chunk_size: int, chunks: int, repeats: int, tiers: str, workdir: str | None, json_path: str | None,
+               markdown: bool) -> None:
+    """kvbm's tier against vLLM's own fs tier under vLLM's TieringOffloadingManager (CPU primary tier)."""
+    from kvbm.bench.nativecmp import NativeOptions, native_table, run_native
+
+    names = _csv(tiers)
+    if not names or set(names) - {"kvbm", "fs"}:
+        raise click.BadParameter(f"--tiers: kvbm and/or fs, got {tiers!r}")
+    if chunks < 1 or repeats < 1:
+        raise click.BadParameter("--chunks and --repeats must be >= 1")
+    opts = NativeOptions(chunk_bytes=chunk_size, chunks=chunks, repeats=repeats,
+                         workdir=workdir, tiers=names)
+    report = run_native(opts, click.echo)
+    click.echo("")
+    click.echo(native_table(report, markdown))
+    _emit(report, json_path, None, None)

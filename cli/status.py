@@ -179,6 +179,11 @@ def render_fleet(f: dict[str, Any] | None) -> list[str]:
                      f"{len(disc['members'])} members ({', '.join(disc['members']) or 'none'}), "
                      f"{disc['joined']} joins, {disc['left']} leaves, {disc['failed']} failed bucket calls"
                      + (f", {disc['conflicts']} NODE ID CONFLICTS" if disc.get("conflicts") else ""))
+        if disc.get("host_local"):
+            lines.append(f"  discovery: WARNING: {disc['host_local']}: other hosts will not follow this daemon "
+                         "(set daemon.announce_endpoint)")
+        for node, why in sorted((disc.get("unreachable_members") or {}).items()):
+            lines.append(f"  discovery: member {node} NOT FOLLOWED: {why}")
     if f["peers"]:
         rows = [["peer", "state", "batches", "stored", "removed", "gaps", "resets"]]
         for p in f["peers"]:

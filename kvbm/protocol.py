@@ -176,6 +176,10 @@ class Registered(_Msg, kw_only=True):
     num_slots: int
     capacity_bytes: int
     block_nbytes: int
+    # G2 slots this session may hold at once (pinned by Onboard + prepared by PrepareStore); a slot request
+    # beyond it is answered E_FULL. 0: not stated (a daemon before this field; decoders ignore fields they do
+    # not know and default those missing, so a defaulted reply field needs no new protocol version).
+    session_slots: int = 0
 
 
 class Pong(_Msg, kw_only=True):
@@ -256,6 +260,7 @@ E_TIMEOUT = "timeout"
 E_FULL = "full"
 E_STALE = "stale_generation"
 E_LIMIT = "limit"  # a field outside its bounds (batch length, hash length, string length, rank)
+E_BUSY = "busy"  # too many of this client's requests in flight (its session's or its tenant's cap): load, retry
 E_UNAVAILABLE = "unavailable"  # a tier the request needs cannot be reached now (S3 outage); try again later
 E_FORBIDDEN = "forbidden"  # another worker's namespace, or an admin request without the admin token
 

@@ -192,6 +192,8 @@ def check_binds(dc: DaemonConfig, curve: bool) -> None:
                           "daemon.curve_allow_any_client: true")
     if curve and dc.curve_clients_dir and not Path(dc.curve_clients_dir).is_dir():
         raise ConfigError(f"daemon.curve_clients_dir {dc.curve_clients_dir}: no such directory")
+    if curve and dc.curve_admin_clients_dir and not Path(dc.curve_admin_clients_dir).is_dir():
+        raise ConfigError(f"daemon.curve_admin_clients_dir {dc.curve_admin_clients_dir}: no such directory")
     if curve or dc.allow_insecure_tcp:
         return
     for field, ep in (("endpoint", dc.endpoint), ("events_endpoint", dc.events_endpoint)):

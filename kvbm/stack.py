@@ -94,7 +94,8 @@ async def build_stack(
         cascades = min(32, cfg.s3.max_pending_writes) if any(t.kind == "s3" for t in built) else 32
         manager = BlockManager(built, make_memory_mover(cfg.transfer),
                                min_hits_to_offload=cfg.disk.min_hits_to_offload, max_concurrent_cascades=cascades,
-                               max_owed_blocks=cfg.s3.max_owed_blocks)
+                               max_owed_blocks=cfg.s3.max_owed_blocks, eviction=cfg.policy.eviction,
+                               policy_options={"age0_s": cfg.policy.age0_s, "ghost_blocks": cfg.policy.ghost_blocks})
         if start:
             await manager.start(index=index)
     except BaseException:

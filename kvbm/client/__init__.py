@@ -40,6 +40,7 @@ from kvbm.client.core import (
     _Core,
     client_options,
 )
+from kvbm.client.lease import onboarded, reserving
 
 __all__ = ["AsyncWorkerClient", "DaemonError", "DaemonUnavailable", "Overloaded", "WorkerClient", "client_options"]
 
@@ -220,25 +221,25 @@ class WorkerClient(_Core):
     def store(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer], *, durable: bool = False) -> p.Ack:
         """prepare -> copy into G2 slots -> commit. Raises Overloaded when the daemon sheds it.
 
-        More than :attr:`store_batch` blocks go in batches of that many, pipelined: the next batch's
+        More than :attr:`store_batch` blocks (or than G2 holds: then in batches that all fit in half of it, so a
+        store larger than G2 streams through it) go in batches of that many, pipelined: the next batch's
         PrepareStore is sent before this batch is copied, and up to :attr:`store_window` CommitStores are in
         flight, so the daemon reserves and commits while this process copies.
         """
         ns, hashes, n = self._store_msgs(keys, bufs)
         if not hashes:
             return p.Ack(stored=0)
-        if len(hashes) > self.store_batch:
-            return self._store_pipelined(ns, hashes, bufs, n, durable)
-        slots = self.request(p.PrepareStore(namespace=ns, hashes=hashes, nbytes=n), p.Slots).slots
-        try:
-            self._copy_in(slots, bufs, n)
-        except BaseException:
-            self.request(p.CommitStore(namespace=ns, hashes=hashes, ok=False), p.Ack)
-            raise
-        return self.request(p.CommitStore(namespace=ns, hashes=hashes, durable=durable), p.Ack)
+        # In flight at once: the batch prepared ahead, the one being copied and store_window commits.
+        step = self._store_step(len(hashes), self.store_batch, self.store_window + 2)
+        if len(hashes) > step:
+            return self._store_pipelined(ns, hashes, bufs, n, durable, step)
+        with reserving(self, hashes, n, durable=durable, namespace=ns) as res:
+            self._copy_in(res.slots, bufs, n)
+        assert res.ack is not None
+        return res.ack
 
-    def _store_pipelined(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int, durable: bool) -> p.Ack:
-        step = self.store_batch
+    def _store_pipelined(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int, durable: bool,
+                         step: int) -> p.Ack:
         spans = [(i, min(i + step, len(hashes))) for i in range(0, len(hashes), step)]
 
         def prepare(a: int, b: int) -> p.PrepareStore:
@@ -292,13 +293,9 @@ class WorkerClient(_Core):
     def load(self, keys: Sequence[BlockKey | bytes], outs: Sequence[Buffer]) -> int:
         """onboard -> copy the leading held run out of G2 -> release; returns blocks loaded."""
         ns, hashes = self._ns(keys)
-        rep = self.request(p.Onboard(namespace=ns, hashes=hashes), p.Onboarded)
-        try:
-            self._copy_out(rep, outs)
-        finally:
-            if rep.count:
-                self.request(p.Release(namespace=ns, hashes=hashes[: rep.count]), p.Released)
-        return rep.count
+        with onboarded(self, hashes, ns) as got:
+            self._copy_out(got.reply, outs)
+        return got.count
 
     def stats(self, *, resident: bool = False) -> dict[str, Any]:
         return self.request(p.Stats(resident=resident), p.StatsReply).stats

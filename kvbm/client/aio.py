@@ -123,7 +123,7 @@ class AsyncWorkerClient(_Core):
         ns, hashes, n = self._store_msgs(keys, bufs)
         if not hashes:
             return p.Ack(stored=0)
-        step = self.store_batch
+        step = self._store_step(len(hashes), self.store_batch, self.store_window)  # a store beyond G2 streams
         spans = [(i, min(i + step, len(hashes))) for i in range(0, len(hashes), step)]
         acks: list[p.Ack] = []
         for w in range(0, len(spans), self.store_window):

@@ -214,6 +214,17 @@ class _Core:
             raise ValueError(f"buffers of one store must be equal-sized, got {sorted(sizes)}")
         return ns, hashes, sizes.pop() if sizes else 0
 
+    def _store_step(self, count: int, batch: int, in_flight: int) -> int:
+        """Blocks per PrepareStore of a store of ``count`` blocks: ``batch``; but a store of more blocks than G2
+        holds streams through it, in batches whose ``in_flight`` reserved at once fit in half of G2 (a committed
+        batch's slots are free again once written below), instead of reserving a slot per block and failing
+        whole with ``full``."""
+        reg = self.registered
+        slots = reg.capacity_bytes // reg.slot_bytes if reg is not None and reg.slot_bytes else 0
+        if not slots or count <= min(slots, batch):
+            return batch
+        return max(1, min(batch, slots // 2 // max(1, in_flight)))
+
     def _copy_in(self, slots: Sequence[int | None], bufs: Sequence[Buffer], n: int) -> None:
         """Copy each buffer into its reserved slot: host buffers through numpy (a torch copy per 1 KiB block
         costs ~20x more in dispatch than the bytes), a 2-D host array of the whole batch in one indexed copy,

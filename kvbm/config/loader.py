@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from kvbm.config.globs import overlap
 from kvbm.config.schema import Config, TenantConfig
 from kvbm.errors import ConfigError
 
@@ -162,6 +163,8 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("daemon.max_workers: must be >= 1")
     if cfg.daemon.max_inflight_per_client < 1:
         raise ConfigError("daemon.max_inflight_per_client: must be >= 1")
+    if cfg.daemon.max_session_slots < 0:
+        raise ConfigError("daemon.max_session_slots: must be >= 0 (0: the principal's budget over the engine's ranks)")
     check_embedded_port(cfg.embedded_s3.port, "embedded_s3.port")
     _validate_tenants(cfg.daemon.tenants)
     _validate_discovery(cfg)
@@ -183,6 +186,26 @@ def _validate_tenants(tenants: list[TenantConfig]) -> None:
             raise ConfigError(f"{at}.max_workers: must be >= 1")
         if t.max_inflight < 1:
             raise ConfigError(f"{at}.max_inflight: must be >= 1")
+        if t.max_slots < 0:
+            raise ConfigError(f"{at}.max_slots: must be >= 0 (0: an equal share of G2)")
+    _refuse_shared_namespaces(tenants)
+
+
+def _refuse_shared_namespaces(tenants: list[TenantConfig]) -> None:
+    """Two tenants whose ``models`` patterns both match some model name (or who list one namespace) would
+    share its namespaces: each could read and overwrite the other's blocks. Refused, naming both."""
+    for j, tj in enumerate(tenants):
+        for i, ti in enumerate(tenants[:j]):
+            for y in tj.models:
+                for x in ti.models:
+                    if overlap(x, y):
+                        raise ConfigError(
+                            f"daemon.tenants[{j}].models: {y!r} of tenant {tj.name!r} overlaps {x!r} of tenant "
+                            f"{ti.name!r} (daemon.tenants[{i}].models): a model both match would put both in one "
+                            f"namespace, reading and overwriting each other's blocks; make the patterns disjoint")
+            for ns in set(tj.namespaces) & set(ti.namespaces):
+                raise ConfigError(f"daemon.tenants[{j}].namespaces: {ns!r} of tenant {tj.name!r} is also tenant "
+                                  f"{ti.name!r}'s (daemon.tenants[{i}].namespaces): a namespace has one tenant")
 
 
 def _validate_discovery(cfg: Config) -> None:

@@ -122,6 +122,14 @@ class DiskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         self.capacity = size_field(self.capacity, "disk.capacity")
 
 
+class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Placement policy (kvbm.manager.placement): which blocks a full tier lets go of, and what a hit keeps."""
+
+    eviction: Literal["lru", "frequency"] = "lru"  # frequency: reference classes with ageing (docs/traces.md)
+    age0_s: float = 600.0  # frequency: seconds of waiting that halve a fresh block's hit density
+    ghost_blocks: int = 1 << 20  # frequency: reference counts remembered (blocks that left every tier too)
+
+
 class S3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     """G4: S3-compatible object storage."""
 
@@ -197,7 +205,10 @@ class TenantConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     models: list[str] = []  # fnmatch patterns of the layout.model names it may register ("team-a/*")
     namespaces: list[str] = []  # exact layout namespaces it may register (as Registered and kvbm status name them)
     max_workers: int = 64  # its registered workers at most (its own budget, apart from daemon.max_workers)
-    max_inflight: int = 256  # its requests handled at once; beyond it a request is answered `limit` at once
+    max_inflight: int = 256  # its requests handled at once; beyond it a request is answered `busy` at once
+    # G2 slots its sessions hold at once (pinned by Onboard + prepared by PrepareStore, until Release/commit);
+    # beyond it a slot request is answered `full`. 0: an equal share, G2's slots over the number of tenants.
+    max_slots: int = 0
 
 
 class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
@@ -219,8 +230,12 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     barrier_timeout_s: float = 30.0  # a Barrier's timeout when it names none, and the most it may name
     max_inflight: int = 1024  # requests handled at once; beyond it the daemon stops reading (ZMQ backpressure)
     # One client's requests handled at once (a worker session, else a connection; a tenant has its own
-    # max_inflight): beyond it that client's request is answered `limit` at once, so a flood leaves others served.
+    # max_inflight): beyond it that client's request is answered `busy` at once, so a flood leaves others served.
     max_inflight_per_client: int = 256
+    # G2 slots one session holds at once (pinned + prepared), stated to it in Registered.session_slots; beyond it
+    # a slot request is answered `full`. 0: its principal's budget (a tenant's max_slots, else all of G2) over
+    # the engine's ranks (the Register's tp_size x its layout's pp_size), so the ranks of one engine together fit.
+    max_session_slots: int = 0
     # Tenants (empty: one tenant, anyone who can reach the sockets). With tenants, a Register needs a tenant's
     # token (or the admin token) and may only name that tenant's models/namespaces; see TenantConfig.
     tenants: list[TenantConfig] = []
@@ -230,6 +245,9 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     curve_public_key: str = ""  # Z85; clients (CLI, connector) need it to reach a CURVE daemon
     curve_server_key_file: str = ""  # the daemon's keypair file (`kvbm keys generate`), instead of the Z85 fields
     curve_clients_dir: str = ""  # allow-list: directory of allowed clients' public key files (<name>.key)
+    # On a daemon with tenants and CURVE: the public keys that may subscribe to the events socket (the operator's
+    # monitors, fleet peers with their own key pair); the daemon's own key always may, tenants' keys never.
+    curve_admin_clients_dir: str = ""
     curve_allow_any_client: bool = False  # CURVE without curve_clients_dir: encrypt only, authenticate nobody
     curve_client_key_file: str = ""  # clients: own keypair file (<name>.key_secret) for an allow-listed daemon
     # Admin credential (Evict, Reindex, other namespaces, resident hashes): created 0600 at the first `kvbm serve`.
@@ -279,6 +297,7 @@ class Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     embedded_s3: EmbeddedS3Config = msgspec.field(default_factory=EmbeddedS3Config)
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 
     def __post_init__(self) -> None:
         self.block_bytes = size_field(self.block_bytes, "block_bytes")

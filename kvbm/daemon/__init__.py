@@ -9,7 +9,8 @@ One module per job:
 * :mod:`~kvbm.daemon.auth`: who may make which request (credentials: admin, tenants; namespaces).
 * :mod:`~kvbm.daemon.barrier`: step barriers between the ranks of an engine.
 * :mod:`~kvbm.daemon.events`: the block-event publisher (PUB socket, topic ``kvbm``).
-* :mod:`~kvbm.daemon.fleet`: bucket probe and peer followers applied to the shared tier's index.
+* :mod:`~kvbm.daemon.peering`: this daemon in a fleet: bucket probe, peer followers and discovery, applied to the
+  shared tier's index.
 * :mod:`~kvbm.daemon.indexing`: listing the bucket apart from the other tiers, with retries.
 * :mod:`~kvbm.daemon.prefetch`: bringing slow-tier hits up to G2 after a lookup.
 * :mod:`~kvbm.daemon.logs`: JSON logs (:func:`configure_logging`, :func:`logj`).

@@ -1,4 +1,7 @@
-"""Step barriers: the ranks of one engine wait for each other at a step (``Barrier``)."""
+"""Step barriers: the ranks of one engine wait for each other at a step (``Barrier``).
+
+An engine is named by the client (``engine_id``), so it is the credential's own: barriers are keyed by the
+principal too, and another tenant naming the same engine_id gets its own engine, never a rank of this one."""
 
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ class Barriers:
 
     def __init__(self, default_timeout_s: float) -> None:
         self.default_timeout_s = default_timeout_s
-        self._open: dict[tuple[str, str], tuple[set[int], asyncio.Future[None]]] = {}
+        self._open: dict[tuple[str, str, str], tuple[set[int], asyncio.Future[None]]] = {}
 
-    async def arrive(self, msg: p.Barrier, world: int) -> p.BarrierReply:
-        key = (msg.engine_id, str(msg.step))
+    async def arrive(self, msg: p.Barrier, world: int, owner: str = "") -> p.BarrierReply:
+        """Rank ``msg.rank`` of ``owner``'s (a principal's) engine ``msg.engine_id`` reached ``msg.step``."""
+        key = (owner, msg.engine_id, str(msg.step))
         ent = self._open.get(key)
         if ent is None:
             ent = (set(), asyncio.get_running_loop().create_future())

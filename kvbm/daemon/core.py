@@ -16,18 +16,19 @@ import zmq.asyncio
 from kvbm.config import Config
 from kvbm.daemon.auth import load_credentials
 from kvbm.daemon.events import EventPublisher
-from kvbm.daemon.fleet import FleetMember, shared_tier
 from kvbm.daemon.health import readiness
 from kvbm.daemon.indexing import BucketIndexer
 from kvbm.daemon.kvevents import KVEventSubscriber, describe_views
 from kvbm.daemon.logs import logj
 from kvbm.daemon.metrics import Metrics, MetricsServer
+from kvbm.daemon.peering import FleetMember, shared_tier
 from kvbm.daemon.prefetch import Prefetcher
 from kvbm.daemon.service import Service, g2_of
 from kvbm.daemon.sessions import Sessions, WorkerSession
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import Transport
 from kvbm.daemon.warmth import Warmth
+from kvbm.daemon.zap import Zap, public_keys
 from kvbm.manager.core import BlockManager
 from kvbm.security import admin_token_path, check_binds, exposure, server_keys
 from kvbm.tiers.names import TierName
@@ -63,12 +64,13 @@ class Daemon:
         self._subs: list[KVEventSubscriber] = []  # vLLM KV-event streams followed (shown in Stats)
         self._metrics: MetricsServer | None = None
         shared = shared_tier(manager)
-        self.transport = Transport(dc, self._ctx, self.stats, self._spawn)
+        self.zap = Zap(self._ctx)  # the context's one ZAP handler: both sockets' admission rules
+        self.transport = Transport(dc, self._ctx, self.stats, self._spawn, self.zap)
         self.publisher = EventPublisher(manager, self.stats, shared.name if shared is not None else "")
         self.fleet_member = FleetMember(dc, manager, self.publisher)
         self.probe = self.fleet_member.probe
         self.peers = self.fleet_member.peers
-        self.indexer = BucketIndexer(manager, dc.index_bucket, self._spawn)
+        self.indexer = BucketIndexer(manager, dc.index_bucket, self._spawn, wanted=self.sessions.uses)
         self.warmth = Warmth(dc, manager, self._spawn)
         # Latency histograms: observed by the handlers, the manager's copies and the S3 tier's requests.
         self.metrics = Metrics(self.snapshot, self.readiness, [t.name for t in manager.tiers])
@@ -107,9 +109,11 @@ class Daemon:
         await self.indexer.start()
         self.transport.bind(*self._curve_keys)
         if self.dc.events_endpoint:
-            # With tenants, a tenant's process may reach the events socket: only the admin token subscribes.
-            self.publisher.bind(self._ctx, self.dc.events_endpoint, *self._curve_keys,
-                                admin_token=self.service.creds.admin_token if self.dc.tenants else "")
+            # With tenants, a tenant's process may reach the events socket: only the operator subscribes.
+            admin_keys = public_keys(self.dc.curve_admin_clients_dir) if self.dc.curve_admin_clients_dir else set()
+            self.publisher.bind(self._ctx, self.dc.events_endpoint, *self._curve_keys, zap=self.zap,
+                                admin_token=self.service.creds.admin_token if self.dc.tenants else "",
+                                admin_keys=admin_keys)
         for i, ep in enumerate(self.dc.vllm_events):
             replay = self.dc.vllm_replay[i] if i < len(self.dc.vllm_replay) else ""
             sub = KVEventSubscriber(ep, replay, mode=self.dc.vllm_events_mode, ctx=self._ctx)
@@ -158,6 +162,7 @@ class Daemon:
             await self._metrics.close()
         self.transport.close()
         self.publisher.close()
+        self.zap.stop()
         await self.manager.drain()
         if self._own_ctx:
             self._ctx.term()
@@ -197,7 +202,8 @@ class Daemon:
         d.update(
             queue_depth=self.transport.offloads, inflight=self.transport.inflight, workers=len(self.workers),
             bucket_indexed=self.indexer.indexed.is_set(), bucket_index_error=self.indexer.error,
-            namespaces_indexed=len(self.indexer.namespaces), prewarm=self.warmth.prewarm,
+            namespaces_indexed=len(self.indexer.namespaces), namespaces_pending=len(self.indexer.pending),
+            prewarm=self.warmth.prewarm,
             pins=self.sessions.pin_total(), quarantined_slots=self.sessions.quarantined_slots(),
             refused_workers=self.sessions.refused,
         )

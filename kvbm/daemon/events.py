@@ -4,10 +4,13 @@ Every tier change the manager makes (stores, cascades, evictions, demotions) bec
 event-loop turn; what the daemon *learned* of a shared tier (a peer's event, a bucket probe) is not
 republished, so fleet daemons following each other do not echo.
 
-Who may subscribe: whoever may connect (the ipc:// directory's user, or CURVE's allow-list). A PUB socket
-cannot filter per subscriber, so on a daemon with tenants (and no CURVE) the stream is the operator's: a
-subscriber authenticates with ZeroMQ PLAIN, user ``admin`` and the admin token as password
-(:data:`EVENTS_USER`); a tenant's process that reaches the socket gets nothing.
+Who may subscribe: on a daemon without tenants, whoever may connect (the ipc:// directory's user, or CURVE's
+allow-list). A PUB socket cannot filter per subscriber, and events name namespaces and block hashes (functions
+of the tokens served: a tenant could test whether a prompt was served), so on a daemon with tenants the stream
+is the operator's, CURVE or not (:mod:`kvbm.daemon.zap`): without CURVE a subscriber authenticates with ZeroMQ
+PLAIN, user ``admin`` and the admin token as password (:data:`EVENTS_USER`); with CURVE only the keys of
+``daemon.curve_admin_clients_dir`` (and the daemon's own, a fleet sharing one key pair) pass, not the whole
+``curve_clients_dir``. A tenant's process that reaches the socket gets nothing.
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import curve_server
+from kvbm.daemon.zap import EVENTS_DOMAIN, EVENTS_USER, Zap
 from kvbm.manager.core import BlockManager
 from kvbm.security import prepare_ipc
 
-EVENTS_USER = "admin"  # the PLAIN user name of an events subscriber on a daemon with tenants
-EVENTS_DOMAIN = "kvbm-events"  # its ZAP domain (pyzmq's "*" covers only requests that name no domain)
+__all__ = ["EVENTS_DOMAIN", "EVENTS_USER", "EventPublisher"]
 
 
 class EventPublisher:
@@ -41,27 +44,27 @@ class EventPublisher:
         self.shared = shared  # the shared (S3) tier's name, "" without one
         self.endpoint = ""
         self._pub: zmq.asyncio.Socket | None = None
-        self._auth: Any = None
         self._seq = 0
         self._pending: dict[tuple[str, str, str, int], list[bytes]] = {}
         self._flush_scheduled = False
         self._learning = False  # applying what others did: not this daemon's own change, not republished
 
-    def bind(self, ctx: zmq.asyncio.Context, endpoint: str, public: str, secret: str, admin_token: str = "") -> None:
-        """Bind ``endpoint``: CURVE with the daemon's keys, else, given ``admin_token`` (a daemon with tenants),
-        PLAIN that only the admin token passes."""
+    def bind(self, ctx: zmq.asyncio.Context, endpoint: str, public: str, secret: str, *, zap: Zap,
+             admin_token: str = "", admin_keys: set[bytes] | frozenset[bytes] = frozenset()) -> None:
+        """Bind ``endpoint`` with the request socket's CURVE keys. Given ``admin_token`` (a daemon with tenants)
+        only the operator subscribes: with CURVE the public keys ``admin_keys`` and the daemon's own, without
+        it PLAIN that only the admin token passes."""
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 10_000)
         curve_server(pub, public, secret)  # block events name namespaces and hashes: same protection
-        if admin_token and not secret:
-            from zmq.auth.asyncio import AsyncioAuthenticator
-
-            self._auth = AsyncioAuthenticator(ctx)
-            self._auth.start()
-            self._auth.configure_plain(domain=EVENTS_DOMAIN, passwords={EVENTS_USER: admin_token})
-            pub.plain_server = True
+        if admin_token:
             pub.zap_domain = EVENTS_DOMAIN.encode()
+            if secret:
+                zap.curve(EVENTS_DOMAIN, {*admin_keys, public.encode()})
+            else:
+                zap.plain(EVENTS_DOMAIN, {EVENTS_USER: admin_token})
+                pub.plain_server = True
         prepare_ipc(endpoint, "events_endpoint")
         pub.bind(endpoint)
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -71,8 +74,6 @@ class EventPublisher:
     def close(self) -> None:
         if self._pub is not None:
             self._pub.close(0)
-        if self._auth is not None:
-            self._auth.stop()
 
     @contextlib.contextmanager
     def learned(self) -> Iterator[None]:

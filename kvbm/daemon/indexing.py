@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from kvbm.daemon.logs import logj
 from kvbm.daemon.transport import Spawn
@@ -17,21 +18,30 @@ from kvbm.errors import TierUnavailableError
 from kvbm.manager.core import BlockManager
 
 INDEX_RETRY_S = (0.5, 10.0)  # bucket listing retries: first delay, cap (doubling in between)
+MAX_NAMESPACES = 4096  # namespaces remembered as listed one by one (beyond: the oldest is listed again when used)
 
 
 class BucketIndexer:
-    """Owns whether (and which namespaces of) the bucket are indexed, and the retries until they are."""
+    """Owns whether (and which namespaces of) the bucket are indexed, and the retries until they are.
 
-    def __init__(self, manager: BlockManager, mode: str, spawn: Spawn) -> None:
+    Per-namespace state is bounded: the namespaces indexed one by one are remembered up to
+    :data:`MAX_NAMESPACES` (the oldest forgotten first: a later Register lists it again), one listing per
+    namespace runs at a time (its entry gone when it ends), and one retry loop serves every namespace whose
+    listing failed while a registered worker still uses it (``wanted``)."""
+
+    def __init__(self, manager: BlockManager, mode: str, spawn: Spawn,
+                 wanted: Callable[[str], bool] = lambda _ns: True) -> None:
         self.manager = manager
         self.mode = mode
         self.indexed = asyncio.Event()
         self.error = ""  # why the last listing failed (until one completes)
-        self.namespaces: set[str] = set()  # indexed one by one (before the whole bucket was)
+        self.namespaces: dict[str, None] = {}  # indexed one by one (before the whole bucket was), oldest first
+        self.pending: set[str] = set()  # namespaces whose listing failed, retried while wanted
         self._spawn = spawn
+        self._wanted = wanted
         self._names = [t.name for t in manager.tiers if t.kind == "s3"]
-        self._retrying: set[str] = set()
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._listing: dict[str, asyncio.Future[None]] = {}  # namespace -> its listing in progress
+        self._retry: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Before serving: list the bucket now (``start``) or note that there is none to list."""
@@ -56,6 +66,7 @@ class BucketIndexer:
             blocks += await self.manager.index_tier(name)
         self.error = ""
         self.indexed.set()
+        self.pending.clear()
         logj("bucket.indexed", blocks=blocks, seconds=round(time.perf_counter() - t0, 3))
 
     def _failed(self, e: Exception, retry_s: float, namespace: str = "") -> None:
@@ -81,28 +92,41 @@ class BucketIndexer:
         be listed now the worker is registered anyway and the namespace is listed later."""
         if self.indexed.is_set() or namespace in self.namespaces:
             return
-        async with self._locks.setdefault(namespace, asyncio.Lock()):
-            if namespace in self.namespaces:
-                return
-            try:
-                for name in self._names:
-                    await self.manager.index_tier(name, namespace)
-            except TierUnavailableError as e:
-                self._failed(e, INDEX_RETRY_S[0], namespace)
-                if namespace not in self._retrying:
-                    self._retrying.add(namespace)
-                    self._spawn(self._retry_namespace(namespace))
-                return
-            self.namespaces.add(namespace)
-            if not self._retrying - {namespace}:
-                self.error = ""
+        listing = self._listing.get(namespace)
+        if listing is None:
+            listing = self._listing[namespace] = self._spawn(self._list_namespace(namespace))
+            listing.add_done_callback(lambda _f: self._listing.pop(namespace, None))
+        await asyncio.shield(listing)
 
-    async def _retry_namespace(self, namespace: str) -> None:
+    async def _list_namespace(self, namespace: str) -> None:
+        try:
+            for name in self._names:
+                await self.manager.index_tier(name, namespace)
+        except TierUnavailableError as e:
+            self._failed(e, INDEX_RETRY_S[0], namespace)
+            self.pending.add(namespace)
+            if self._retry is None:
+                self._retry = self._spawn(self._retry_pending())
+            return
+        self.pending.discard(namespace)
+        self.namespaces[namespace] = None
+        while len(self.namespaces) > MAX_NAMESPACES:
+            del self.namespaces[next(iter(self.namespaces))]
+        if not self.pending:
+            self.error = ""
+
+    async def _retry_pending(self) -> None:
+        """One loop for every failed namespace: each pass (after a backoff) drops those no worker uses any more
+        and lists the others until one fails (S3 still down: the rest wait for the next pass)."""
         delay, cap = INDEX_RETRY_S
         try:
-            while namespace not in self.namespaces and not self.indexed.is_set():
+            while self.pending and not self.indexed.is_set():
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, cap)
-                await self.index_namespace(namespace)
+                self.pending = {ns for ns in self.pending if self._wanted(ns)}
+                for ns in list(self.pending):
+                    await self.index_namespace(ns)
+                    if ns in self.pending:
+                        break
         finally:
-            self._retrying.discard(namespace)
+            self._retry = None

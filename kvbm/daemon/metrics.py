@@ -60,6 +60,7 @@ _MANAGER = (
     ("owed_paid", "Owed write-throughs that reached their tier."),
     ("owed_dropped", "Write-throughs not owed because s3.max_owed_blocks were owed already."),
     ("owed_resumed", "Owed write-throughs resumed from the journal at start."),
+    ("owed_reconciled", "Blocks on disk the bucket lacked at its first listing, owed to it."),
     ("demotion_failures", "Demotions of eviction victims that failed."),
     ("kept", "Evictions refused: a persistent tier's block that no lower tier could really take."),
     ("dropped", "Memory-tier blocks evicted although no lower tier could take them (e.g. S3 down)."),
@@ -80,7 +81,7 @@ _DAEMON = (
     ("pins", "gauge", "Blocks pinned for workers."),
     ("quarantined_slots", "gauge", "G2 slots of expired workers held until they finish or their grace ends."),
     ("refused_workers", "counter", "Registrations refused because daemon.max_workers were registered."),
-    ("client_limited", "counter", "Requests refused `limit`: their client had its cap in flight."),
+    ("client_limited", "counter", "Requests refused `busy`: their client had its cap in flight."),
 )
 # The fleet (kvbm.fleet): the bucket probe's counters (ProbeStats key, metric name, help) and each peer's.
 _PROBE = (

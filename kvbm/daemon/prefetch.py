@@ -28,7 +28,14 @@ class Prefetcher:
     def after_lookup(self, keys: Sequence[BlockKey], tiers: Sequence[str]) -> None:
         """Prefetch the matched run if part of it is on a slow tier."""
         if any(t not in FAST for t in tiers):
-            self._start(list(keys[: len(tiers)]))
+            self._start(list(keys[: min(len(tiers), self._room())]))
+
+    def _room(self) -> int:
+        """At most half of G2's slots: an onboard pins its whole run, so a prefetch of more than G2 holds would
+        pin G2 full and fail itself and every Onboard meanwhile (a lookup of a store larger than G2)."""
+        g2 = self.manager.by_name.get(TierName.G2)
+        slots = getattr(g2, "num_slots", 0)
+        return max(1, slots // 2) if slots else 1 << 30
 
     def after_probe(self, keys: Sequence[BlockKey]) -> None:
         """A probe finished after its lookup was answered: prefetch what the index holds now."""

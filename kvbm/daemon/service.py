@@ -3,8 +3,9 @@ worker's session and returning the reply. No ZeroMQ here (see :mod:`kvbm.daemon.
 handlers can be called directly.
 
 Pins: blocks onboarded for a worker stay pinned in G2 until it sends Release or Unregister, or its lease
-runs out (:mod:`kvbm.daemon.sessions` owns the slot references). Slot requests carrying another G2 pool generation
-than this daemon's are refused (``E_STALE``).
+runs out: the manager hands out read leases (``reserve_read``, as ``prepare_store`` on the store path) and
+:mod:`kvbm.daemon.sessions` holds them; nothing here touches the registry or the G2 pool. Slot requests
+carrying another G2 pool generation than this daemon's are refused (``E_STALE``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from typing import Any
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
-from kvbm.config import DaemonConfig
+from kvbm.config import DaemonConfig, TenantConfig
 from kvbm.daemon.admin import AdminHandlers
-from kvbm.daemon.auth import Credentials, authorize, check_store
+from kvbm.daemon.auth import Credentials, Principal, authorize, check_store
 from kvbm.daemon.barrier import Barriers
 from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.indexing import BucketIndexer
@@ -143,27 +144,45 @@ class Service:
             if len(getattr(layout, name)) > p.MAX_STR:
                 raise Handled(p.E_LIMIT, f"layout.{name} is longer than {p.MAX_STR} characters")
         who = self.creds.principal(msg)  # checked by authorize already: this only names it
+        self._check_place(msg, who)  # before the bucket is listed: a refused Register costs no LIST
         await self.indexer.index_namespace(layout.namespace)
-        # No await from here to add: the checks hold when the session is added.
-        if why := self.sessions.owner_conflict(msg.worker_id, who.name):
-            raise Handled(p.E_FORBIDDEN, why)
+        self._check_place(msg, who)  # again: others registered while we listed. No await from here to add.
         t = who.tenant
-        if why := self.sessions.refusal(msg, admin=who.admin, principal=who.name, cap=t.max_workers if t else 0,
-                                        field=f"max_workers of tenant {t.name!r}" if t else "daemon.max_workers"):
-            raise Handled(p.E_LIMIT, why)
         for old in self.sessions.by_worker_id(msg.worker_id):
             self.drop_worker(old, "re-registered")
         token = secrets.token_hex(16)
         admin = who.admin
-        self.sessions.add(token, msg, admin=admin, principal=who.name, max_inflight=t.max_inflight if t else 0)
+        ranks = max(msg.tp_size, 1) * max(layout.pp_size, 1)  # the engine's workers, all sharing G2
+        principal_slots, slots = self.slot_budgets(t, ranks) if not admin else (0, 0)
+        self.sessions.add(token, msg, admin=admin, principal=who.name, max_inflight=t.max_inflight if t else 0,
+                          slots=slots, principal_slots=principal_slots)
         self.stats.registered += 1
         logj("worker.registered", worker=msg.worker_id, engine=msg.engine_id, rank=msg.tp_rank,
              namespace=layout.namespace, admin=admin, tenant=t.name if t else "")
         return p.Registered(
             token=token, namespace=layout.namespace, shm_name=getattr(g2, "shm_name", ""), generation=self.generation,
             slot_bytes=g2.slot_bytes, num_slots=g2.num_slots, capacity_bytes=g2.capacity_bytes,
-            block_nbytes=layout.block_nbytes,
+            block_nbytes=layout.block_nbytes, session_slots=slots or g2.num_slots,
         )
+
+    def slot_budgets(self, tenant: TenantConfig | None, ranks: int) -> tuple[int, int]:
+        """(the principal's G2 slot budget, 0 when unbounded; a new session's): a tenant's ``max_slots`` or an
+        equal share of G2; a session's ``daemon.max_session_slots`` or its principal's over its engine's
+        ``ranks`` (tp_size x pp_size: the ranks of one engine together fit)."""
+        num = g2_of(self.manager).num_slots
+        principal = (tenant.max_slots or max(1, num // len(self.creds.tenants))) if tenant is not None else 0
+        of = min(principal or num, num)
+        session = min(self.dc.max_session_slots, of) if self.dc.max_session_slots else max(1, of // ranks)
+        return principal, session
+
+    def _check_place(self, msg: p.Register, who: Principal) -> None:
+        """Raises Handled unless ``who`` may take a place for ``msg``: its worker_id, its max_workers."""
+        if why := self.sessions.owner_conflict(msg.worker_id, who.name):
+            raise Handled(p.E_FORBIDDEN, why)
+        t = who.tenant
+        if why := self.sessions.refusal(msg, admin=who.admin, principal=who.name, cap=t.max_workers if t else 0,
+                                        field=f"max_workers of tenant {t.name!r}" if t else "daemon.max_workers"):
+            raise Handled(p.E_LIMIT, why)
 
     def unregister(self, _msg: p.Unregister, w: WorkerSession) -> p.Released:
         return p.Released(count=self.drop_worker(w, "unregistered", quarantine=False))
@@ -177,7 +196,7 @@ class Service:
     async def barrier(self, msg: p.Barrier, w: WorkerSession) -> p.BarrierReply:
         # A Barrier holds an in-flight place while it waits: never longer than daemon.barrier_timeout_s.
         msg.timeout_s = min(msg.timeout_s or self.dc.barrier_timeout_s, self.dc.barrier_timeout_s)
-        return await self.barriers.arrive(msg, msg.world_size or w.tp_size)
+        return await self.barriers.arrive(msg, msg.world_size or w.tp_size, w.principal)
 
     # -- blocks ----------------------------------------------------------------------------------------
     async def lookup(self, msg: p.Lookup, _w: WorkerSession) -> p.LookupReply:
@@ -215,9 +234,14 @@ class Service:
             raise Handled(p.E_BAD_REQUEST, f"nbytes {msg.nbytes} outside (0, {slot_bytes}]")
         t0 = time.perf_counter()
         keys = msg.keys()
+        need = self.manager.store_need(keys, TierName.G2)
+        if why := self.sessions.no_room(w, need):
+            raise Handled(p.E_FULL, why)
+        self.sessions.reserve(w, need)  # counted while we wait for room: a concurrent request sees it
         try:
             slots = await self.manager.prepare_store(keys, msg.nbytes, TierName.G2)
         finally:
+            self.sessions.unreserve(w, need)
             self.stats.offload_seconds += time.perf_counter() - t0
             self.metrics.store.labels(op="prepare").observe(time.perf_counter() - t0)
         if not self.sessions.alive(w):  # dropped while we waited (nothing copied yet): give the slots back
@@ -248,38 +272,28 @@ class Service:
         self._check_generation(msg)
         t0 = time.perf_counter()
         keys = msg.keys()
-        reg = self.manager.registry
-        reg.pin(keys)  # before the await, so nothing we bring up is evicted before the worker reads it
-        source = self.metrics.slowest(reg.match_prefix(keys))  # the tier the onboard's latency comes from
+        run = self.manager.held_run(keys)
+        if why := self.sessions.no_room(w, len(run)):  # what it would pin: the leading held run
+            raise Handled(p.E_FULL, why)
+        source = self.metrics.slowest(run)  # the tier the onboard's latency comes from
+        self.sessions.reserve(w, len(run))
         try:
-            n = await self.manager.onboard(keys, to=TierName.G2)
-        except BaseException:
-            reg.unpin(keys)
-            raise
-        g2 = g2_of(self.manager)
-        held: list[tuple[BlockKey, int]] = []
-        nbytes: list[int] = []
-        for k in keys[:n]:
-            got = g2.acquire(k)  # the worker's reference on this very slot, until it releases it
-            if got is None:
-                break
-            held.append((k, got[0]))
-            nbytes.append(got[1])
-        n = len(held)
-        reg.unpin(keys[n:])
+            # The worker's leases: each block pinned in G2 and its very slot referenced until it releases it.
+            leases = await self.manager.reserve_read(keys, TierName.G2)
+        finally:
+            self.sessions.unreserve(w, len(run))
         if self.sessions.alive(w):
-            self.sessions.pin(w, held)
-        else:
-            reg.unpin(keys[:n])
-            for _k, slot in held:
-                g2.unref(slot)
-            n, held, nbytes = 0, [], []
+            self.sessions.pin(w, leases)
+        else:  # dropped while we waited: nobody will release them
+            self.manager.release(leases)
+            leases = []
+        n = len(leases)
         self.stats.onboard_seconds += time.perf_counter() - t0
         self.metrics.onboard.labels(tier=source).observe(time.perf_counter() - t0)
         if n:
             self.publisher.publish(p.BlocksOnboarded(namespace=msg.namespace, hashes=msg.hashes[:n],
                                                      worker_id=w.worker_id))
-        return p.Onboarded(count=n, slots=[slot for _k, slot in held], nbytes=nbytes)
+        return p.Onboarded(count=n, slots=[lease.slot for lease in leases], nbytes=[lease.nbytes for lease in leases])
 
     def release(self, msg: p.Release, w: WorkerSession) -> p.Released:
         self._check_generation(msg)

@@ -1,9 +1,9 @@
 """Worker sessions: what the daemon holds on behalf of each registered worker, in one place.
 
-A session owns the worker's lease (``last_seen``), its pins (blocks it onboarded: a registry pin so
-eviction leaves the block in G2, plus a reference on the exact G2 slot it was handed, so an Evict and
-re-store of the same key can never give that slot to another block while the worker copies out of it)
-and its prepared stores (key -> slot it is copying into).
+A session owns the worker's lease (``last_seen``), its pins (blocks it onboarded: the manager's read leases,
+:mod:`kvbm.manager.leases`, each a registry pin plus a reference on the exact G2 slot it was handed) and its
+prepared stores (key -> slot it is copying into). It holds them as opaque values and gives them back through
+the manager: it never touches the registry nor the pool itself.
 
 Dropping a session: on Unregister or daemon shutdown the worker is done with its slots, so they are
 released at once. On lease expiry or a re-registration under the same ``worker_id`` the old worker may
@@ -20,6 +20,11 @@ without tenants) so a Register flood cannot grow the daemon without bound nor ta
 ``worker_id`` that holds a place replaces it, but only from the same principal (a worker_id belongs to the
 credential that created it), and admin sessions (the operator's CLI) are not counted, so an operator can
 still look into a full daemon. Expired and unregistered workers free their places.
+
+Slot budgets: the G2 slots a session holds (pinned + prepared + reserved by a slot request in progress) are
+capped per session (``slots``, stated in Registered.session_slots) and, summed over its sessions and its
+quarantines, per principal (a tenant's ``max_slots``), so one tenant pinning and pinging cannot hold all of
+G2. :meth:`Sessions.no_room` says why a request for more is refused (the daemon answers ``full``: load).
 """
 
 from __future__ import annotations
@@ -30,14 +35,14 @@ from collections.abc import Iterable
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.manager.core import BlockManager
-from kvbm.tiers.pool import SlotPoolTier
+from kvbm.manager.leases import Lease
 
 
 class WorkerSession:
     """One registered worker (one TP rank of one engine)."""
 
     def __init__(self, token: str, msg: p.Register, *, admin: bool = False, principal: str = "",
-                 max_inflight: int = 0) -> None:
+                 max_inflight: int = 0, slots: int = 0, principal_slots: int = 0) -> None:
         self.token = token
         self.admin = admin  # registered with the admin token: any namespace, Evict, Reindex
         self.principal = principal  # whom it acts for ("", "admin", "tenant:<name>"): owns its worker_id
@@ -48,18 +53,28 @@ class WorkerSession:
         self.tp_size = msg.tp_size
         self.layout = msg.layout
         self.namespace = msg.layout.namespace
-        self.pins: dict[BlockKey, list[int]] = {}  # key -> G2 slots handed out by Onboard (one per Onboard)
+        self.pins: dict[BlockKey, list[Lease]] = {}  # key -> read leases handed out by Onboard (one per Onboard)
         self.prepared: dict[BlockKey, int] = {}  # key -> G2 slot handed out by PrepareStore
         self.last_seen = time.monotonic()
+        self.slots = slots  # G2 slots it may hold at once (0: unbounded, an admin session)
+        self.principal_slots = principal_slots  # its principal's, over all its sessions (0: unbounded)
+        self.npins = 0  # slots in ``pins``
+        self.reserved = 0  # slots counted for slot requests in progress (before their pins/prepared exist)
 
     def pin_count(self) -> int:
-        return sum(len(s) for s in self.pins.values())
+        return self.npins
+
+    def held(self) -> int:
+        """G2 slots this session holds or is being given."""
+        return self.npins + len(self.prepared) + self.reserved
 
 
 class _Quarantine:
     """The slots of a dropped worker that may still be copying."""
 
-    def __init__(self, pins: dict[BlockKey, list[int]], prepared: dict[BlockKey, int], until: float, why: str):
+    def __init__(self, pins: dict[BlockKey, list[Lease]], prepared: dict[BlockKey, Lease], until: float, why: str,
+                 principal: str = ""):
+        self.principal = principal  # still charged for these slots
         self.pins = pins
         self.prepared = prepared
         self.until = until
@@ -67,6 +82,9 @@ class _Quarantine:
 
     def empty(self) -> bool:
         return not self.pins and not self.prepared
+
+    def slots(self) -> int:
+        return sum(len(s) for s in self.pins.values()) + len(self.prepared)
 
 
 class Sessions:
@@ -80,17 +98,13 @@ class Sessions:
         self.refused = 0  # registrations refused because max_workers were registered
         self.workers: dict[str, WorkerSession] = {}
         self._quarantine: dict[str, _Quarantine] = {}
-
-    @property
-    def pool(self) -> SlotPoolTier:
-        tier = self.manager.by_name[self.store_tier]
-        assert isinstance(tier, SlotPoolTier)
-        return tier
+        self.held: dict[str, int] = {}  # G2 slots held per principal: its sessions' and its quarantines'
 
     # -- membership -------------------------------------------------------------------------------------
     def add(self, token: str, msg: p.Register, *, admin: bool = False, principal: str = "",
-            max_inflight: int = 0) -> WorkerSession:
-        w = WorkerSession(token, msg, admin=admin, principal=principal, max_inflight=max_inflight)
+            max_inflight: int = 0, slots: int = 0, principal_slots: int = 0) -> WorkerSession:
+        w = WorkerSession(token, msg, admin=admin, principal=principal, max_inflight=max_inflight, slots=slots,
+                          principal_slots=principal_slots)
         self.workers[token] = w
         return w
 
@@ -125,6 +139,10 @@ class Sessions:
     def __len__(self) -> int:
         return len(self.workers)
 
+    def uses(self, namespace: str) -> bool:
+        """Whether a registered worker uses ``namespace``."""
+        return any(w.namespace == namespace for w in self.workers.values())
+
     def by_worker_id(self, worker_id: str) -> list[WorkerSession]:
         return [w for w in self.workers.values() if w.worker_id == worker_id]
 
@@ -132,35 +150,74 @@ class Sessions:
         cutoff = time.monotonic() - timeout_s
         return [w for w in self.workers.values() if w.last_seen < cutoff]
 
+    # -- slot budgets ---------------------------------------------------------------------------------
+    def _charge(self, principal: str, n: int) -> None:
+        left = self.held.get(principal, 0) + n
+        if left:
+            self.held[principal] = left
+        else:
+            self.held.pop(principal, None)
+
+    def no_room(self, w: WorkerSession, n: int) -> str:
+        """Why ``w`` may not be given ``n`` more G2 slots ("" when it may): its session's or its principal's
+        budget would be passed."""
+        if n <= 0:
+            return ""
+        held = self.held.get(w.principal, 0)
+        if w.principal_slots and held + n > w.principal_slots:
+            who = w.principal.removeprefix("tenant:")
+            return (f"tenant {who!r} slot budget: {held} G2 slots held by its sessions + {n} asked > "
+                    f"{w.principal_slots} (its max_slots in daemon.tenants); release or commit first")
+        if w.slots and w.held() + n > w.slots:
+            return (f"session slot budget: {w.held()} G2 slots held + {n} asked > {w.slots} "
+                    f"(Registered.session_slots, daemon.max_session_slots); release or commit first")
+        return ""
+
+    def reserve(self, w: WorkerSession, n: int) -> None:
+        """Count ``n`` slots for a request in progress (checked with :meth:`no_room` first)."""
+        w.reserved += n
+        self._charge(w.principal, n)
+
+    def unreserve(self, w: WorkerSession, n: int) -> None:
+        w.reserved -= n
+        self._charge(w.principal, -n)
+
     # -- stores -----------------------------------------------------------------------------------------
     def prepared(self, w: WorkerSession, keys: Iterable[BlockKey], slots: Iterable[int | None]) -> None:
+        before = len(w.prepared)
         for k, s in zip(keys, slots, strict=True):
             if s is not None:
                 w.prepared[k] = s
+        self._charge(w.principal, len(w.prepared) - before)
 
     def take_prepared(self, w: WorkerSession, keys: Iterable[BlockKey]) -> list[BlockKey]:
         """The keys among ``keys`` this worker prepared (no longer its to commit afterwards)."""
-        return [k for k in keys if w.prepared.pop(k, None) is not None]
+        mine = [k for k in keys if w.prepared.pop(k, None) is not None]
+        self._charge(w.principal, -len(mine))
+        return mine
 
     # -- pins -------------------------------------------------------------------------------------------
-    def pin(self, w: WorkerSession, held: list[tuple[BlockKey, int]]) -> None:
-        """Record slots (already referenced via ``pool.acquire``, keys registry-pinned) handed to ``w``."""
-        for k, slot in held:
-            w.pins.setdefault(k, []).append(slot)
+    def pin(self, w: WorkerSession, leases: list[Lease]) -> None:
+        """Record read leases (:meth:`BlockManager.reserve_read`) handed to ``w``."""
+        for lease in leases:
+            w.pins.setdefault(lease.key, []).append(lease)
+        w.npins += len(leases)
+        self._charge(w.principal, len(leases))
 
     def release(self, w: WorkerSession, keys: Iterable[BlockKey]) -> int:
-        """Drop one pin per key (the slot handed out first); returns pins released."""
-        done = 0
+        """Drop one pin per key (the lease handed out first); returns pins released."""
+        done: list[Lease] = []
         for k in keys:
-            slots = w.pins.get(k)
-            if not slots:
+            leases = w.pins.get(k)
+            if not leases:
                 continue
-            self.pool.unref(slots.pop(0))
-            if not slots:
+            done.append(leases.pop(0))
+            if not leases:
                 del w.pins[k]
-            self.manager.registry.unpin([k])
-            done += 1
-        return done
+        self.manager.release(done)
+        w.npins -= len(done)
+        self._charge(w.principal, -len(done))
+        return len(done)
 
     # -- dropping -------------------------------------------------------------------------------------
     def drop(self, w: WorkerSession, *, quarantine: bool, why: str = "") -> int:
@@ -168,20 +225,22 @@ class Sessions:
         if self.workers.pop(w.token, None) is None:
             return 0
         pins = w.pin_count()
-        for k, slots in w.pins.items():
-            self.manager.registry.unpin([k] * len(slots))
+        leases = [lease for held in w.pins.values() for lease in held]
         prepared = list(w.prepared)
+        self._charge(w.principal, -(pins + len(prepared)))
         if quarantine and (w.pins or prepared):
+            self.manager.detach_read(leases)  # evictable again; the slots stay referenced until the grace ends
             detached = self.manager.detach_store(prepared)
-            self._quarantine[w.token] = _Quarantine(w.pins, detached, time.monotonic() + self.grace_s, why)
+            q = _Quarantine(w.pins, detached, time.monotonic() + self.grace_s, why, w.principal)
+            self._quarantine[w.token] = q
+            self._charge(w.principal, q.slots())
         else:
-            for slots in w.pins.values():
-                for slot in slots:
-                    self.pool.unref(slot)
+            self.manager.release(leases)
             if prepared:
                 self.manager.complete_store(prepared, ok=False)
         w.pins = {}
         w.prepared = {}
+        w.npins = 0
         return pins
 
     def unknown_token(self, msg: p.Request) -> str:
@@ -201,13 +260,14 @@ class Sessions:
         return f"worker {q.why}: its token is gone and its unfinished stores were aborted; send Register"
 
     def _unquarantine(self, q: _Quarantine, pins: Iterable[BlockKey], prepared: Iterable[BlockKey]) -> None:
-        for k in pins:
-            for slot in q.pins.pop(k, []):
-                self.pool.unref(slot)
-        for k in prepared:
-            slot = q.prepared.pop(k, None)
-            if slot is not None:
-                self.pool.unref(slot)
+        before = q.slots()
+        self._release_quarantined(q, pins, prepared)
+        self._charge(q.principal, q.slots() - before)
+
+    def _release_quarantined(self, q: _Quarantine, pins: Iterable[BlockKey], prepared: Iterable[BlockKey]) -> None:
+        done = [lease for k in pins for lease in q.pins.pop(k, [])]
+        done += [lease for k in prepared if (lease := q.prepared.pop(k, None)) is not None]
+        self.manager.release(done)
 
     def reap_quarantine(self) -> int:
         """Release quarantines whose grace period is over; returns slots released."""
@@ -215,13 +275,13 @@ class Sessions:
         n = 0
         for token, q in list(self._quarantine.items()):
             if q.until <= now:
-                n += sum(len(s) for s in q.pins.values()) + len(q.prepared)
+                n += q.slots()
                 self._unquarantine(q, list(q.pins), list(q.prepared))
                 del self._quarantine[token]
         return n
 
     def quarantined_slots(self) -> int:
-        return sum(sum(len(s) for s in q.pins.values()) + len(q.prepared) for q in self._quarantine.values())
+        return sum(q.slots() for q in self._quarantine.values())
 
     def pin_total(self) -> int:
         return sum(w.pin_count() for w in self.workers.values())

@@ -10,7 +10,7 @@ class DaemonStats(msgspec.Struct):
     replies: int = 0
     dropped: int = 0
     shed: int = 0
-    client_limited: int = 0  # requests answered `limit` because their client had its cap in flight
+    client_limited: int = 0  # requests answered `busy` because their client had its cap in flight
     offload_seconds: float = 0.0
     onboard_seconds: float = 0.0
     lookup_seconds: float = 0.0

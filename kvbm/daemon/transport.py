@@ -5,7 +5,8 @@ Request logic lives in :mod:`kvbm.daemon.service`; this module only moves frames
 :class:`~kvbm.protocol.Shed`; with ``max_inflight`` requests of any kind in flight the loop stops reading
 (ZeroMQ queues, then the clients time out). Before that, each client (a tenant, a worker session, an
 unregistered connection: :meth:`RequestService.client_of`) has its own cap: a request beyond it is answered
-``limit`` at once, so one client's flood (say Barriers that wait) neither stops the loop nor delays others.
+``busy`` at once (load: retry later; ``limit`` means a field out of bounds), so one client's flood (say
+Barriers that wait) neither stops the loop nor delays others.
 Bad frames get an Error reply (or are dropped) and are counted;
 none stops the daemon.
 """
@@ -25,6 +26,7 @@ from kvbm.config import DaemonConfig
 from kvbm.daemon.logs import logj
 from kvbm.daemon.sessions import WorkerSession
 from kvbm.daemon.stats import DaemonStats
+from kvbm.daemon.zap import Zap, public_keys
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
 from kvbm.security import prepare_ipc
 
@@ -62,7 +64,8 @@ def curve_server(sock: zmq.asyncio.Socket, public: str, secret: str) -> None:
 class Transport:
     """The ROUTER socket: one request in, one reply out, each handled in its own task unless it is quick."""
 
-    def __init__(self, dc: DaemonConfig, ctx: zmq.asyncio.Context, stats: DaemonStats, spawn: Spawn) -> None:
+    def __init__(self, dc: DaemonConfig, ctx: zmq.asyncio.Context, stats: DaemonStats, spawn: Spawn,
+                 zap: Zap) -> None:
         self.dc = dc
         self.stats = stats
         self.endpoint = dc.endpoint
@@ -72,7 +75,7 @@ class Transport:
         self._ctx = ctx
         self._spawn = spawn
         self._router: zmq.asyncio.Socket | None = None
-        self._auth: Any = None
+        self._zap = zap
         self._slot_free = asyncio.Event()
         self._sync: zmq.Socket[Any] | None = None  # the plain view of the ROUTER that serve() reads and replies on
         self._readable = asyncio.Event()  # the ROUTER's FD signalled, or a send may have hidden a queued request
@@ -92,12 +95,8 @@ class Transport:
         if secret:
             if not zmq.has("curve"):
                 raise KvbmError("daemon CURVE keys are set but libzmq has no CURVE support")
-            if dc.curve_clients_dir:  # the ZAP handler covers every socket of this context: ROUTER and PUB
-                from zmq.auth.asyncio import AsyncioAuthenticator
-
-                self._auth = AsyncioAuthenticator(self._ctx)
-                self._auth.start()
-                self._auth.configure_curve(domain="*", location=dc.curve_clients_dir)
+            # The request socket's domain (the default one); the events socket may name its own (kvbm.daemon.zap).
+            self._zap.curve("*", public_keys(dc.curve_clients_dir) if dc.curve_clients_dir else None)
         curve_server(router, public, secret)
         prepare_ipc(dc.endpoint, "endpoint")
         router.bind(dc.endpoint)
@@ -105,8 +104,6 @@ class Transport:
         self._router = router
 
     def close(self) -> None:
-        if self._auth is not None:
-            self._auth.stop()
         if self._router is not None:
             self._router.close(0)
 
@@ -196,7 +193,7 @@ class Transport:
         held = self.per_client.get(client, 0)
         if held >= cap:
             self.stats.client_limited += 1
-            self._error(route, msg.rid, p.E_LIMIT, f"{held} requests of this client are in flight (its cap: "
+            self._error(route, msg.rid, p.E_BUSY, f"{held} requests of this client are in flight (its cap: "
                                                    f"daemon.max_inflight_per_client or its tenant's max_inflight)")
             return
         self.per_client[client] = held + 1

@@ -13,6 +13,11 @@ it) has expired: only equality of the server's timestamps is used, so no two clo
 LIST or GET changes nothing: members are dropped on what the bucket says, never because it could not be asked.
 The cost per daemon: one LIST per interval and about one GET per member per TTL.
 
+An endpoint only its own host can reach (``ipc://``, ``inproc://``, a loopback address) is announced with a
+warning (set ``daemon.announce_endpoint``), and the membership names the host (:func:`this_host`): a daemon on
+another host does not follow it (it would connect to its *own* socket of that name and show the peer joined); it
+lists it as ``unreachable`` instead. Daemons on the same host follow each other's local endpoints as before.
+
 ``_members`` is not a namespace (namespaces start with a letter or digit), so block listings skip it.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +55,30 @@ class Membership(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     curve_public_key: str = ""  # Z85; empty: its PUB socket is plain
     started_at: float  # unix time (informational)
     ttl_s: float  # refreshed every ttl_s / 3; gone when not refreshed for ttl_s
+    host: str = ""  # the announcing host (:func:`this_host`); "" from older writers: host unknown
+
+
+def this_host() -> str:
+    """This host's identity in a membership: its host name and boot id (two machines never share both; two
+    containers of one machine have their own host names unless they share the host's network)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
+
+
+def host_local(endpoint: str) -> str:
+    """Why only its own host can reach ``endpoint`` ("" when others may): an ipc/inproc socket or a loopback
+    address."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return f"an {scheme}:// socket exists on its own host only"
+    host = rest.rsplit(":", 1)[0].strip("[]").lower() if ":" in rest else rest.lower()
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        return f"{host} is a loopback address"
+    return ""
 
 
 def members_prefix(prefix: str) -> str:
@@ -95,6 +125,7 @@ class DiscoveryStats(msgspec.Struct):
     left: int = 0  # members reported gone (object deleted) or expired
     bad: int = 0  # objects under _members/ that are not memberships
     conflicts: int = 0  # another daemon announced this node's id
+    unreachable: int = 0  # members of other hosts announcing a host-local endpoint, not followed
     last_scan_at: float = 0.0  # unix time of the last successful scan
 
 
@@ -107,7 +138,7 @@ class Discovery:
     def __init__(self, tier: Any, node_id: str, events_endpoint: str, curve_public_key: str, *,
                  join: Callable[[Membership], None], leave: Callable[[str], None], interval_s: float = 2.0,
                  ttl_s: float = 15.0, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, host: str | None = None) -> None:
         self.tier = tier
         self.node = node_name(node_id)
         self.key = member_key(tier.prefix, self.node)
@@ -118,10 +149,12 @@ class Discovery:
         self._leave = leave
         self._mono = monotonic
         self.me = Membership(node_id=self.node, instance=secrets.token_hex(8), events_endpoint=events_endpoint,
-                             curve_public_key=curve_public_key, started_at=clock(), ttl_s=ttl_s)
+                             curve_public_key=curve_public_key, started_at=clock(), ttl_s=ttl_s,
+                             host=this_host() if host is None else host)
         self._body = msgspec.json.encode(self.me)
         self._clock = clock
         self.members: dict[str, Membership] = {}  # followed: node -> its membership
+        self.unreachable: dict[str, str] = {}  # node -> why it is not followed (another host's local endpoint)
         self._seen: dict[str, _Seen] = {}  # object key -> what the listings and the last GET said
         self._next_announce = 0.0
         self._blind = False  # the last scan failed
@@ -244,6 +277,17 @@ class Discovery:
             log.warning("discovery: node id %r is also announced by another daemon (events %s); give each daemon "
                         "its own daemon.node_id", self.node, own.events_endpoint)
             self._next_announce = 0.0  # put ours back: a fleet of two claimants flaps, and says so
+        unreachable: dict[str, str] = {}
+        for node, m in list(live.items()):
+            why = host_local(m.events_endpoint)
+            if why and m.host and m.host != self.me.host:
+                unreachable[node] = f"{m.events_endpoint} ({why}; announced by host {m.host})"
+                del live[node]
+                if node not in self.unreachable:
+                    self.stats.unreachable += 1
+                    log.warning("discovery: member %s announced %s: %s, not this one; not followed (give it a "
+                                "routable daemon.announce_endpoint)", node, m.events_endpoint, why)
+        self.unreachable = unreachable
         for node in [n for n in self.members if n not in live]:
             del self.members[node]
             self.stats.left += 1
@@ -260,5 +304,6 @@ class Discovery:
     def describe(self) -> dict[str, object]:
         d: dict[str, object] = msgspec.structs.asdict(self.stats)
         d.update(node=self.node, key=self.key, events_endpoint=self.me.events_endpoint, members=sorted(self.members),
-                 interval_s=self.interval_s, ttl_s=self.ttl_s)
+                 interval_s=self.interval_s, ttl_s=self.ttl_s, host=self.me.host,
+                 host_local=host_local(self.me.events_endpoint), unreachable_members=dict(self.unreachable))
         return d

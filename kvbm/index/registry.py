@@ -232,6 +232,10 @@ class Registry:
     def used(self, tier: str) -> int:
         return self._sizes[self._ti[tier]].used
 
+    def footprint(self, tier: str) -> int:
+        """The footprint most of ``tier``'s blocks have (its base one; 0 while it has none)."""
+        return self._sizes[self._ti[tier]].base or 0
+
     def count(self, tier: str) -> int:
         return len(self._lru[self._ti[tier]])
 

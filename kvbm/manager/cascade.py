@@ -3,7 +3,8 @@
 Cascades run at most ``max_concurrent`` at once (a burst queues here instead of being shed by a lower
 tier's own write limit) and at most ``max_pending`` are queued (more are shed, counted). A cascade that
 raises anything is counted and logged (:class:`~kvbm.manager.failures.FailureLog`) and leaves the block where it
-was; one a tier could not take for an outage is owed to it (:class:`~kvbm.manager.owed.OwedWrites`).
+was; one a tier could not take for an outage is owed to it (:class:`~kvbm.manager.owed.OwedWrites`), and so is one
+whose stale shared-tier entry could not be re-checked (its HEAD failed).
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ class WriteThrough:
                     durable = durable or policy.is_persistent(tier)
                     continue
                 if s.registry.holds(tier.name, key):
-                    continue  # the bucket did not answer whether it is there: neither counted nor rewritten now
+                    # The bucket did not answer whether it is there (an S3 blip): not counted, and owed, so it is
+                    # checked again (and written if it is missing) once the tier takes writes.
+                    s.stats.cascade_failures += 1
+                    self.owed.owe(tier.name, key)
+                    continue
             if s.filtered(tier, key):
                 s.stats.filtered += 1
                 continue

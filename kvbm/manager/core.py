@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -37,8 +38,10 @@ from kvbm.manager.cascade import WriteThrough
 from kvbm.manager.external import ExternalStores
 from kvbm.manager.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.manager.knowledge import IndexSync
+from kvbm.manager.leases import Lease, ReadLeases
 from kvbm.manager.moves import Moves, forget_if_gone
 from kvbm.manager.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED, JOURNAL_NAME
+from kvbm.manager.placement import PlacementPolicy
 from kvbm.manager.policy import PERSISTENT
 from kvbm.manager.room import Room
 from kvbm.manager.state import CopyObserver, ManagerState, ManagerStats, StateField
@@ -64,12 +67,16 @@ class BlockManager:
         max_pending_cascades: int = 1024,
         max_concurrent_cascades: int = 32,
         max_owed_blocks: int = DEFAULT_MAX_OWED,
+        eviction: str = "lru",
+        policy_options: dict[str, Any] | None = None,
     ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise KvbmError(f"duplicate tier names: {names}")
         # The one state every part shares; the parts get it and the callables they use, never the manager.
         self.state = ManagerState(list(tiers), Registry(names), mover=mover, min_hits_to_offload=min_hits_to_offload)
+        if eviction != "lru":  # admission, eviction and promotion: kvbm.manager.placement
+            self.state.placement = PlacementPolicy(self.state.registry, names, eviction, **(policy_options or {}))
         self.index = IndexSync(self.state)  # blocks found elsewhere (kvbm.manager.knowledge)
         self.room = Room(self.state, self._move, self.index.real_copies)  # reservations and eviction
         self.moves = Moves(self.state, self.room)  # coalesced copies between tiers
@@ -78,7 +85,9 @@ class BlockManager:
                                           max_concurrent_cascades, max_owed_blocks)
         self.owed_writes = self.write_through.owed
         self.external = ExternalStores(self.state, self.room, self.write_through.schedule)  # worker-filled G2 slots
+        self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
         self._pools_registered = False
+        self._reconciled: set[str | None] = set()  # bucket scopes (a namespace, None: all) reconciled with the disk
 
     def _move(self, key: BlockKey, dst: str) -> Awaitable[bool]:
         return self.moves.move(key, dst)
@@ -111,8 +120,25 @@ class BlockManager:
                         await self.owed_writes.resume(tier.local_dir / JOURNAL_NAME)
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
-        """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`)."""
-        return await self.index.index_tier(name, namespace, refresh=refresh)
+        """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`). The first listing
+        of a shared tier (or of a namespace in it) is also reconciled with the disk above it: what the disk holds
+        and the listing lacks is owed to it (:meth:`OwedWrites.reconcile`); an admin rescan (``refresh``) is not."""
+        n = await self.index.index_tier(name, namespace, refresh=refresh)
+        if not refresh:
+            await self._reconcile(name, namespace)
+        return n
+
+    async def _reconcile(self, name: str, namespace: str | None) -> int:
+        if self.by_name[name].kind != "s3" or None in self._reconciled or namespace in self._reconciled:
+            return 0
+        self._reconciled.add(namespace)
+        n = 0
+        for tier in self.tiers:
+            if tier.name == name:
+                break
+            if tier.local_dir is not None:
+                n += await self.owed_writes.reconcile(tier.name, name, namespace)
+        return n
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""
@@ -148,6 +174,11 @@ class BlockManager:
 
     def where(self, key: BlockKey) -> list[str]:
         return self.registry.where(key)
+
+    def held_run(self, keys: Sequence[BlockKey]) -> list[str]:
+        """The fastest tier of each block of the leading run of ``keys`` held anywhere (no statistics: what an
+        onboard would bring up)."""
+        return self.registry.match_prefix(keys)
 
     # -- writes ----------------------------------------------------------------------------------------
     async def put(
@@ -196,15 +227,34 @@ class BlockManager:
         """
         return await self.external.prepare(keys, nbytes, tier)
 
+    def store_need(self, keys: Sequence[BlockKey], tier: str = TierName.G2) -> int:
+        """At most how many slots :meth:`prepare_store` of ``keys`` would reserve now."""
+        return self.external.wanted(keys, tier)
+
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
         """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below."""
         done = self.external.complete(keys, ok, cascade=cascade)
         self.stats.offload_blocks += done
         return done
 
-    def detach_store(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
-        """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`)."""
+    def detach_store(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Lease]:
+        """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`); their
+        slots stay held by the leases returned until :meth:`release`."""
         return self.external.detach(keys)
+
+    # -- external reads (a worker copies a block out of a G2 slot itself; kvbm.manager.leases) -----------------
+    async def reserve_read(self, keys: Sequence[BlockKey], tier: str = TierName.G2) -> list[Lease]:
+        """Bring the leading held run of ``keys`` into pool tier ``tier`` and lease each block's slot to the
+        caller (pinned there, the slot referenced) until :meth:`release`."""
+        return await self.leases.reserve(keys, tier)
+
+    def detach_read(self, leases: Iterable[Lease]) -> None:
+        """Let leased blocks be evicted again while their slots stay referenced (a reader that may still copy)."""
+        self.leases.detach(leases)
+
+    def release(self, leases: Iterable[Lease]) -> int:
+        """Give back what leases (read, or detached stores) still hold; returns slots released."""
+        return self.leases.release(leases)
 
     async def _store(self, tier: Tier, key: BlockKey, data: memoryview | bytes) -> None:
         fp = tier.footprint(len(data))
@@ -269,15 +319,30 @@ class BlockManager:
     async def delete(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None, *,
                      gone: bool = False) -> int:
         """Remove blocks from the given tiers (default all), a batch per tier; returns copies removed. ``gone``:
-        another process already deleted them from disk/S3 (a purge), so only the indexes are updated."""
+        another process already deleted them from disk/S3 (a purge), so only the indexes are updated.
+
+        Only what a tier really deleted leaves the index: a key whose delete failed (a failed DeleteObjects, a
+        per-key error) is still held there and stays indexed. A tier that fails does not stop the others; the
+        first failure is raised once every tier was tried (TierUnavailableError naming the tier)."""
         by_tier: dict[str, list[BlockKey]] = {}
         for key in keys:
             for name in self.registry.where(key) if tiers is None else tiers:
                 by_tier.setdefault(name, []).append(key)
         removed = 0
+        failed: list[tuple[str, Exception]] = []
         for name, ks in by_tier.items():
-            removed += self.registry.remove_many(name, ks)
-            await self.by_name[name].delete_blocks(ks, gone=gone)
+            tier = self.by_name[name]
+            try:
+                await tier.delete_blocks(ks, gone=gone)
+            except Exception as e:  # the other tiers still delete; raised below
+                failed.append((name, e))
+            removed += self.registry.remove_many(name, [k for k in ks if not tier.contains(k)])
+        if failed:
+            name, e = failed[0]
+            if isinstance(e, TierUnavailableError):
+                raise TierUnavailableError(f"{name} could not delete every block ({e}); {removed} copies removed, "
+                                           "the rest stay indexed") from e
+            raise e
         return removed
 
     # -- reporting -------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError
+from kvbm.manager.leases import Lease
 from kvbm.manager.room import Room
 from kvbm.manager.state import ManagerState
 from kvbm.tiers.pool import SlotPoolTier
@@ -27,6 +28,14 @@ class ExternalStores:
         if not isinstance(pool, SlotPoolTier):
             raise KvbmError(f"{tier} is not a slot pool")
         return pool
+
+    def wanted(self, keys: Sequence[BlockKey], tier: str) -> int:
+        """How many slots :meth:`prepare` of ``keys`` would hand out now, at most (the distinct keys not held
+        in ``tier`` nor being stored there)."""
+        pool = self._pool(tier)
+        prepared, pending = self._prepared, pool.is_pending
+        return len({k for k, held in zip(keys, self.s.registry.holding(tier, keys), strict=True)
+                    if not held and k not in prepared and not pending(k)})
 
     async def prepare(self, keys: Sequence[BlockKey], nbytes: int, tier: str) -> list[int | None]:
         """A reserved slot per key; None for keys already stored there or being stored right now (another
@@ -88,10 +97,10 @@ class ExternalStores:
             self.room.unreserve(pool, fp * len(batch))
         return done
 
-    def detach(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
+    def detach(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Lease]:
         """Abort prepared stores whose writer may still be copying: the keys are free to be stored
-        again, but their slots stay referenced (returned; the caller unrefs them when safe)."""
-        slots: dict[BlockKey, int] = {}
+        again, but their slots stay referenced (returned as leases; the caller releases them when safe)."""
+        leases: dict[BlockKey, Lease] = {}
         for key in keys:
             ent = self._prepared.pop(key, None)
             if ent is None:
@@ -99,6 +108,6 @@ class ExternalStores:
             pool = self._pool(ent[0])
             slot = pool.detach(key)
             if slot is not None:
-                slots[key] = slot
+                leases[key] = Lease(key, ent[0], slot, ent[1], pinned=False)
             self.room.unreserve(pool, pool.footprint(ent[1]))
-        return slots
+        return leases

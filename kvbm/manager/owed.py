@@ -6,8 +6,13 @@ on every tier below it.
   (counted in ``owed_dropped``, logged): it stays where it is (durable on disk if it got there) but does not reach
   the lower tier by itself.
 * **Journaled**: with a journal (the disk tier's ``.kvbm-owed.journal``; the blocks a restart can still write are
-  the ones on disk) each block owed and each one paid is appended, by a thread, in batches; :meth:`resume` at the
-  next start owes again what was never paid. The file is rewritten compactly once it is mostly paid lines.
+  the ones on disk) each block owed and each one paid is appended, by a thread, in batches, within
+  ``journal_delay_s`` (a short debounce, not the retry delay: a crash loses at most that much); :meth:`resume` at
+  the next start owes again what was never paid. One flush runs at a time; the file is rewritten compactly (via a
+  temporary file of a unique name) once it is mostly paid lines.
+* **Reconciled**: even an owed write the journal never got (a crash inside the debounce, a cascade still in flight,
+  a deleted journal) is repaid: at start, once the bucket is listed, :meth:`reconcile` owes it every block the disk
+  holds that the listing lacks.
 * **Drained in batches**: once the tier takes writes, the oldest ``batch`` owed blocks are cascaded, awaited, then
   the next ones; nothing walks the whole set on the event loop, and the journal is written off it.
 """
@@ -19,17 +24,21 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from itertools import islice
 from pathlib import Path
 
 from kvbm.blocks import BlockKey
 from kvbm.manager.state import ManagerState
+from kvbm.tiers.base import SharedTier
 
 log = logging.getLogger(__name__)
 
 CATCH_UP_EVERY_S = 2.0  # how often owed write-throughs check whether their tier takes writes again
 JOURNAL_NAME = ".kvbm-owed.journal"  # in the disk tier's directory (a dot-file: never taken for a block)
+JOURNAL_DELAY_S = 0.05  # an owed or paid block reaches the journal file within this (batched, one fsync)
+RECONCILE_YIELD = 4096  # blocks compared per event-loop turn when reconciling a big disk
 DEFAULT_MAX_OWED = 1_000_000
 DRAIN_BATCH = 64
 
@@ -46,12 +55,15 @@ class OwedWrites:
         self.max_blocks = max_blocks
         self.batch = max(1, batch)
         self.journal: Path | None = None
+        self.journal_delay_s = JOURNAL_DELAY_S
         self._owed: dict[str, dict[BlockKey, None]] = {}
         self._again: set[tuple[str, BlockKey]] = set()  # owed again while being paid: the tier failed once more
         self._lines: list[str] = []  # journal lines not written yet
         self._journal_lines = 0  # lines in the journal file
         self._dropped_logged = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._flusher: asyncio.Task[None] | None = None
+        self._flushing = asyncio.Lock()  # one flush at a time: an append must not land in a file being replaced
 
     # -- owing ------------------------------------------------------------------------------------
     def owe(self, tier: str, key: BlockKey) -> None:
@@ -112,13 +124,14 @@ class OwedWrites:
 
     async def _pay(self, tier: str, key: BlockKey) -> bool:
         owed = self._owed[tier]
-        if self.s.registry.where(key) and not self.s.registry.holds(tier, key):
+        held = self.s.registry.holds(tier, key)
+        if self.s.registry.where(key) and (not held or self._unconfirmed(tier, key)):
             self._again.discard((tier, key))
             self.s.stats.catch_up_writes += 1
             await self.cascade(key)
-            if not self.s.registry.holds(tier, key) and (tier, key) in self._again:
+            if (tier, key) in self._again and (not self.s.registry.holds(tier, key) or self._unconfirmed(tier, key)):
                 self._again.discard((tier, key))
-                return False  # the tier failed again (an outage): still owed
+                return False  # the tier failed again (an outage, or its re-check HEAD failed): still owed
         # Written now, or by another path meanwhile, or no copy left above to write from: owed no more.
         paid = self.s.registry.holds(tier, key)
         owed.pop(key, None)
@@ -127,24 +140,48 @@ class OwedWrites:
             self.s.stats.owed_paid += 1
         return paid
 
+    def _unconfirmed(self, tier: str, key: BlockKey) -> bool:
+        """A shared tier's entry not seen lately (owed because its re-check failed): the cascade HEADs it again,
+        and writes it if the bucket lacks it."""
+        t = self.s.by_name[tier]
+        return isinstance(t, SharedTier) and not t.seen_within(key)
+
     # -- the journal -------------------------------------------------------------------------------
     def _note(self, op: str, tier: str, key: BlockKey) -> None:
         if self.journal is not None:
             self._lines.append(f"{op} {tier} {key.hash.hex()} {key.namespace}\n")
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.get_running_loop().create_task(self._flush_soon())
+
+    async def _flush_soon(self) -> None:
+        """Flush what was noted within ``journal_delay_s`` (one batch, one fsync), until nothing is pending."""
+        while self._lines:
+            await asyncio.sleep(self.journal_delay_s)
+            try:
+                await self.flush()
+            except OSError as e:  # a full or failing disk: the lines stay pending, tried again
+                log.warning("owed-write journal %s not written: %s", self.journal, e)
+                await asyncio.sleep(max(self.every_s, self.journal_delay_s))
 
     async def flush(self) -> None:
-        """Write the pending journal lines (in a thread); rewrite the file compactly when it is mostly paid."""
-        if self.journal is None or not self._lines:
-            return
-        lines, self._lines = self._lines, []
-        compact = self._journal_lines + len(lines) > 2 * self.total() + 10_000
-        if compact:
-            current = [f"+ {t} {k.hash.hex()} {k.namespace}\n" for t, keys in self._owed.items() for k in keys]
-            await asyncio.to_thread(_rewrite, self.journal, current)
-            self._journal_lines = len(current)
-        else:
-            await asyncio.to_thread(_append, self.journal, lines)
-            self._journal_lines += len(lines)
+        """Write the pending journal lines (in a thread); rewrite the file compactly when it is mostly paid.
+        One flush at a time: a second waits for the first, then writes what is left."""
+        async with self._flushing:
+            if self.journal is None or not self._lines:
+                return
+            lines, self._lines = self._lines, []
+            compact = self._journal_lines + len(lines) > 2 * self.total() + 10_000
+            try:
+                if compact:
+                    current = [f"+ {t} {k.hash.hex()} {k.namespace}\n" for t, keys in self._owed.items() for k in keys]
+                    await asyncio.to_thread(_rewrite, self.journal, current)
+                    self._journal_lines = len(current)
+                else:
+                    await asyncio.to_thread(_append, self.journal, lines)
+                    self._journal_lines += len(lines)
+            except BaseException:
+                self._lines[:0] = lines  # not written (or cancelled): written by the next flush
+                raise
 
     async def resume(self, journal: Path) -> int:
         """Use ``journal`` from now on and owe again what it holds unpaid (a restart after an outage); returns how
@@ -168,17 +205,43 @@ class OwedWrites:
             self._wake()
         return n
 
+    async def reconcile(self, src: str, dst: str, namespace: str | None = None) -> int:
+        """Owe ``dst`` every block (of ``namespace``, default all) tier ``src`` holds and ``dst`` lacks, as far as
+        the index knows just after ``dst`` was listed; returns how many were newly owed. What a lost journal
+        entry (or a crash mid-cascade) left on disk only is repaid this way."""
+        reg = self.s.registry
+        owed = self._owed.setdefault(dst, {})
+        n = 0
+        for i, key in enumerate(reg.keys(src)):
+            if i and i % RECONCILE_YIELD == 0:
+                await asyncio.sleep(0)  # a big disk: let requests in between
+            if (namespace is not None and key.namespace != namespace) or key in owed or reg.holds(dst, key):
+                continue
+            if self.total() >= self.max_blocks:
+                self.s.stats.owed_dropped += 1
+                continue
+            owed[key] = None
+            self._note("+", dst, key)
+            n += 1
+        if n:
+            self.s.stats.owed_reconciled += n
+            log.info("%d blocks on %s missing from %s after a restart: owed to it", n, src, dst)
+            self._wake()
+        return n
+
     async def close(self) -> None:
         """Stop draining; what is still owed stays in the journal for the next start."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # the cascades logged their failures
-                await self._task
+        for task in (self._task, self._flusher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):  # the cascades logged their failures
+                    await task
         await self.flush()
 
     def cancel(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._flusher):
+            if task is not None:
+                task.cancel()
 
 
 def _append(path: Path, lines: list[str]) -> None:
@@ -189,12 +252,16 @@ def _append(path: Path, lines: list[str]) -> None:
 
 
 def _rewrite(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # never another writer's
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
 
 
 def _replay(path: Path) -> dict[tuple[str, BlockKey], None]:

@@ -1,7 +1,7 @@
 """Placement policy the manager applies, in one place: which tiers are persistent, which tiers a block
 may be written to (the frequency filter), where a copy is read from, and which tiers stage onboards.
 
-Eviction victims are the registry's least-recently-used unpinned blocks (:meth:`Registry.victims`).
+Eviction victims: :mod:`kvbm.manager.placement` (by default the registry's least-recently-used unpinned blocks).
 """
 
 from __future__ import annotations

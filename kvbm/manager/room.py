@@ -43,7 +43,7 @@ class Room:
             try:
                 while True:
                     try:
-                        victims = self.s.registry.victims(tier.name, need, tier.capacity_bytes)
+                        victims = self.s.victims(tier.name, need, tier.capacity_bytes)
                     except LookupError as e:
                         raise TierFullError(str(e)) from None
                     if not victims:
@@ -86,8 +86,8 @@ class Room:
                 return
             used = self.s.registry.used(pool.name)
             try:
-                victims = self.s.registry.victims(pool.name, pool.capacity_bytes - used + pool.slot_bytes,
-                                                pool.capacity_bytes)
+                victims = self.s.victims(pool.name, pool.capacity_bytes - used + pool.slot_bytes,
+                                         pool.capacity_bytes)
             except LookupError:
                 return  # everything left is pinned: allocate reports the pool full
             if not victims:

@@ -48,6 +48,7 @@ class ManagerStats(msgspec.Struct):
     owed_paid: int = 0  # owed write-throughs that reached their tier
     owed_dropped: int = 0  # write-throughs not owed: s3.max_owed_blocks were owed already
     owed_resumed: int = 0  # owed write-throughs read back from the journal at start (a restart after an outage)
+    owed_reconciled: int = 0  # blocks on disk the bucket's first listing lacked, owed to it (kvbm.manager.owed)
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
 
 
@@ -61,6 +62,7 @@ class ManagerState:
     mover: MemoryMover | None = None
     min_hits_to_offload: int = 0
     observe_copy: CopyObserver = no_observe
+    placement: Any = None  # kvbm.manager.placement.PlacementPolicy (None: LRU, the registry's own order)
     failures: FailureLog = field(init=False)
     by_name: dict[str, Tier] = field(init=False)
 
@@ -71,6 +73,12 @@ class ManagerState:
     def below(self, name: str) -> list[Tier]:
         """The tiers below tier ``name``, fastest first."""
         return policy.below(self.tiers, name)
+
+    def victims(self, tier: str, need: int, capacity: int) -> list[BlockKey]:
+        """Blocks to evict from ``tier`` for ``need`` bytes, as the placement policy orders them."""
+        if self.placement is None:
+            return self.registry.victims(tier, need, capacity)
+        return self.placement.victims(tier, need, capacity)
 
     def filtered(self, tier: Tier, key: BlockKey) -> bool:
         """The frequency filter (:func:`kvbm.manager.policy.filtered`) with ``min_hits_to_offload``."""

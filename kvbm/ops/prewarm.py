@@ -14,6 +14,7 @@ from typing import Any
 
 from kvbm.blocks import BlockKey
 from kvbm.blocks.keys import check_namespace, is_hash_hex
+from kvbm.client.lease import pin_window
 from kvbm.config import Config
 from kvbm.errors import ConfigError, KvbmError
 from kvbm.ops.inventory import Entry, Selector, iter_bucket, iter_disk, with_access
@@ -219,9 +220,8 @@ def prewarm_host(link: DaemonLink, groups: Sequence[Sequence[BlockKey]], report:
     run; the first block it could not bring is recorded as missing. For independent keys the rest of the
     group is tried after it; for prompt ``chains`` the rest is unreachable by a prefix lookup and skipped."""
     t0 = time.perf_counter()
-    reg = link.registered
-    if reg is not None and reg.num_slots:
-        batch = max(1, min(batch, reg.num_slots // 2 or 1))
+    if link.registered is not None:
+        batch = min(batch, pin_window(link.registered))  # what this session may hold pinned at once
     for group in groups:
         i = 0
         while i < len(group):

@@ -132,3 +132,45 @@ def test_members_with_their_own_curve_keys_are_followed_by_the_announced_key(tmp
         store(ca, keys)
         assert poll(lambda: cb.lookup(keys).matched == 2)  # by A's encrypted events: probes are off
         assert loads_exact(cb, keys) == 2
+
+
+def test_another_hosts_host_local_endpoint_is_not_followed(tmp_path, s3_server, s3_prefix, nodes):
+    """B announces its events on ``ipc://`` (no announce_endpoint): it warns that other hosts cannot follow it, and
+    A, on the same host, follows it all the same. A membership as a daemon on *another* host writes it, naming the
+    same ipc path ("far"), would have A connect to B's socket here and show "far" joined: A does not follow it,
+    lists it as unreachable, and `kvbm status` says so."""
+    import time
+
+    import msgspec
+
+    from kvbm.fleet.members import member_key
+
+    a = Node(tmp_path, "a", s3_server, s3_prefix, node_id="a", **FAST)
+    b = Node(tmp_path, "b", s3_server, s3_prefix, node_id="b", **FAST)
+    b.events = b.cfg["daemon"]["events_endpoint"] = f"ipc://{b.dir}/ev.sock"
+    nodes.extend([a.start(), b.start()])
+    far = {"v": 1, "node_id": "far", "instance": "f" * 16, "events_endpoint": b.events, "curve_public_key": "",
+           "started_at": time.time(), "ttl_s": 3600.0, "host": "elsewhere.example/0f0f"}  # another host's bytes
+
+    async def announce_far() -> None:
+        t = make_s3_tier(S3Config(bucket=s3_server.bucket, prefix=s3_prefix), s3_server.endpoint,
+                         (s3_server.access_key, s3_server.secret_key))
+        await t.start()
+        try:
+            await t.put_aux(member_key(s3_prefix, "far"), msgspec.json.encode(far))
+        finally:
+            await t.close()
+
+    asyncio.run(announce_far())
+    with a.client() as ca:
+        assert poll(lambda: connected_to(ca, {"b"}))  # same host: its ipc socket is reachable
+        scans = ca.stats()["daemon"]["fleet"]["discovery"]["scans"]
+        assert poll(lambda: ca.stats()["daemon"]["fleet"]["discovery"]["scans"] >= scans + 3)  # far was seen
+        assert "far" not in followed(a, ca), followed(a, ca)["far"]
+        disc = ca.stats()["daemon"]["fleet"]["discovery"]
+        assert "elsewhere.example" in disc["unreachable_members"]["far"] and disc["members"] == ["b"], disc
+    env = {"KVBM_CONFIG": str(a.proc.cfg_path)}
+    text = CliRunner().invoke(main, ["status"], env=env, catch_exceptions=False).output
+    assert "member far NOT FOLLOWED" in text, text
+    assert "127.0.0.1 is a loopback address: other hosts will not follow this daemon" in text, text
+    assert '"fleet.announce_local"' in b.proc.log_path.read_text()  # B warned of its ipc:// announcement

@@ -585,3 +585,140 @@ def test_blocks_owed_to_s3_when_the_daemon_stopped_reach_it_after_a_restart(outa
     finally:
         d.stop()
     assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks)
+
+
+@pytest.mark.parametrize("journal", ["kept", "lost"])
+def test_blocks_owed_to_s3_when_the_daemon_crashed_reach_it_after_a_restart(outage_s3, tmp_path, journal):
+    """As above, but the daemon is SIGKILLed ~0.3 s after the 8 owed stores were acked (well inside the 2 s retry
+    delay): the owed writes were journaled promptly, so all 12 blocks reach the bucket after the restart. With
+    the journal ``lost`` (deleted after the crash) the start-up reconcile of the disk against the bucket listing
+    still owes the 8 blocks the bucket lacks."""
+    srv, prefix = outage_s3, f"owedcrash-{journal}"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True))
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(12)]
+    d.start()
+    try:
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            assert c.store(ks[:4], [payload(k) for k in ks[:4]], durable=True).durable == 4
+            srv.stop(force=True)
+            ack = c.store(ks[4:], [payload(k) for k in ks[4:]], durable=True)
+            assert ack.stored == 8 and ack.durable == 8  # on G3
+        time.sleep(0.3)
+        d.kill9()
+        if journal == "lost":
+            (tmp_path / "disk" / ".kvbm-owed.journal").unlink(missing_ok=True)
+        restart(srv)
+        d.start()
+
+        def in_s3() -> int:
+            return sum(in_bucket(srv, prefix, k) is not None for k in ks)
+
+        assert wait_until(lambda: in_s3() == 12, timeout=60) or in_s3() == 12, f"{in_s3()} of 12 in the bucket"
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            m = c.stats()["manager"]
+            assert m["owed_paid"] == 8 and m["owed"] == {}, m
+            if journal == "kept":
+                assert m["owed_resumed"] == 8, m
+            else:
+                assert m["owed_reconciled"] == 8, m
+    finally:
+        d.stop()
+    assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks)
+
+
+def _delete_from_bucket(srv: EmbeddedS3, prefix: str, ks: list[BlockKey]) -> None:
+    """Another node's purge: the objects leave the bucket, no daemon is told."""
+
+    async def go() -> None:
+        t = s3_tier(srv, prefix)
+        await t.start()
+        try:
+            await t.delete_blocks(ks)
+        finally:
+            await t.close()
+
+    asyncio.run(go())
+
+
+def test_a_stale_g4_entry_whose_recheck_failed_is_owed_and_repaired(outage_s3, tmp_path):
+    """A daemon (G2+G3+G4, every G4 entry stale at once: ``copy_max_age_s: 0``) holds 3 blocks in the bucket that
+    another node then purges. With S3 down, the same blocks are stored again (only the stale G4 entry is left):
+    the re-check HEAD fails, so the block is owed to G4, and once S3 is back it is checked and written again:
+    the bucket holds all 3 with their bytes (before: neither counted nor owed, never repaired)."""
+    srv, prefix = outage_s3, "stalehead"
+    cfg = daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True)
+    cfg["s3"]["copy_max_age_s"] = 0
+    d = ServeProc(tmp_path, cfg).start()
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(3)]
+    try:
+        with d.client(admin=True) as c:
+            c.register(LAYOUT, worker_id="w")
+            assert c.store(ks, [payload(k) for k in ks], durable=True).durable == 3
+            _delete_from_bucket(srv, prefix, ks)
+            assert c.evict(ks, tiers=["G2", "G3"]).removed == 6
+            assert c.lookup(ks).tiers == ["G4"] * 3  # the stale entries: all this daemon knows of them
+            srv.stop(force=True)
+            ack = c.store(ks, [payload(k) for k in ks], durable=True)
+            assert ack.stored == 3 and ack.durable == 3  # on G3
+            assert wait_until(lambda: c.stats()["manager"]["owed"].get("G4") == 3, timeout=30), c.stats()["manager"]
+            restart(srv)
+
+            def in_s3() -> int:
+                return sum(in_bucket(srv, prefix, k) is not None for k in ks)
+
+            assert wait_until(lambda: in_s3() == 3, timeout=60) or in_s3() == 3, f"{in_s3()} of 3 in the bucket"
+            assert wait_until(lambda: c.stats()["manager"]["owed"] == {}, timeout=30)
+    finally:
+        d.stop()
+    assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks)
+
+
+def test_a_failed_bucket_delete_keeps_its_index_entries_and_deletes_the_other_tiers(outage_s3, tmp_path):
+    """G2+G3+G4, 3 blocks on each; S3 down, an admin Evict from G4 then G3: the DeleteObjects fails, so the error
+    says so, G4's index keeps the 3 blocks the bucket still holds (before: dropped, to come back at the next
+    listing) and G3 still deletes its copies (before: skipped). With S3 back the same Evict deletes them from the
+    bucket, and a rescan finds nothing to bring back."""
+    from kvbm import protocol as p
+    from kvbm.client import DaemonError
+
+    srv, prefix = outage_s3, "faileddelete"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True)).start()
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(3)]
+
+    def blocks(c, tier: str) -> int:
+        return next(t for t in c.stats()["tiers"] if t["tier"] == tier)["blocks"]
+
+    try:
+        with d.client(admin=True) as c:
+            c.register(LAYOUT, worker_id="w")
+            assert c.store(ks, [payload(k) for k in ks], durable=True).durable == 3
+            assert wait_until(lambda: blocks(c, "G4") == 3 and blocks(c, "G3") == 3, timeout=30)
+            srv.stop(force=True)
+            with pytest.raises(DaemonError) as ei:
+                c.evict(ks, tiers=["G4", "G3"])
+            assert blocks(c, "G4") == 3, "blocks the bucket still holds left the index"
+            assert blocks(c, "G3") == 0, "the disk's copies were not deleted after the bucket's delete failed"
+            assert ei.value.code == p.E_UNAVAILABLE and "G4" in str(ei.value), (ei.value.code, str(ei.value))
+            restart(srv)
+            got = wait_until(lambda: _evict_or_none(c, ks), timeout=60)
+            assert got is not None and got.removed == 3
+            assert blocks(c, "G4") == 0
+            again = c.request(p.Reindex(namespace=LAYOUT.namespace, tiers=["G4"]), p.Reindexed, timeout_s=60)
+            assert again.blocks == 0 and blocks(c, "G4") == 0
+    finally:
+        d.stop()
+    assert all(in_bucket(srv, prefix, k) is None for k in ks)
+
+
+def _evict_or_none(c, ks):
+    from kvbm import protocol as p
+    from kvbm.client import DaemonError
+
+    try:
+        return c.evict(ks, tiers=["G4"])
+    except DaemonError as e:
+        if e.code != p.E_UNAVAILABLE:
+            raise
+        return None

@@ -33,7 +33,9 @@ def test_gpu_check_runs_on_cpu_and_names_what_it_skipped():
     for c in ran:
         assert all(v > 0 for key, v in c.items() if key.endswith("GBps")), c
     if not torch.cuda.is_available():
-        assert set(report["skipped"]) == {"g1_cuda", "g2_pinned", "nixl_vram", "cuda_streams"}, report["skipped"]
+        assert set(report["skipped"]) == {"g1_cuda", "g2_pinned", "nixl_vram", "cuda_streams", "native"}, \
+            report["skipped"]
+        assert "CUDA only" in report["skipped"]["native"]  # vllm serve with OffloadingConnector
         assert report["cuda"] is False and checks["paged"]["stream"] is False
     else:
         assert report["skipped"] == {}, report["skipped"]

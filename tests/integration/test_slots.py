@@ -377,8 +377,7 @@ def test_quarantine_ends_after_its_grace_period_and_unregister_releases_at_once(
                 w = sessions.add(f"tok-{quarantine}", reg)
                 k, held = keys(2, b"q%d" % quarantine)
                 await m.put(held, payload(held).tobytes(), "G2")
-                m.registry.pin([held])
-                sessions.pin(w, [(held, g2.acquire(held)[0])])
+                sessions.pin(w, await m.reserve_read([held]))  # Onboard's lease: pinned, its slot referenced
                 slots = await m.prepare_store([k], NB)
                 sessions.prepared(w, [k], slots)
                 assert sessions.drop(w, quarantine=quarantine, why="lease expired") == 1
@@ -422,6 +421,47 @@ def test_prepare_evicts_for_a_free_slot_when_removed_blocks_still_hold_theirs(tm
             assert bytes(g2.slot_tensor(slot, NB).numpy()) == payload(ks[0]).tobytes()  # the reader's bytes
             g2.unref(slot)
             assert await m.read(ks[0]) == payload(ks[0]).tobytes()  # still on disk
+        finally:
+            await m.close()
+
+    asyncio.run(go())
+
+
+def test_the_load_path_leases_slots_through_the_manager():
+    """The manager owns the read lease (reserve_read/detach_read/release, mirroring prepare/complete/detach of
+    stores): a lease pins the block and references its very slot, detach lets the block go but keeps the slot,
+    release frees both exactly once. The daemon's Onboard handler and sessions hold leases and never reach
+    into the registry or the G2 pool themselves."""
+    import ast
+
+    import kvbm.daemon.service
+    import kvbm.daemon.sessions
+    from kvbm.manager.core import BlockManager
+
+    for mod in (kvbm.daemon.service, kvbm.daemon.sessions):
+        tree = ast.parse(Path(mod.__file__).read_text())
+        reached = sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+                         & {"registry", "acquire", "unref", "pool"})
+        assert not reached, f"{mod.__name__} reaches into {reached}"
+
+    async def go():
+        g2 = HostTier(4 * SLOT, SLOT, pin=False)
+        m = BlockManager([g2])
+        await m.start()
+        try:
+            ks = keys(3, b"lease")
+            for k in ks[:2]:
+                await m.put(k, payload(k).tobytes(), "G2")
+            leases = await m.reserve_read(ks)  # the leading held run: 2 of 3
+            assert [lease.key for lease in leases] == ks[:2] and all(m.registry.is_pinned(k) for k in ks[:2])
+            assert not m.registry.is_pinned(ks[2]) and [lease.nbytes for lease in leases] == [NB, NB]
+            assert bytes(g2.slot_tensor(leases[0].slot, NB).numpy()) == payload(ks[0]).tobytes()
+            m.detach_read(leases[:1])  # a stalled reader's: evictable again, its slot still referenced
+            assert not m.registry.is_pinned(ks[0])
+            assert m.registry.remove(g2.name, ks[0]) and g2.remove(ks[0])  # then evicted (an Evict)
+            assert g2.detached_slots() == 1  # its slot is handed to no one while the reader may copy
+            assert m.release(leases) == 2 and m.release(leases) == 0  # once only
+            assert g2.detached_slots() == 0 and not m.registry.is_pinned(ks[1])
         finally:
             await m.close()
 

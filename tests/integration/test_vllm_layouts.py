@@ -167,3 +167,24 @@ def test_sliding_window_model_keeps_vllms_hybrid_kv_cache_and_loads_only_the_win
         assert load["tokens"] == store["tokens"]
     finally:
         daemon.stop()
+
+
+def test_a_short_load_of_a_hybrid_model_is_recomputed_and_the_engine_lives(tmp_path, gemma2_sliding):
+    """A load that comes up short (its blocks evicted between the lookup and the load) on a model with two
+    KV-cache groups: vLLM takes such a failure only per request (``failed_recving``) from an async load; as
+    block ids it raised in ``_handle_invalid_blocks`` and EngineCore died. The request is recomputed: its
+    completion is the computed one, and the engine serves the next request."""
+    prompt = [(i * 19 + 5) % 971 + 3 for i in range(1200)]
+    daemon = g2_daemon(tmp_path)
+    try:
+        daemon.start()
+        store = run_vllm(tmp_path, "swa-store", gemma2_sliding, daemon, [{}], prompt=prompt)[0]
+        assert g2_blocks(daemon) == 4
+        short, again = run_vllm(tmp_path, "swa-short", gemma2_sliding, daemon, [{}, {}], prompt=prompt,
+                                evict_before_load=1)
+        assert short["evicted_before_load"] == 3, short  # the lookup said 4 blocks, the load finds 1
+        assert short["tokens"] == store["tokens"]
+        assert short["kv_transfer_params"]["kvbm"]["degraded"] is False
+        assert again["tokens"] == store["tokens"]  # the engine is alive and serves the next request
+    finally:
+        daemon.stop()

@@ -158,8 +158,8 @@ def test_a_worker_that_never_reached_the_daemon_still_reports_every_planned_tran
                                      saves=[BlockTransfer("save-1", [b"c" * 32], [[5]])])
         w.start_load_kv(meta)
         w.wait_for_save(meta)
-        sending, recving = w.get_finished({"save-1"})  # vLLM finished save-1 and kept its blocks
-        assert recving == {"load-1"}
+        sending, recving, failed = w.get_finished({"save-1"})  # vLLM finished save-1 and kept its blocks
+        assert recving == {"load-1"} and failed == set()  # one KV-cache group: failures go as block ids
         assert w.get_block_ids_with_load_errors() == {2, 3}  # recomputed
         assert sending == {"save-1"}
     finally:
@@ -357,19 +357,138 @@ def _tier_blocks(daemon, tier: str) -> int:
 def test_a_load_that_raises_still_reports_every_request(tmp_path, monkeypatch):
     """Whatever goes wrong inside a step's loads, every request is reported (loaded or failed): an async load
     left unreported keeps its request in WAITING_FOR_REMOTE_KVS forever."""
-    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata, WorkerSide
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+    from kvbm.integrations.vllm.loads import Loader
 
     def boom(*_a, **_k):
         raise RuntimeError("test: an unexpected error in the loader")
 
-    monkeypatch.setattr(WorkerSide, "_released", staticmethod(boom))
+    monkeypatch.setattr(Loader, "_pipeline", boom)
     w = _worker(f"ipc://{tmp_path}/nobody.sock", 1, async_load=True, async_save=True)
     try:
         meta = KvbmConnectorMetadata(k=1, loads=[BlockTransfer("a", [b"a" * 32], [[2]]),
                                                  BlockTransfer("b", [b"b" * 32], [[3]])])
         w.start_load_kv(meta)
-        assert wait_until(lambda: (w.get_finished(set())[1] or set()) >= {"a", "b"} or not w._loading, timeout=10)
-        assert not w._loading
+        assert wait_until(lambda: w.get_finished(set())[1] >= {"a", "b"} or not w.loader._loading, timeout=10)
+        assert not w.loader._loading
         assert w.get_block_ids_with_load_errors() == {2, 3}
     finally:
         w.shutdown()
+
+
+def _connector_hook(w, hook: str, meta) -> float:
+    """Seconds vLLM's call of the connector's ``hook`` holds the engine (through the real KvbmConnector method)."""
+    from types import SimpleNamespace
+
+    from kvbm.integrations.vllm import KvbmConnector
+
+    t0 = time.monotonic()
+    getattr(KvbmConnector, hook)(SimpleNamespace(worker=w, _get_connector_metadata=lambda: meta), meta)
+    return time.monotonic() - t0
+
+
+def test_a_stopped_daemon_never_holds_a_step_through_its_saves(daemon):
+    """vLLM calls ``handle_preemptions`` before every forward. It used to wait for every save in flight, each a
+    PrepareStore round trip: a SIGSTOPped daemon held each step until the request timed out. Now a step waits
+    on nothing when nothing was preempted, and a preempted request's save whose copy had not started is
+    dropped (its blocks are about to be reused), not waited for, and never stored."""
+    import os
+    import signal
+
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+
+    w = _worker(daemon.endpoint, 1, async_load=False, async_save=True)
+    pid = daemon.proc.pid
+    victim = b"v" * 32
+    try:
+        assert w._link.client is not None and w.geometry.k == 1
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            step = KvbmConnectorMetadata(k=1, saves=[BlockTransfer("r1", [b"s" * 32], [[1]]),
+                                                     BlockTransfer("r2", [victim], [[2]])])
+            w.wait_for_save(step)  # queued on the saver, whose PrepareStore the stopped daemon never answers
+            time.sleep(0.2)
+            quiet = KvbmConnectorMetadata(k=1)
+            held_quiet = _connector_hook(w, "handle_preemptions", quiet)
+            preempt = KvbmConnectorMetadata(k=1)
+            preempt.preempted = ["r2"]  # set after construction: the same call shape for the old code
+            held_preempt = _connector_hook(w, "handle_preemptions", preempt)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert held_quiet < HOOK_S / 2, f"a step with nothing preempted waited {held_quiet:.2f}s on a save"
+        assert held_preempt < HOOK_S / 2, f"a step that preempted r2 waited {held_preempt:.2f}s on its save"
+        assert wait_until(lambda: not w.saver.pending(), timeout=30)
+        with daemon.client() as c:
+            c.register(w._link.layout, worker_id="reader")
+            assert c.lookup([victim]).matched == 0, "the preempted request's save was stored anyway"
+    finally:
+        w.shutdown()
+
+
+def test_a_burst_of_lookups_beyond_the_daemons_in_flight_cap_is_answered_not_a_broken_link(tmp_path, s3_server):
+    """320 requests sharing a system prompt arrive while the lookup thread waits on a reply: the next batch
+    held them all. Sent at once, they passed the daemon's cap on one session's requests in flight (256); its
+    refusals were taken for a broken link, so every answer was a miss and the link was dropped. Batches are
+    now sent in rounds below the cap: every request hits and the link stays up. S3 on: a lookup then asks
+    the bucket about blocks no local tier holds, so lookups are in flight in the daemon, not answered inline."""
+    import signal
+    import uuid
+
+    from test_vllm_e2e import Daemon
+
+    daemon = Daemon(tmp_path, s3_server, f"kvbm-burst-{uuid.uuid4().hex[:8]}", block_bytes="1MiB").start()
+    sched = _scheduler(daemon.endpoint, "burst", 1, lookup_give_up_ms=60_000)
+    try:
+        (lay,) = sched.layouts()
+        _store(daemon, lay, _request("system", 1, 900))
+        # A system prompt block every request shares, then a block of its own that no tier holds.
+        reqs = [_request(f"burst-{i}", 2, 900) for i in range(320)]
+        for i, r in enumerate(reqs):
+            r.block_hashes[1] = bytes([i % 256, i // 256]) * 16
+        daemon.proc.send_signal(signal.SIGSTOP)  # the thread's first lookup waits, the others queue up
+        try:
+            sched.on_new_request(reqs[0])
+            time.sleep(0.05)
+            for r in reqs[1:]:
+                sched.on_new_request(r)
+            time.sleep(0.2)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: _answered(sched._lookups), timeout=60)
+        got = [sched._lookups._jobs[r.request_id].matched for r in reqs]
+        assert got == [1] * len(reqs), f"{got.count(0)} of {len(reqs)} lookups were answered as misses"
+        assert not sched._links[0].degraded, sched._links[0].degraded_reason
+    finally:
+        sched.shutdown()
+        daemon.stop()
+
+
+def test_an_unexpected_error_while_connecting_is_a_miss_and_the_lookup_thread_lives(daemon, monkeypatch):
+    """Anything a connection attempt raises besides the daemon's own errors (a ZeroMQ EMFILE, a KeyError in
+    the geometry, a G2 attach error) used to escape ``Link.get`` and end the lookup thread without a word:
+    every later request then waited out lookup_give_up_ms and missed, forever. It is a miss now, the link
+    retries, and hits come back once the fault is gone."""
+    from kvbm.integrations.vllm import link as link_mod
+
+    sched = _scheduler(daemon.endpoint, "faulty", 1, lookup_give_up_ms=60_000)
+    try:
+        (lay,) = sched.layouts()
+        _store(daemon, lay, _request("stored", 1, 1100))
+        sched._links[0].fail(RuntimeError("test: reconnect"))  # the next lookup connects again
+        sched._links[0].down_until = 0.0
+        real = link_mod.daemon_block_bytes
+
+        def broken(_client):
+            raise KeyError("test: a geometry bug")
+
+        monkeypatch.setattr(link_mod, "daemon_block_bytes", broken)
+        first = _request("while-broken", 1, 1100)
+        sched.on_new_request(first)
+        assert wait_until(lambda: _answered(sched._lookups), timeout=30), "the lookup thread died"
+        assert sched._lookups._jobs[first.request_id].matched == 0
+        monkeypatch.setattr(link_mod, "daemon_block_bytes", real)
+        n = iter(range(1000))
+        assert wait_until(lambda: step_until_known(sched, _request(f"after-{next(n)}", 1, 1100))[0] == (16, False),
+                          timeout=30)
+    finally:
+        sched.shutdown()

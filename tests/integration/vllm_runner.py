@@ -42,7 +42,10 @@ class KVDigest:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().worker
-        return all(f.done() for futs in worker._saving.values() for f in futs)
+        saver = getattr(worker, "saver", None)
+        if saver is None:  # the connector before its saves had a class of their own (a test run on old code)
+            return all(f.done() for futs in worker._saving.values() for f in futs)
+        return not saver.pending()
 
 
     def kvbm_test_group_digests(self, ids_by_group: list[list[int | None]]) -> list[list[str | None]]:
@@ -117,6 +120,35 @@ class AllocatedBlocks:
         conn.update_state_after_alloc = update_state_after_alloc
 
 
+class EvictBeforeLoad:
+    """Evicts a request's kvbm blocks from ``from_block`` on right after the scheduler planned their load (the
+    lookup said they were there): a block gone between lookup and load, so the load comes up short."""
+
+    def __init__(self, llm: Any, spec: dict, from_block: int) -> None:
+        from pathlib import Path
+
+        from kvbm.client import WorkerClient
+        from kvbm.security import read_admin_token
+
+        self.evicted = 0
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        inner = conn.update_state_after_alloc
+        token = read_admin_token(Path(spec["admin_token_file"]))
+
+        def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            out = inner(request, blocks, num_external_tokens)
+            k = conn.scheduler.geometry.known_k
+            if num_external_tokens > 0 and k:
+                hashes = [bytes(h) for h in request.block_hashes[k - 1 :: k]][from_block:]
+                for layout in conn.layouts():
+                    with WorkerClient(spec["connector"]["daemon"], timeout_s=10, admin_token=token) as c:
+                        c.register(layout, worker_id=f"e2e-evictor-r{layout.tp_rank}")
+                        self.evicted += c.evict(hashes).removed
+            return out
+
+        conn.update_state_after_alloc = update_state_after_alloc
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -138,12 +170,14 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("events"):
         kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": spec["events"],
                                   "topic": "kv"}
+    kw.update(spec.get("engine") or {})  # e.g. a small KV cache (num_gpu_blocks_override) to force preemption
     llm = LLM(**kw)
     if pp > 1:
         llm.collective_rpc("kvbm_test_pp_buffers")
     prefix_cache = llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     allocated = AllocatedBlocks(llm) if spec.get("connector") is not None else None
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
+    evictor = EvictBeforeLoad(llm, spec, spec["evict_before_load"]) if spec.get("evict_before_load") else None
     results = []
     prompt = spec["prompt"]
     for step in spec["steps"]:
@@ -162,6 +196,36 @@ def main(spec_path: str, out_path: str) -> None:
                     removed += c.evict(namespace=layout.namespace, tiers=step["evict"]).removed
             results.append({"evicted": removed})
             continue
+        if "batch" in step:
+            # Many requests at once (ignore_eos, max_tokens each): under a small KV cache vLLM preempts some.
+            bp = SamplingParams(max_tokens=step["max_tokens"], ignore_eos=True, temperature=0.0, detokenize=False)
+            sched = llm.llm_engine.engine_core.engine_core.scheduler
+            preempted: list[str] = []
+            inner_preempt = sched._preempt_request
+
+            def preempt(request: Any, *a: Any, preempted: list[str] = preempted, inner: Any = inner_preempt,
+                        **k: Any) -> Any:
+                preempted.append(request.request_id)
+                return inner(request, *a, **k)
+
+            sched._preempt_request = preempt
+            outs = llm.generate([{"prompt_token_ids": q} for q in step["batch"]], bp, use_tqdm=False)
+            res = {"batch_tokens": [list(o.outputs[0].token_ids) for o in outs],
+                   "kv_transfer_params": [o.kv_transfer_params for o in outs], "preempted": preempted}
+            import msgspec
+
+            res["layouts"] = [msgspec.json.encode(lay).decode() for lay in sched.connector.layouts()]
+            core = llm.llm_engine.engine_core.engine_core
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if all(llm.collective_rpc("kvbm_test_saves_done")) and not core.scheduler.has_requests():
+                    break
+                core.step_fn()
+                time.sleep(0.05)
+            results.append(res)
+            continue
+        if "prompt" in step:
+            prompt = step["prompt"]
         if "follow_up" in step:
             # The next turn of a conversation: the previous prompt, its answer, and the new question.
             prompt = prompt + results[-1]["tokens"] + step["follow_up"]
@@ -203,6 +267,8 @@ def main(spec_path: str, out_path: str) -> None:
                     break
                 core.step_fn()
                 time.sleep(0.05)
+        if evictor is not None:
+            res["evicted_before_load"] = evictor.evicted
         res["prompt_tokens"] = len(prompt)
         res["prefix_cache_reset"] = llm.reset_prefix_cache() if prefix_cache else None
         results.append(res)

@@ -26,6 +26,11 @@ wrong types are errors naming the field). The parts, one module each:
   miss or a load error that vLLM recomputes (``kv_load_failure_policy`` becomes ``recompute`` unless the
   config asks for ``fail``); it is logged once and never raises into the engine.
 
+vLLM's own offloading (``OffloadingConnector`` + ``TieringOffloadingSpec``) takes kvbm as a secondary tier below
+its CPU tier instead: ``native_tier.KvbmTier`` (loaded by vLLM through ``module_path``; not imported here),
+configured by ``native_config``, keyed by ``native_keys``, its removals from ``native_events``
+(docs/native-tier.md).
+
 Importing this package imports neither torch nor vLLM: each name below loads its module on first use, so
 ``kvbm.integrations.vllm.config`` (and kvbm's tests of it) work where vLLM is not installed.
 """

@@ -27,6 +27,8 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # there yet is asked again next step, and computed if none came within lookup_give_up_ms.
     lookup_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     lookup_give_up_ms: Annotated[float, msgspec.Meta(ge=0)] = 500.0
+    # A step whose kvbm hooks held the engine longer than this is logged (kvbm.integrations.vllm.hooks).
+    hook_warn_ms: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     save: bool = True
     load: bool = True
     async_load: bool | None = None  # None: async on an accelerator, sync on a CPU engine (the connector resolves it)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -9,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -17,10 +19,13 @@ from kvbm.integrations.vllm.config import ConnectorConfig, curve_options
 from kvbm.integrations.vllm.fingerprint import layout_for, storing_ranks
 from kvbm.integrations.vllm.geometry import Geometry
 from kvbm.integrations.vllm.groups import kv_groups
+from kvbm.integrations.vllm.hooks import KvbmConnectorStats
 from kvbm.integrations.vllm.link import Links
 from kvbm.integrations.vllm.scheduler import SchedulerSide
 from kvbm.integrations.vllm.worker import WorkerSide
 from kvbm.integrations.vllm_compat import check_vllm
+
+logger = logging.getLogger("kvbm.vllm")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,6 +56,14 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         model_name = str(cfg.model_name or vllm_config.model_config.served_model_name or vllm_config.model_config.model)
         bs = vllm_config.cache_config.block_size
         groups = kv_groups(self._kv_cache_config, bs)  # at startup: a group kvbm cannot store is an error
+        if groups.count > 1 and not cfg.async_load:
+            # With several KV-cache groups vLLM takes a failed load only per request, and only from a request
+            # waiting for its load (an async one): a sync load that came up short could not be reported.
+            if ktc.kv_connector_extra_config and ktc.kv_connector_extra_config.get("async_load") is False:
+                logger.warning("kvbm: %d KV-cache groups: loads are asynchronous (async_load: false is not "
+                               "honoured; vLLM accepts a short load of such a model only from an async one)",
+                               groups.count)
+            cfg.async_load = True
         pc = vllm_config.parallel_config
         # Every worker of the engine: PP stage-major, then TP rank (vLLM's rank order).
         ranks = range(pc.pipeline_parallel_size * pc.tensor_parallel_size)
@@ -89,27 +102,36 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.layouts()
 
     def on_new_request(self, request: Request) -> None:
-        self.scheduler.on_new_request(request)
+        with self.scheduler.hooks.time("on_new_request"):
+            self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self.scheduler.hooks.time("get_num_new_matched_tokens"):
+            return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        with self.scheduler.hooks.time("update_state_after_alloc"):
+            self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        with self.scheduler.hooks.time("build_connector_meta"):
+            meta = self.scheduler.build_connector_meta(scheduler_output)
+        self.scheduler.hooks.end_step()  # the scheduler's last hook of a step
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.scheduler.update_connector_output(connector_output)
+        with self.scheduler.hooks.time("update_connector_output"):
+            self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        with self.scheduler.hooks.time("request_finished"):
+            return self.scheduler.request_finished(request, block_ids)
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hook under its hybrid KV cache manager (every group's blocks): the same bookkeeping."""
-        return self.scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
+        with self.scheduler.hooks.time("request_finished"):
+            return self.scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # Worker side (one per TP rank); the metadata is the one vLLM bound for this step.
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -128,10 +150,29 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished(finished_req_ids)
+        sending, recving, _ = self.worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What vLLM reads after each step: saves and loads over, and loads that failed (per request: the only
+        form vLLM takes for a model with several KV-cache groups)."""
+        sending, recving, failed = self.worker.get_finished(finished_req_ids)
+        self.worker.hooks.end_step()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        self.worker.handle_preemptions()
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def get_kv_connector_stats(self) -> KvbmConnectorStats | None:
+        if self._worker is None:
+            return None
+        data = self._worker.hooks.take_interval()
+        return KvbmConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvbmConnectorStats | None:
+        return KvbmConnectorStats(data=data or {})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
@@ -139,4 +180,5 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         for side in (self._scheduler, self._worker):
             if side is not None:
+                side.hooks.dump()
                 side.shutdown()

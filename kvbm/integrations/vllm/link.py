@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbm import protocol as p
 from kvbm.blocks.layout import KVLayout
 from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
+from kvbm.client.lease import BAD_REQUEST, is_load
 from kvbm.integrations.vllm.geometry import K_SETTING, Geometry, MisconfiguredError, daemon_block_bytes, warn_once
 
 log = logging.getLogger("kvbm.vllm")
@@ -21,14 +22,6 @@ RETRY_AFTER_S = 0.5
 MAX_RETRY_AFTER_S = 8.0
 # What a session with the daemon can fail with; each marks the link down (a miss or a recompute, never a raise).
 LINK_ERRORS = (DaemonUnavailable, DaemonError, OSError)
-# Answers that mean the daemon is loaded (no free slot, shedding offloads, a lower tier out for now): this
-# transfer is skipped or recomputed, the link stays up.
-LOAD_CODES = frozenset({p.E_FULL, "shed", p.E_UNAVAILABLE})
-
-
-def is_load(e: BaseException) -> bool:
-    """Whether ``e`` is the daemon saying it is loaded, not the session failing."""
-    return isinstance(e, DaemonError) and e.code in LOAD_CODES
 
 
 class Link:
@@ -60,18 +53,28 @@ class Link:
         if time.monotonic() < self.down_until:
             return None
         # fail_fast: a daemon that dies is noticed when its socket drops, not after timeout_s.
-        client = WorkerClient(self.endpoint, timeout_s=self.timeout_s, fail_fast=True, **self.client_kw)
+        try:
+            client = WorkerClient(self.endpoint, timeout_s=self.timeout_s, fail_fast=True, **self.client_kw)
+        except Exception as e:  # a ZeroMQ error (EMFILE, a bad endpoint): this attempt fails, the link stays
+            self.fail(e)
+            return None
         try:
             layout = self.layout_of(self.geometry.resolve(daemon_block_bytes(client)))
             try:
                 client.register(layout, worker_id=self.worker_id, engine_id=self.engine_id)
             except DaemonError as e:
-                if e.code != p.E_BAD_REQUEST:
+                if e.code != BAD_REQUEST:
                     raise
                 raise MisconfiguredError(f"kvbm: the daemon refused this engine's KV layout ({e.message}); "
                                          f"check the daemon's block_bytes and {K_SETTING}") from e
         except (MisconfiguredError, *LINK_ERRORS) as e:
             client.close()
+            self.fail(e)
+            return None
+        except Exception as e:  # anything else (a G2 attach error, a layout bug) is an outage too, said as such
+            log.warning("kvbm: connecting to %s failed unexpectedly: %r", self.endpoint, e)
+            with contextlib.suppress(Exception):
+                client.close()
             self.fail(e)
             return None
         self.client, self.layout = client, layout

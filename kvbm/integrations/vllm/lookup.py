@@ -3,8 +3,8 @@
 A request's lookup is queued when it arrives (vLLM's ``on_new_request``), so its answer is usually there
 by the time the scheduler reaches it: requests that arrive together are all answered for the same step.
 The scheduler calls :meth:`Lookups.ask` from ``get_num_new_matched_tokens``; an answer not there yet is
-waited for at most ``wait_s`` (a few milliseconds), and once one ask of a step has waited that long in vain
-the others of that step do not wait at all (the daemon is slow now: one wait per step, however many
+waited for, but a step's asks wait at most ``wait_s`` (a few milliseconds) in all, and once one has waited in
+vain the others of that step do not wait at all (the daemon is slow now: one wait per step, however many
 requests ask). An answer still missing is ``None``: vLLM skips the request this step and asks again the
 next. A lookup unanswered after ``give_up_s`` is a miss (the request is computed). An answer older than
 ``fresh_s`` (the request queued in vLLM a while) is asked again; if the new one is late the old one stands.
@@ -21,12 +21,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvbm import protocol as p
+from kvbm.client.lease import PendingLookup
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link
 
 log = logging.getLogger("kvbm.vllm")
+
+# Lookups pipelined on one session at a time: well below the daemon's cap on a session's requests in flight
+# (256), so a burst of new requests is sent in rounds rather than refused as a whole.
+MAX_PIPELINED = 64
 
 
 @dataclass
@@ -47,7 +50,7 @@ class Lookups:
                  fresh_s: float = 1.0) -> None:
         self._links = links
         self.wait_s, self.give_up_s, self.idle_s, self.fresh_s = wait_s, give_up_s, idle_s, fresh_s
-        self._waiting = True  # whether asks of this step may still wait (scheduler thread only)
+        self._budget = wait_s  # what asks of this step may still wait in all (scheduler thread only)
         self._jobs: dict[str, _Job] = {}  # asked and not yet returned (scheduler thread only)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.gave_up = 0
@@ -67,8 +70,12 @@ class Lookups:
             job = self._queue_job(_Job(req_id, hashes))
         elif job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
             job = self._queue_job(_Job(req_id, hashes, stale=job))  # queued a while in vLLM: ask again
-        if not job.done.is_set() and self._waiting and not job.done.wait(self.wait_s):
-            self._waiting = False  # the daemon is slow now: the rest of this step does not wait
+        if not job.done.is_set() and self._budget > 0:
+            t0 = time.monotonic()
+            if job.done.wait(self._budget):
+                self._budget -= time.monotonic() - t0  # asks answered in time share the step's budget
+            else:
+                self._budget = 0.0  # the daemon is slow now: the rest of this step does not wait
         if job.done.is_set():
             del self._jobs[req_id]
             return job.matched
@@ -88,7 +95,7 @@ class Lookups:
 
     def new_step(self) -> None:
         """The next scheduler step starts: its asks may wait again."""
-        self._waiting = True
+        self._budget = self.wait_s
 
     def forget(self, req_id: str) -> None:
         self._jobs.pop(req_id, None)
@@ -103,21 +110,35 @@ class Lookups:
             try:
                 job = self._queue.get(timeout=self.idle_s)
             except queue.Empty:
-                self._reconnect()
+                try:
+                    self._reconnect()
+                except Exception as e:
+                    log.warning("kvbm: reconnecting failed unexpectedly: %r", e)
                 continue
             if job is None:
                 return
             batch = [job]
-            while True:
+            stop = False
+            while len(batch) < MAX_PIPELINED:
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if more is None:
-                    self._answer(batch)
-                    return
+                    stop = True
+                    break
                 batch.append(more)
-            self._answer(batch)
+            try:
+                self._answer(batch)
+            except Exception as e:  # the thread must survive anything: a dead one would make every lookup wait
+                log.warning("kvbm: lookups failed unexpectedly, answered as misses: %r", e)
+                now = time.monotonic()
+                for j in batch:
+                    if not j.done.is_set():
+                        j.matched, j.answered = 0, now
+                        j.done.set()
+            if stop:
+                return
 
     def _reconnect(self) -> None:
         """Bring links that are down back up (each retries on its own backoff)."""
@@ -127,23 +148,23 @@ class Lookups:
 
     def _answer(self, batch: list[_Job]) -> None:
         matched = [len(job.hashes) for job in batch]
-        sent: list[tuple[Link, Any, list[Any]]] = []
+        sent: list[tuple[Link, list[PendingLookup]]] = []
         for link in self._links:  # every rank's lookups are sent before any reply is awaited
             client = link.get()
             if client is None:
                 matched = [0] * len(batch)
                 continue
             try:
-                msgs = [client.begin(p.Lookup(namespace=client.namespace, hashes=job.hashes)) for job in batch]
+                msgs = [PendingLookup(client, job.hashes) for job in batch]
             except LINK_ERRORS as e:
                 link.error(e)
                 matched = [0] * len(batch)
                 continue
-            sent.append((link, client, msgs))
-        for link, client, msgs in sent:
+            sent.append((link, msgs))
+        for link, msgs in sent:
             for i, msg in enumerate(msgs):
                 try:
-                    matched[i] = min(matched[i], client.finish(msg, p.LookupReply).matched)
+                    matched[i] = min(matched[i], msg.matched())
                 except LINK_ERRORS as e:
                     link.error(e)
                     matched[i] = 0

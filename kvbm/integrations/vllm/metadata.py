@@ -20,4 +20,5 @@ class BlockTransfer:
 class KvbmConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # requests vLLM preempted: their blocks may be reused now
     k: int = 0  # the scheduler's vLLM blocks per kvbm block; workers refuse transfers planned with another

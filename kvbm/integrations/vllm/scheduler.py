@@ -9,6 +9,7 @@ from kvbm.blocks.layout import KVLayout
 from kvbm.integrations.vllm.config import ConnectorConfig
 from kvbm.integrations.vllm.geometry import K_SETTING
 from kvbm.integrations.vllm.groups import NULL_BLOCK, SINGLE, KVGroups
+from kvbm.integrations.vllm.hooks import HookTimes
 from kvbm.integrations.vllm.link import Links
 from kvbm.integrations.vllm.lookup import Lookups
 from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
@@ -26,6 +27,7 @@ class ReqState:
     local_tokens: int = 0  # vLLM's own prefix-cache hit when the request was admitted
     block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     load: BlockTransfer | None = None
+    load_from: int = -1  # the first kvbm block of its load (-1: none); a failed load re-saves from here
     saved_blocks: int = 0  # kvbm blocks of this request already handed to the worker to save
 
     def full_blocks(self, k: int) -> int:
@@ -51,7 +53,8 @@ class SchedulerSide:
         # One scheduler serves every worker (TP rank x PP stage): a prefix counts only if each stored it.
         self._links = [links.open(r, f"scheduler-r{r}") for r in ranks]
         self._reqs: dict[str, ReqState] = {}
-        self._stats = {"lookups": 0, "hit_blocks": 0, "loads": 0, "saves": 0}
+        self.hooks = HookTimes("scheduler", cfg.hook_warn_ms)
+        self._stats = {"lookups": 0, "hit_blocks": 0, "loads": 0, "saves": 0, "preempted": 0}
         # Requests whose blocks the worker may still be reading (async saves) or writing (async loads).
         # vLLM must not free those blocks at request_finished; the worker reports them as finished
         # sending / receiving instead. Both sides derive this from the same metadata, so they agree.
@@ -60,6 +63,9 @@ class SchedulerSide:
         # Requests a load failed for: recomputed from then on (offering the prefix again would make a stuck
         # loader fail it again, in a loop); forgotten at request_finished.
         self._load_failed: set[str] = set()
+        # Saves of requests that finished with full blocks not yet saved (completed in their last steps): sent
+        # with the next step's metadata, the blocks held until the worker reports them saved.
+        self._final_saves: list[BlockTransfer] = []
         # At startup, before any step: a configuration error shows now, not at the first request. From
         # then on only the lookup thread talks to the daemon (and reconnects it).
         for link in self._links:
@@ -101,6 +107,8 @@ class SchedulerSide:
             matched = got
             self._stats["lookups"] += 1
             self._stats["hit_blocks"] += matched
+        # A new state, also for a preempted request coming back: its saves cut short by the preemption are
+        # planned again (the daemon answers those already stored with no slot, so nothing is copied twice).
         self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens)
         ext = matched * block_tokens - num_computed_tokens
         if ext <= 0:
@@ -118,11 +126,21 @@ class SchedulerSide:
         local_blocks = st.local_tokens // self.geometry.block_tokens
         n = num_external_tokens // self.geometry.block_tokens
         st.load = st.transfer(range(local_blocks, local_blocks + n), self.geometry.known_k)
+        st.load_from = local_blocks
         st.saved_blocks = local_blocks + n  # loaded blocks are already stored
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmConnectorMetadata:
         self._lookups.new_step()  # the end of this step's scheduling: the next one may wait again
         meta = KvbmConnectorMetadata(k=self.geometry.known_k)
+        for rid in scheduler_output.preempted_req_ids or ():
+            # vLLM freed its blocks (this step may reuse them): the worker finishes or drops the copies out of
+            # them before the forward, and the stale ids are forgotten (they would match another request's).
+            meta.preempted.append(rid)
+            self._stats["preempted"] += 1
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.block_ids = []
+                st.load = None
         for st in self._reqs.values():
             if st.load is not None:
                 meta.loads.append(st.load)
@@ -130,32 +148,45 @@ class SchedulerSide:
                     self._load_pending.add(st.load.req_id)
                 self._stats["loads"] += len(st.load.hashes)
                 st.load = None
+        meta.saves.extend(self._final_saves)
+        self._final_saves = []
         if self.cfg.save:
             for new in scheduler_output.scheduled_new_reqs:
                 self._plan_save(meta, new.req_id, new.num_computed_tokens,
                                 scheduler_output.num_scheduled_tokens.get(new.req_id, 0), None)
             cached = scheduler_output.scheduled_cached_reqs
+            resumed = cached.resumed_req_ids or set()
             for i, req_id in enumerate(cached.req_ids):
                 new_ids = cached.new_block_ids[i] if cached.new_block_ids else None
                 self._plan_save(meta, req_id, cached.num_computed_tokens[i],
-                                scheduler_output.num_scheduled_tokens.get(req_id, 0), new_ids)
+                                scheduler_output.num_scheduled_tokens.get(req_id, 0), new_ids, req_id in resumed)
         return meta
 
     def _plan_save(self, meta: KvbmConnectorMetadata, req_id: str, computed: int, scheduled: int,
-                   new_block_ids: Any) -> None:
+                   new_block_ids: Any, resumed: bool = False) -> None:
         st = self._reqs.get(req_id)
         if st is None:
             return
-        if new_block_ids:
+        if resumed:
+            # A request resumed after preemption: vLLM lists its whole block list again, which replaces the
+            # old one (appending it would save later blocks from the request's early vLLM blocks).
+            st.block_ids = [list(ids) for ids in new_block_ids] if new_block_ids else []
+        elif new_block_ids:
             if not st.block_ids:
                 st.block_ids = [[] for _ in new_block_ids]
             for ids, new in zip(st.block_ids, new_block_ids, strict=True):
-                ids.extend(new)
+                ids.extend(new or ())
+        self._queue_saves(meta, st, computed + scheduled, computed)
+
+    def _queue_saves(self, meta: KvbmConnectorMetadata, st: ReqState, ready_tokens: int, computed: int) -> bool:
+        """Hand the worker the request's kvbm blocks whose KV exists once ``ready_tokens`` are computed;
+        whether any were."""
+        req_id = st.request.request_id
         k = self.geometry.known_k
         if not k or meta.k != k:
-            return  # geometry unknown (daemon never reached): no saves
+            return False  # geometry unknown (daemon never reached): no saves
         # Blocks whose every token is known and computed by the end of this step, prompt and output alike.
-        done = min(st.full_blocks(k), (computed + scheduled) // self.geometry.block_tokens, st.held_vblocks() // k)
+        done = min(st.full_blocks(k), ready_tokens // self.geometry.block_tokens, st.held_vblocks() // k)
         while self.groups.sliding and st.saved_blocks < done and not self._intact(st, st.saved_blocks, computed):
             # A sliding-window group already freed part of this block (or never held it: a hit's blocks
             # outside the window): it cannot be saved. A gap; a later hit stops before it.
@@ -166,6 +197,8 @@ class SchedulerSide:
             st.saved_blocks = done
             if self.cfg.async_save:
                 self._save_pending.add(req_id)
+            return True
+        return False
 
     def _intact(self, st: ReqState, i: int, computed: int) -> bool:
         """Whether every group still holds all vLLM blocks of the request's kvbm block ``i``."""
@@ -177,16 +210,31 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():
             self._load_pending.discard(rid)
-        self._load_failed.update(getattr(connector_output, "failed_recving", None) or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
         bad = getattr(connector_output, "invalid_block_ids", None)
         if bad:
-            self._load_failed.update(rid for rid, st in self._reqs.items()
-                                     if any(not bad.isdisjoint(ids) for ids in st.block_ids))
+            failed.update(rid for rid, st in self._reqs.items()
+                          if st.load_from >= 0 and any(not bad.isdisjoint(ids) for ids in st.block_ids))
+        self._load_failed.update(failed)
+        for rid in failed:
+            st = self._reqs.get(rid)
+            if st is not None and st.load_from >= 0:
+                # vLLM recomputes from the failed load on: those blocks are saved once they are computed.
+                st.saved_blocks = min(st.saved_blocks, st.load_from)
+                st.load_from = -1
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._reqs.pop(rid, None)
+        st = self._reqs.pop(rid, None)
         self._lookups.forget(rid)
+        if st is not None and self.cfg.save and self.cfg.async_save and st.block_ids:
+            # Blocks completed in the request's last steps (and, with async scheduling, the step whose token
+            # was not appended yet when it was planned): every token but the last sampled one has KV. Only
+            # with async saves, whose blocks vLLM keeps until the worker reports them (delay_free below).
+            meta = KvbmConnectorMetadata(k=self.geometry.known_k)
+            computed = request.num_computed_tokens
+            if self._queue_saves(meta, st, computed, computed):
+                self._final_saves.extend(meta.saves)
         # Blocks the worker may still be copying stay allocated until it reports the request: as finished
         # sending (async saves) or finished receiving (an async load of a request aborted while waiting).
         delay_free = rid in self._save_pending or rid in self._load_pending

@@ -1,4 +1,5 @@
-"""The daemon's part in a fleet (see :mod:`kvbm.fleet`): what other daemons sharing the bucket store and delete.
+"""The daemon's peering with the rest of its fleet (see :mod:`kvbm.fleet`): learning what the other daemons sharing
+the bucket store and delete.
 
 It owns the bucket probe, the peer followers (``daemon.peers`` and the members discovery finds) and the
 discovery loop, and applies what they learn to the manager's index of the shared tier, inside
@@ -19,9 +20,10 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.config import DaemonConfig
 from kvbm.daemon.events import EventPublisher
+from kvbm.daemon.logs import logj
 from kvbm.daemon.transport import Spawn
 from kvbm.fleet import BucketProbe, PeerFollower
-from kvbm.fleet.members import Discovery, Membership
+from kvbm.fleet.members import Discovery, Membership, host_local
 from kvbm.manager.core import BlockManager
 from kvbm.tiers.s3 import S3Tier
 
@@ -68,9 +70,15 @@ class FleetMember:
             spawn(peer.run())
         shared = shared_tier(self.manager)
         if self.dc.discovery and shared is not None and events_endpoint:
-            self.discovery = Discovery(shared, self.dc.node_id, announced_endpoint(self.dc, events_endpoint),
-                                       curve_keys[0], join=self._join, leave=self._leave,
-                                       interval_s=self.dc.discovery_interval_s, ttl_s=self.dc.discovery_ttl_s)
+            announced = announced_endpoint(self.dc, events_endpoint)
+            why = host_local(announced)
+            if why:  # other hosts will not follow it (kvbm.fleet.members): say so where the operator looks
+                logj("fleet.announce_local", level=logging.WARNING, endpoint=announced,
+                     message=f"discovery announces {announced}: {why}; daemons on other hosts will not follow this "
+                             "one (set daemon.announce_endpoint to an address they can reach)")
+            self.discovery = Discovery(shared, self.dc.node_id, announced, curve_keys[0], join=self._join,
+                                       leave=self._leave, interval_s=self.dc.discovery_interval_s,
+                                       ttl_s=self.dc.discovery_ttl_s)
             spawn(self.discovery.run())
 
     def _join(self, m: Membership) -> None:

@@ -1,0 +1,133 @@
+"""Slot leases, the worker's side: G2 slots reserved for a store, or pinned by a load, each given back once.
+
+A store is PrepareStore -> copy into the reserved slots -> CommitStore; a load is Onboard -> copy out of the
+pinned slots -> Release. :func:`reserving` and :class:`Onboarding` own those sequences, so a caller only
+copies: whatever happens in its body, the daemon is told (a failed copy commits ``ok=False``, which frees the
+slots; a load's pins are released). The daemon states how many slots one session may hold at once in
+``Registered``; :func:`pin_window` reads it. :class:`PendingLookup` pipelines lookups the same way, and
+:func:`is_load` tells the daemon saying it is loaded from a session failing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kvbm import protocol as p
+from kvbm.client.core import DaemonError
+
+# Answers that mean the daemon is loaded (no free slot or over a budget, shedding offloads, a lower tier out
+# for now, too many requests in flight): this transfer is skipped or recomputed, the session stays up.
+LOAD_CODES = frozenset({p.E_FULL, "shed", p.E_UNAVAILABLE, getattr(p, "E_BUSY", "busy")})
+BAD_REQUEST = p.E_BAD_REQUEST  # the daemon refused what was asked (a layout it cannot store): not an outage
+
+
+def is_load(e: BaseException) -> bool:
+    """Whether ``e`` is the daemon saying it is loaded, not the session failing."""
+    return isinstance(e, DaemonError) and e.code in LOAD_CODES
+
+
+def pin_window(registered: p.Registered | None) -> int:
+    """How many G2 slots this session may hold pinned or reserved at once: the daemon's per-session budget,
+    else half the pool (a daemon that does not state one: the other half stays for other sessions)."""
+    if registered is None:
+        return 1
+    stated = int(getattr(registered, "session_slots", 0) or 0)
+    return max(1, stated if stated > 0 else registered.num_slots // 2)
+
+
+class Reservation:
+    """The G2 slots a PrepareStore reserved: one per block, ``None`` where nothing needs copying (stored
+    already, or being stored by another session)."""
+
+    def __init__(self, g2: Any, slots: list[int | None], nbytes: int) -> None:
+        self.slots, self.nbytes, self._g2 = slots, nbytes, g2
+        self.ok = True  # set False to give the slots back without storing
+        self.ack: p.Ack | None = None  # the commit's answer, once the reservation is over
+
+    def view(self, i: int) -> torch.Tensor | None:
+        """Block ``i``'s slot bytes to copy into, or None when it needs no copy."""
+        slot = self.slots[i]
+        return None if slot is None else self._g2.slot_tensor(slot, self.nbytes)
+
+
+@contextmanager
+def reserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: bool = False,
+              namespace: str = "") -> Iterator[Reservation]:
+    """Reserve G2 slots for ``hashes`` and commit them when the body ends (``ok=False`` if it raised or set
+    ``ok`` False; the commit's Ack is then ``ack``). Raises the daemon's DaemonError (a load code such as
+    ``full`` means: skip this store)."""
+    ns = namespace or client.namespace
+    slots = client.request(p.PrepareStore(namespace=ns, hashes=hashes, nbytes=nbytes), p.Slots).slots
+    res = Reservation(client.g2, slots, nbytes)
+    try:
+        yield res
+    except BaseException:
+        res.ok = False
+        raise
+    finally:
+        res.ack = client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=res.ok, durable=durable and res.ok),
+                                 p.Ack)
+
+
+class Loaded:
+    """The leading run of blocks an Onboard pinned: ``count`` blocks, each readable with :meth:`view`."""
+
+    def __init__(self, g2: Any, reply: p.Onboarded) -> None:
+        self.count, self.nbytes, self._g2, self.reply = reply.count, list(reply.nbytes[: reply.count]), g2, reply
+
+    def view(self, i: int) -> torch.Tensor:
+        return self._g2.slot_tensor(self.reply.slots[i], self.reply.nbytes[i])
+
+
+class Onboarding:
+    """An Onboard sent and not yet read, so several are in flight at once (the daemon brings their blocks up
+    from disk or S3 together). :meth:`loaded` reads the reply and pins; leaving it sends the Release, whose
+    reply :meth:`released` reads later (it needs no wait on the hot path)."""
+
+    def __init__(self, client: Any, hashes: list[bytes], namespace: str = "") -> None:
+        self.client, self.hashes, self.namespace = client, hashes, namespace or client.namespace
+        self._msg = client.begin(p.Onboard(namespace=self.namespace, hashes=hashes))
+        self._release: Any = None
+
+    @contextmanager
+    def loaded(self) -> Iterator[Loaded]:
+        rep = self.client.finish(self._msg, p.Onboarded)
+        try:
+            yield Loaded(self.client.g2, rep)
+        finally:
+            if rep.count:
+                self._release = self.client.begin(p.Release(namespace=self.namespace, hashes=self.hashes[: rep.count]))
+
+    def released(self) -> None:
+        """Read the Release's reply (if one was sent)."""
+        if self._release is not None:
+            msg, self._release = self._release, None
+            self.client.finish(msg, p.Released)
+
+
+@contextmanager
+def onboarded(client: Any, hashes: list[bytes], namespace: str = "") -> Iterator[Loaded]:
+    """Onboard ``hashes``, yield the pinned leading run, release it when the body ends (not pipelined)."""
+    job = Onboarding(client, hashes, namespace)
+    try:
+        with job.loaded() as got:
+            yield got
+    finally:
+        job.released()
+
+
+class PendingLookup:
+    """A Lookup sent and not yet read: every TP rank's (and every request's of a burst) are on the wire
+    before the first reply is awaited."""
+
+    def __init__(self, client: Any, hashes: list[bytes]) -> None:
+        self.client = client
+        self._msg = client.begin(p.Lookup(namespace=client.namespace, hashes=hashes))
+
+    def matched(self) -> int:
+        """The leading blocks the daemon holds."""
+        return self.client.finish(self._msg, p.LookupReply).matched

@@ -1,0 +1,153 @@
+"""How long each connector hook holds vLLM's engine: histograms per hook and per step, and a warning line.
+
+vLLM calls the connector's hooks on its engine thread; whatever they spend is added to every step. Each side
+(the scheduler, each worker) times its hooks; a step's total above ``hook_warn_ms`` is logged (at most every
+10 s, with how many steps did so). The figures go to vLLM's connector stats (the worker side, through
+:class:`KvbmConnectorStats`), and, where ``KVBM_HOOK_TIMES_DIR`` is set, to ``<dir>/<side>-<pid>.json``
+(written at most once a second and at shutdown) for benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+log = logging.getLogger("kvbm.vllm")
+
+BOUNDS_MS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)  # then +Inf
+WARN_EVERY_S = 10.0
+DUMP_EVERY_S = 1.0
+
+
+class Histogram:
+    """Counts of observations per bucket of :data:`BOUNDS_MS`, with their count, sum and max."""
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(BOUNDS_MS) + 1)
+        self.count, self.sum_ms, self.max_ms = 0, 0.0, 0.0
+
+    def observe(self, ms: float) -> None:
+        self.buckets[bisect.bisect_left(BOUNDS_MS, ms)] += 1
+        self.count += 1
+        self.sum_ms += ms
+        self.max_ms = max(self.max_ms, ms)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "sum_ms": round(self.sum_ms, 3), "max_ms": round(self.max_ms, 3),
+                "buckets": list(self.buckets)}
+
+
+class HookTimes:
+    """The hook and step histograms of one side of the connector."""
+
+    def __init__(self, side: str, warn_ms: float) -> None:
+        self.side, self.warn_ms = side, warn_ms
+        self.hooks: dict[str, Histogram] = {}
+        self._interval: dict[str, Histogram] = {}  # since the last take_interval (vLLM's stats interval)
+        self._interval_slow = 0
+        self.step = Histogram()
+        self.slow_steps = 0
+        self._in_step = 0.0
+        self._slowest: tuple[float, str] = (0.0, "")
+        self._warned_at = 0.0
+        self._unwarned = 0
+        self._dumped_at = 0.0
+        out = os.environ.get("KVBM_HOOK_TIMES_DIR")
+        self._dump_to = Path(out) / f"{side}-{os.getpid()}.json" if out else None
+
+    @contextlib.contextmanager
+    def time(self, hook: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            ms = (time.perf_counter() - t0) * 1e3
+            self.hooks.setdefault(hook, Histogram()).observe(ms)
+            self._interval.setdefault(hook, Histogram()).observe(ms)
+            self._in_step += ms
+            if ms > self._slowest[0]:
+                self._slowest = (ms, hook)
+
+    def end_step(self) -> None:
+        """The last hook of an engine step on this side has run: its total is one step's observation."""
+        ms, self._in_step = self._in_step, 0.0
+        slowest, self._slowest = self._slowest, (0.0, "")
+        self.step.observe(ms)
+        now = time.monotonic()
+        if ms > self.warn_ms:
+            self.slow_steps += 1
+            self._interval_slow += 1
+            self._unwarned += 1
+            if now - self._warned_at >= WARN_EVERY_S:
+                log.warning("kvbm: the connector's %s hooks held an engine step %.1f ms (%s %.1f ms; %d steps over "
+                            "%.0f ms since the last such line)", self.side, ms, slowest[1], slowest[0],
+                            self._unwarned, self.warn_ms)
+                self._warned_at, self._unwarned = now, 0
+        if self._dump_to is not None and now - self._dumped_at >= DUMP_EVERY_S:
+            self.dump()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"side": self.side, "bounds_ms": list(BOUNDS_MS), "warn_ms": self.warn_ms,
+                "slow_steps": self.slow_steps, "step": self.step.to_dict(),
+                "hooks": {name: h.to_dict() for name, h in sorted(self.hooks.items())}}
+
+    def take_interval(self) -> dict[str, Any]:
+        """The hooks observed since the last call (what vLLM's connector stats aggregate), then forgotten."""
+        hooks, self._interval = self._interval, {}
+        slow, self._interval_slow = self._interval_slow, 0
+        if not hooks:
+            return {}
+        return {"slow_steps": slow, "hooks": {name: h.to_dict() for name, h in hooks.items()}}
+
+    def dump(self) -> None:
+        if self._dump_to is None:
+            return
+        self._dumped_at = time.monotonic()
+        tmp = self._dump_to.with_suffix(".tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps(self.snapshot()))
+            tmp.replace(self._dump_to)
+
+
+@dataclass
+class KvbmConnectorStats(KVConnectorStats):
+    """The worker side's hook times in vLLM's connector stats: ``data`` is :meth:`HookTimes.snapshot`, and an
+    interval's figures reduce to each hook's max and the steps over the threshold."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if not self.data:
+            self.data = dict(other.data)
+            return self
+        mine, theirs = self.data.setdefault("hooks", {}), other.data.get("hooks", {})
+        for name, h in theirs.items():
+            cur = mine.get(name)
+            mine[name] = h if cur is None else {
+                "count": cur["count"] + h["count"], "sum_ms": cur["sum_ms"] + h["sum_ms"],
+                "max_ms": max(cur["max_ms"], h["max_ms"]),
+                "buckets": [a + b for a, b in zip(cur["buckets"], h["buckets"], strict=True)]}
+        self.data["slow_steps"] = self.data.get("slow_steps", 0) + other.data.get("slow_steps", 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {"kvbm slow steps": self.data.get("slow_steps", 0)}
+        for name, h in self.data.get("hooks", {}).items():
+            out[f"kvbm {name} max ms"] = round(h["max_ms"], 2)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data.get("hooks")

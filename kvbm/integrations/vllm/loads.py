@@ -1,0 +1,173 @@
+"""The worker's loads: kvbm blocks copied out of G2 into the vLLM blocks the scheduler allocated for them.
+
+A step's Onboards are pipelined (one is sent before the replies to earlier ones are read, so the daemon brings
+the step's blocks up from disk or S3 together) within the session's pin budget, which the daemon states:
+every block an Onboard answers stays pinned in G2 until it is released, and loads beyond the budget would stop
+short. Each request is reported as its blocks arrive. A load that comes up short is reported two ways, as vLLM
+asks for: the vLLM block ids that did not arrive (vLLM recomputes from the first), and the request itself
+(``failed_recving``), which is the only form vLLM accepts for a model with several KV-cache groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvbm.client.lease import Onboarding, pin_window
+from kvbm.integrations.vllm.groups import NULL_BLOCK
+from kvbm.integrations.vllm.link import LINK_ERRORS, Link
+from kvbm.integrations.vllm.metadata import BlockTransfer
+
+log = logging.getLogger("kvbm.vllm")
+
+
+def failed_ids(tr: BlockTransfer, loaded: int) -> set[int]:
+    """The vLLM block ids of ``tr`` from its first kvbm block that did not arrive on (vLLM recomputes them)."""
+    failed: set[int] = set()
+    if loaded < len(tr.hashes):
+        for ids in tr.block_ids[loaded:]:
+            failed.update(i for i in ids if i != NULL_BLOCK)  # the null block holds no request's KV
+        log.info("kvbm: request %s loaded %d/%d blocks; the rest is recomputed", tr.req_id, loaded, len(tr.hashes))
+    return failed
+
+
+def done_future(result: set[int]) -> Future[set[int]]:
+    fut: Future[set[int]] = Future()
+    fut.set_result(result)
+    return fut
+
+
+class Loader:
+    """Runs a step's loads, on the engine's thread (sync) or a thread of their own (async)."""
+
+    def __init__(self, link: Link, async_link: Link, copy: Callable[[torch.Tensor, list[int]], None],
+                 block_bytes: Callable[[], int]) -> None:
+        # copy(slot view, vLLM block ids): the paged cache's copy into vLLM's blocks.
+        self._link, self._async_link, self._copy, self._block_bytes = link, async_link, copy, block_bytes
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")
+        self._loading: dict[str, Future[set[int]]] = {}
+        self._errors: set[int] = set()  # vLLM block ids that did not load, until vLLM reads them
+        self._failed: set[str] = set()  # requests whose load came up short, until vLLM reads them
+        self.failed_now: set[str] = set()  # requests whose sync load of the current step came up short
+
+    def fail_all(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
+        """Loads never started, reported as failed (vLLM recomputes them, and never waits for them)."""
+        for tr in trs:
+            bad = failed_ids(tr, 0)
+            self._failed.add(tr.req_id)
+            if asynchronous:
+                self._loading[tr.req_id] = done_future(bad)
+            else:
+                self._errors.update(bad)
+                self.failed_now.add(tr.req_id)
+
+    def start(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
+        if asynchronous:
+            # The requests wait (WAITING_FOR_REMOTE_KVS) while others keep stepping; each is reported as soon
+            # as its own blocks are in.
+            futs: dict[str, Future[set[int]]] = {tr.req_id: Future() for tr in trs}
+            self._loading.update(futs)
+            self._pool.submit(self._load_all, trs, self._async_link, futs)
+        else:
+            for rid, bad in self._load_all(trs, self._link).items():
+                if bad:
+                    self._errors.update(bad)
+                    self._failed.add(rid)
+                    self.failed_now.add(rid)
+
+    def finished(self) -> tuple[set[str], set[str]]:
+        """(requests whose async load is over, requests whose load, sync or async, came up short)."""
+        done = {rid for rid, fut in self._loading.items() if fut.done()}
+        for rid in done:
+            bad = self._loading.pop(rid).result()
+            if bad:
+                self._errors.update(bad)  # read by vLLM right after, in this same pass
+                self._failed.add(rid)
+        failed, self._failed = self._failed, set()
+        return done, failed
+
+    def errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def _load_all(self, trs: list[BlockTransfer], link: Link,
+                  futs: dict[str, Future[set[int]]] | None = None) -> dict[str, set[int]]:
+        """Copy each request's blocks in; the vLLM block ids that failed, per request."""
+        failed: dict[str, set[int]] = {}
+
+        def report(tr: BlockTransfer, loaded: int) -> None:
+            failed[tr.req_id] = bad = failed_ids(tr, loaded)
+            if futs is not None and not futs[tr.req_id].done():
+                futs[tr.req_id].set_result(bad)
+
+        try:
+            self._pipeline(trs, link, report)
+        except Exception as e:  # never leave a request unreported: vLLM would wait for it forever
+            log.warning("kvbm: loads of this step failed: %s", e)
+        for tr in trs:
+            if tr.req_id not in failed:
+                report(tr, 0)
+        return failed
+
+    def _pipeline(self, trs: list[BlockTransfer], link: Link, report: Callable[[BlockTransfer, int], None]) -> None:
+        client = link.get()
+        window = pin_window(client.registered if client is not None else None)
+        inflight: deque[tuple[BlockTransfer, Onboarding | None]] = deque()
+        settled: list[Onboarding] = []
+        held = 0
+
+        def live() -> bool:
+            return client is not None and link.client is client
+
+        def settle() -> None:
+            tr, job = inflight.popleft()
+            loaded = 0
+            if job is not None and live():
+                try:
+                    with job.loaded() as got:
+                        for i in range(got.count):
+                            if got.nbytes[i] != self._block_bytes():
+                                break
+                            self._copy(got.view(i), tr.block_ids[i])
+                            loaded += 1
+                    settled.append(job)
+                except LINK_ERRORS as e:
+                    link.error(e)
+                except Exception as e:  # a load must never take the engine down: the request is recomputed
+                    log.warning("kvbm: load for request %s failed: %s", tr.req_id, e)
+            report(tr, loaded)
+
+        def released() -> None:
+            for job in settled:
+                if not live():
+                    break
+                try:
+                    job.released()
+                except LINK_ERRORS as e:
+                    link.error(e)
+            settled.clear()
+
+        for tr in trs:
+            while inflight and held + len(tr.hashes) > window:
+                held -= len(inflight[0][0].hashes)
+                settle()
+                released()  # unpinned in the daemon before the next Onboard
+            job = None
+            if live():
+                try:
+                    job = Onboarding(client, tr.hashes)
+                except LINK_ERRORS as e:
+                    link.error(e)
+            inflight.append((tr, job))
+            held += len(tr.hashes)
+        while inflight:
+            settle()
+        released()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._async_link.close()

@@ -1,0 +1,180 @@
+"""The worker's saves: copies of finished KV blocks into G2 on a thread of their own, fenced on preemption.
+
+A save is one request's kvbm blocks: PrepareStore (a daemon round trip), the copy out of vLLM's blocks into
+the reserved G2 slots, CommitStore. Only the copy reads vLLM's blocks, so only the copy has to be over before
+vLLM reuses them (a preempted request's blocks, a sliding-window group's freed ones): :meth:`Saver.fence`
+cancels a save whose copy has not started (the daemon's round trip is never waited for on the engine's
+thread) and waits for one that is copying (memory speed, bounded). A copy the fence gave up on is committed
+as failed, never as the request's KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from kvbm.client.lease import reserving
+from kvbm.integrations.vllm.link import LINK_ERRORS, Link, is_load
+from kvbm.integrations.vllm.metadata import BlockTransfer
+
+log = logging.getLogger("kvbm.vllm")
+
+QUEUED, COPYING, COPIED, CANCELLED = range(4)
+FENCE_WAIT_S = 2.0  # a copy between host buffers is done in milliseconds; past this it is not trusted
+
+
+class SaveJob:
+    """One request's save and the state the fence and the saver thread agree on."""
+
+    def __init__(self, tr: BlockTransfer) -> None:
+        self.tr = tr
+        self.state = QUEUED
+        self.poisoned = False  # the fence stopped waiting for the copy: its bytes may be the next user's
+        self.lock = threading.Lock()
+        self.copied = threading.Event()
+        self.future: Future[None] = Future()
+
+    def start_copy(self) -> bool:
+        """The saver is about to read vLLM's blocks: False when the fence cancelled the job first."""
+        with self.lock:
+            if self.state == CANCELLED:
+                return False
+            self.state = COPYING
+            return True
+
+    def end_copy(self) -> bool:
+        """The copy is over; whether its bytes can be committed."""
+        with self.lock:
+            self.state = COPIED
+            self.copied.set()
+            return not self.poisoned
+
+    def fence(self, wait_s: float) -> bool:
+        """Make sure nothing reads this job's vLLM blocks from now on; True if it was cancelled."""
+        with self.lock:
+            if self.state == QUEUED:
+                self.state = CANCELLED
+                return True
+            if self.state != COPYING:
+                return False
+        if not self.copied.wait(wait_s):
+            with self.lock:
+                if self.state == COPYING:
+                    self.poisoned = True
+                    log.warning("kvbm: the save of request %s was still copying after %.1fs; it is dropped",
+                                self.tr.req_id, wait_s)
+        return False
+
+
+class Saver:
+    """Runs saves on one thread with its own daemon session; reports which finished requests' saves are done."""
+
+    def __init__(self, link: Link, copy: Callable[[torch.Tensor, list[int], Any], None], block_bytes: Callable[[], int],
+                 enabled: bool, stats: dict[str, int]) -> None:
+        # copy(slot view, vLLM block ids, stream): the paged cache's copy out of vLLM's blocks.
+        self._link, self._copy, self._block_bytes, self.enabled, self.stats = link, copy, block_bytes, enabled, stats
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbm-save")
+        self._jobs: dict[str, list[SaveJob]] = {}
+        self._finishing: set[str] = set()
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    def pending(self) -> bool:
+        return any(not j.future.done() for jobs in self._jobs.values() for j in jobs)
+
+    def report_done(self, trs: Iterable[BlockTransfer]) -> None:
+        """Saves dropped before they started, reported finished like any (vLLM keeps their blocks until then)."""
+        for tr in trs:
+            job = SaveJob(tr)
+            job.state = CANCELLED
+            job.future.set_result(None)
+            self._jobs.setdefault(tr.req_id, []).append(job)
+
+    def submit(self, trs: Iterable[BlockTransfer]) -> None:
+        """Queue saves after everything queued on the device so far (this step's forward) has run."""
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        for tr in trs:
+            job = SaveJob(tr)
+            self._jobs.setdefault(tr.req_id, []).append(job)
+            self._pool.submit(self._run, job, ready)
+
+    def fence(self, req_ids: Iterable[str] | None = None) -> None:
+        """Before vLLM reuses blocks: no save reads those of ``req_ids`` (of every request if None) from now on."""
+        started = time.monotonic()
+        ids = list(self._jobs) if req_ids is None else [r for r in req_ids if r in self._jobs]
+        for rid in ids:
+            for job in self._jobs[rid]:
+                if not job.future.done() and job.fence(FENCE_WAIT_S):
+                    self.stats["saves_cancelled"] = self.stats.get("saves_cancelled", 0) + len(job.tr.hashes)
+        if ids and time.monotonic() - started > 0.005:
+            log.debug("kvbm: fencing saves of %d requests took %.1f ms", len(ids), (time.monotonic() - started) * 1e3)
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished (and kept the blocks of, for their saves) whose saves are all over."""
+        self._finishing.update(r for r in finished_req_ids if r in self._jobs)
+        done: set[str] = set()
+        for rid in list(self._finishing):
+            if all(j.future.done() for j in self._jobs[rid]):
+                self._finishing.discard(rid)
+                del self._jobs[rid]
+                done.add(rid)
+        return done
+
+    def _run(self, job: SaveJob, ready: Any) -> None:
+        try:
+            if job.state == CANCELLED or not self.enabled:
+                return
+            client = self._link.get()
+            if client is None:
+                return
+            try:
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(ready)
+                        self.save(client, job)
+                else:
+                    self.save(client, job)
+            except LINK_ERRORS as e:
+                self._link.error(e)
+        except Exception as e:  # a saver thread must never take the engine down
+            log.warning("kvbm: save for request %s failed: %s", job.tr.req_id, e)
+        finally:
+            job.future.set_result(None)
+
+    def save(self, client: Any, job: SaveJob) -> None:
+        """PrepareStore -> copy (unless fenced first) -> CommitStore."""
+        tr, nbytes = job.tr, self._block_bytes()
+        try:
+            with reserving(client, tr.hashes, nbytes) as res:
+                if not any(s is not None for s in res.slots):
+                    return  # every block is stored already: nothing to read
+                if not job.start_copy():
+                    res.ok = False  # preempted while the daemon answered: its blocks are someone else's now
+                    return
+                try:
+                    for i, vblocks in enumerate(tr.block_ids):
+                        view = res.view(i)
+                        if view is not None:
+                            self._copy(view, vblocks, self._stream)
+                    if self._stream is not None:
+                        self._stream.synchronize()  # the bytes are in G2 before the daemon is told to commit
+                finally:
+                    res.ok = job.end_copy()
+                self.stats["saved"] = self.stats.get("saved", 0) + len(tr.hashes)
+        except Exception as e:
+            if not is_load(e):
+                raise
+            # The daemon is saturated or full: this save is skipped, the engine keeps going.
+            self.stats["saves_skipped"] = self.stats.get("saves_skipped", 0) + len(tr.hashes)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._link.close()
