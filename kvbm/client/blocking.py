@@ -1,0 +1,319 @@
+"""The blocking worker client of the kvbm daemon: :class:`WorkerClient` (``kvbm.client.aio`` is the asyncio one).
+
+Block bytes never travel over the socket: :meth:`WorkerClient.register` maps the daemon's G2 slot pool (shared
+memory), ``store`` copies into the slots the daemon reserved, ``load`` copies out of the slots it
+onboarded into. Requests carry ids; a reply that does not arrive within ``timeout_s`` raises
+:class:`DaemonUnavailable` (and the socket is recreated, so a late reply cannot be mistaken for the next).
+``WorkerClient(fail_fast=True)`` (the vLLM connector's) does not wait that long for a daemon that is gone: it
+watches its socket (ZeroMQ monitor events, and ZMTP heartbeats for a peer that vanished without closing) and
+raises :class:`DaemonUnavailable` as soon as the connection drops, is refused or fails its handshake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvbm import protocol as p
+from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
+from kvbm.client.core import (
+    Buffer,
+    DaemonError,
+    DaemonUnavailable,
+    R,
+    _Core,
+)
+from kvbm.client.lease import onboarded, reserving
+
+__all__ = ["WorkerClient"]
+
+
+# Monitor events that end a fail-fast client's wait: the peer is gone, or it cannot be reached or admitted.
+_LOST = zmq.EVENT_DISCONNECTED
+_REFUSED = (zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
+# ZMTP ping interval of a fail-fast client; a peer silent for 4 of them is gone (a daemon killed on this host
+# closes its sockets, which is seen at once: heartbeats are for a host or network that vanished).
+HEARTBEAT_MS = 250
+
+
+class WorkerClient(_Core):
+    """Blocking client (one thread at a time)."""
+
+    store_batch = 1024  # blocks per PrepareStore/CommitStore pair of a larger store (which is then pipelined)
+    store_window = 4  # CommitStores of one store in flight at most
+
+    def __init__(self, endpoint: str, *, ctx: zmq.Context[Any] | None = None, fail_fast: bool = False,
+                 **kw: Any) -> None:
+        super().__init__(endpoint, **kw)
+        self._ctx = ctx or zmq.Context.instance()
+        self.fail_fast = fail_fast
+        self._sock: zmq.Socket[Any] | None = None
+        self._mon: zmq.Socket[Any] | None = None  # the socket's monitor events (fail_fast only)
+        self._up = False  # the connection's handshake succeeded and it has not dropped since
+        self._sent: set[int] = set()  # rids sent and not yet awaited
+        self._early: dict[int, Any] = {}  # their replies that arrived while another request's reply was awaited
+
+    def _socket(self) -> zmq.Socket[Any]:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            if self.fail_fast:
+                sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4 * HEARTBEAT_MS)
+                self._mon = sock.get_monitor_socket(_LOST | _REFUSED | _UP)
+            self._setup(sock)
+            self._sock, self._up = sock, False
+        return self._sock
+
+    def _reset(self) -> None:
+        self._sent.clear()
+        self._early.clear()
+        if self._sock is not None:
+            if self._mon is not None:
+                self._sock.disable_monitor()
+                self._mon.close(0)
+                self._mon = None
+            self._sock.close(0)
+            self._sock = None
+
+    def _watch(self) -> None:
+        """Read the monitor's events; raise DaemonUnavailable when the connection dropped or cannot be made."""
+        mon = self._mon
+        while mon is not None and mon.poll(0):
+            event = parse_monitor_message(mon.recv_multipart())["event"]
+            if event & _UP:
+                self._up = True
+            elif event & _LOST or not self._up:
+                # Dropped (requests in flight are lost with it), or refused before it was ever up.
+                what = "lost" if event & _LOST else "refused"
+                self._reset()
+                raise DaemonUnavailable(f"connection to {self.endpoint} {what}")
+
+    def abandon(self) -> None:
+        """Drop this session without waiting on the daemon: Unregister is sent (so a live daemon releases this
+        worker's pins and slots) but not awaited, G2 is unmapped and the socket closed."""
+        token = self.token
+        self._reset()
+        if token:
+            with contextlib.suppress(zmq.ZMQError):
+                sock = self._ctx.socket(zmq.DEALER)
+                self._setup(sock)
+                sock.send(self._prep(p.Unregister()), flags=zmq.NOBLOCK)
+                sock.close(200)  # delivered in the background if the daemon is there, dropped soon if not
+        self._forget()
+
+    def request(self, msg: Any, expect: type[R], timeout_s: float | None = None) -> R:
+        """Send ``msg`` and wait for the reply with its rid (registering again if the daemon forgot us)."""
+        reply = self._roundtrip(msg, timeout_s)
+        if self._reregister(msg, reply):
+            self._attach(self._roundtrip(self._reg_msg, None))
+            reply = self._roundtrip(msg, timeout_s)
+        return self._check(reply, expect)
+
+    def _roundtrip(self, msg: Any, timeout_s: float | None) -> Any:
+        self._send(msg)
+        return self._await(msg, timeout_s)
+
+    def begin(self, msg: Any) -> Any:
+        """Send ``msg`` without waiting for its reply (pipelining; :meth:`finish` reads the reply)."""
+        self._send(msg)
+        return msg
+
+    def finish(self, msg: Any, expect: type[R]) -> R:
+        """The reply to ``msg`` sent by :meth:`begin`, checked as :meth:`request` does."""
+        reply = self._await(msg)
+        if self._reregister(msg, reply):
+            return self.request(msg, expect)
+        return self._check(reply, expect)
+
+    def _send(self, msg: Any) -> None:
+        """Send ``msg`` (its rid set) without waiting: several requests may be in flight, see :meth:`_await`."""
+        buf = self._prep(msg)
+        sock = self._socket()
+        if self._mon is not None and not self._sent:
+            try:
+                self._watch()  # a connection that dropped while idle is replaced now, not at the next wait
+            except DaemonUnavailable:
+                sock = self._socket()
+        self._sent.add(msg.rid)
+        try:
+            sock.send(buf, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._reset()
+            raise DaemonUnavailable(f"cannot send to {self.endpoint}") from None
+
+    def _await(self, msg: Any, timeout_s: float | None = None) -> Any:
+        """The reply to ``msg`` (sent by :meth:`_send`); replies to other requests in flight are kept."""
+        self._sent.discard(msg.rid)
+        early = self._early.pop(msg.rid, None)
+        if early is not None:
+            return early
+        sock = self._socket()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if self._mon is not None:
+            poller.register(self._mon, zmq.POLLIN)
+        now = time.monotonic()
+        deadline = now + (self.timeout_s if timeout_s is None else timeout_s)
+        # A fail-fast connection not up within 4 heartbeats is not going to be (a host that drops the SYN, a
+        # stopped process whose kernel accepted it): heartbeats only watch a connection once it is up.
+        handshake_by = now + 4 * HEARTBEAT_MS / 1000 if self._mon is not None else deadline
+        while True:
+            now = time.monotonic()
+            if self._mon is not None and not self._up and now > handshake_by:
+                self._reset()
+                raise DaemonUnavailable(f"no handshake with {self.endpoint}")
+            left = (deadline if self._up else min(deadline, handshake_by)) - now
+            ready = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
+            if not ready and time.monotonic() >= deadline:
+                self._reset()
+                raise DaemonUnavailable(f"no reply from {self.endpoint} within {self.timeout_s:g}s")
+            if not ready:
+                continue
+            if sock not in ready:
+                self._watch()
+                continue
+            self._up = True  # a reply came: whatever the monitor has not said yet, the connection is up
+            frames = sock.recv_multipart()
+            try:
+                reply = p.decode_reply(frames[-1], self.max_message_bytes)
+            except p.ProtocolError:
+                continue
+            if reply.rid == msg.rid:
+                return reply
+            if reply.rid in self._sent:  # another request in flight: its reply is kept for its _await
+                self._early[reply.rid] = reply
+
+    def register(self, layout: KVLayout, *, worker_id: str = "", engine_id: str = "", tp_rank: int | None = None,
+                 tp_size: int | None = None, g1_capacity_blocks: int = 0) -> p.Registered:
+        """Register and map the daemon's G2 pool."""
+        msg = self._register_msg(layout, worker_id, engine_id, tp_rank, tp_size, g1_capacity_blocks)
+        reg = self.request(msg, p.Registered)
+        self._reg_msg = msg
+        self._attach(reg)
+        return reg
+
+    def ping(self) -> None:
+        self.request(p.Ping(), p.Pong)
+
+    def lookup(self, keys: Sequence[BlockKey | bytes]) -> p.LookupReply:
+        ns, hashes = self._ns(keys)
+        return self.request(p.Lookup(namespace=ns, hashes=hashes), p.LookupReply)
+
+    def store(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer], *, durable: bool = False) -> p.Ack:
+        """prepare -> copy into G2 slots -> commit. Raises Overloaded when the daemon sheds it.
+
+        More than :attr:`store_batch` blocks (or than G2 holds: then in batches that all fit in half of it, so a
+        store larger than G2 streams through it) go in batches of that many, pipelined: the next batch's
+        PrepareStore is sent before this batch is copied, and up to :attr:`store_window` CommitStores are in
+        flight, so the daemon reserves and commits while this process copies.
+        """
+        ns, hashes, n = self._store_msgs(keys, bufs)
+        if not hashes:
+            return p.Ack(stored=0)
+        # In flight at once: the batch prepared ahead, the one being copied and store_window commits.
+        step = self._store_step(len(hashes), self.store_batch, self.store_window + 2)
+        if len(hashes) > step:
+            return self._store_pipelined(ns, hashes, bufs, n, durable, step)
+        with reserving(self, hashes, n, durable=durable, namespace=ns) as res:
+            self._copy_in(res.slots, bufs, n)
+        assert res.ack is not None
+        return res.ack
+
+    def _store_pipelined(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int, durable: bool,
+                         step: int) -> p.Ack:
+        spans = [(i, min(i + step, len(hashes))) for i in range(0, len(hashes), step)]
+
+        def prepare(a: int, b: int) -> p.PrepareStore:
+            msg = p.PrepareStore(namespace=ns, hashes=hashes[a:b], nbytes=n)
+            self._send(msg)
+            return msg
+
+        ahead: p.PrepareStore | None = prepare(*spans[0])
+        commits: list[p.CommitStore] = []
+        acks: list[p.Ack] = []
+        try:
+            for j, (a, b) in enumerate(spans):
+                assert ahead is not None
+                msg, ahead = ahead, None
+                reply = self._await(msg)
+                if self._reregister(msg, reply):
+                    acks += [self._check(self._await(c), p.Ack) for c in commits]  # the daemon forgot us: settle
+                    commits = []
+                    reply = self.request(p.PrepareStore(namespace=ns, hashes=hashes[a:b], nbytes=n), p.Slots)
+                slots = self._check(reply, p.Slots).slots
+                if j + 1 < len(spans):
+                    ahead = prepare(*spans[j + 1])
+                try:
+                    self._copy_in(slots, bufs[a:b], n)
+                except BaseException:
+                    self.request(p.CommitStore(namespace=ns, hashes=hashes[a:b], ok=False), p.Ack)
+                    raise
+                if len(commits) >= self.store_window:
+                    acks.append(self._check(self._await(commits.pop(0)), p.Ack))
+                commit = p.CommitStore(namespace=ns, hashes=hashes[a:b], durable=durable)
+                self._send(commit)
+                commits.append(commit)
+            acks += [self._check(self._await(c), p.Ack) for c in commits]
+            commits = []
+        finally:
+            self._settle(ahead, commits)
+        return p.Ack(stored=sum(a.stored for a in acks), durable=sum(a.durable for a in acks))
+
+    def _settle(self, ahead: p.PrepareStore | None, commits: list[p.CommitStore]) -> None:
+        """After a pipelined store failed: abort the batch prepared ahead and wait out the commits in flight."""
+        # Only requests still in flight on this socket (a timeout reset it: their replies are gone). Each
+        # wait apart, so a failed abort does not leave the commits' replies parked.
+        with contextlib.suppress(DaemonUnavailable, DaemonError):
+            if ahead is not None and ahead.rid in self._sent and isinstance(self._await(ahead), p.Slots):
+                self.request(p.CommitStore(namespace=ahead.namespace, hashes=ahead.hashes, ok=False), p.Ack)
+        for c in commits:
+            with contextlib.suppress(DaemonUnavailable, DaemonError):
+                if c.rid in self._sent:
+                    self._await(c)
+
+    def load(self, keys: Sequence[BlockKey | bytes], outs: Sequence[Buffer]) -> int:
+        """onboard -> copy the leading held run out of G2 -> release; returns blocks loaded."""
+        ns, hashes = self._ns(keys)
+        with onboarded(self, hashes, ns) as got:
+            self._copy_out(got.reply, outs)
+        return got.count
+
+    def stats(self, *, resident: bool = False) -> dict[str, Any]:
+        return self.request(p.Stats(resident=resident), p.StatsReply).stats
+
+    def barrier(self, engine_id: str, step: int | str, rank: int, world_size: int = 0,
+                timeout_s: float = 0.0) -> p.BarrierReply:
+        wait = (timeout_s or self.timeout_s) + self.timeout_s
+        return self.request(p.Barrier(engine_id=engine_id, step=step, rank=rank, world_size=world_size,
+                                      timeout_s=timeout_s), p.BarrierReply, wait)
+
+    def evict(self, keys: Sequence[BlockKey | bytes] | None = None, *, namespace: str = "",
+              tiers: list[str] | None = None) -> p.Evicted:
+        if keys is None:
+            return self.request(p.Evict(namespace=namespace or self.namespace, tiers=tiers), p.Evicted)
+        ns, hashes = self._ns(keys)
+        return self.request(p.Evict(namespace=ns, hashes=hashes, tiers=tiers), p.Evicted)
+
+    def close(self) -> None:
+        """Unregister (releasing this worker's pins) and unmap G2."""
+        try:
+            if self.token:
+                self.request(p.Unregister(), p.Released, timeout_s=min(self.timeout_s, 2.0))
+        except (DaemonUnavailable, DaemonError):
+            pass
+        finally:
+            self._forget()
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
