@@ -38,7 +38,7 @@ def bucket_members(srv, prefix: str) -> dict[str, dict]:
         await t.start()
         try:
             out = {}
-            async for page in t._list_pages(members_prefix(prefix)):
+            async for page in t.list_pages(members_prefix(prefix)):
                 for _bk, okey, _size, _mt in page:
                     body = await t.get_aux(okey)
                     m = decode_member(body) if body else None
