@@ -14,6 +14,7 @@ numerical noise of batching (a block from another position differs by the size o
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import msgspec
 import numpy as np
@@ -53,9 +54,12 @@ def relative_error(a: np.ndarray, b: np.ndarray, dtype: str) -> float:
     return float((ta - tb).norm() / tb.norm().clamp_min(1e-12))
 
 
-def test_blocks_saved_across_preemption_hold_their_own_tokens_kv(tmp_path, tiny_model):
+def test_blocks_saved_across_preemption_hold_their_own_tokens_kv(tmp_path, tiny_model, monkeypatch):
     prompts = [[(i * (7 + 2 * r) + 11 * r) % 991 + 3 for i in range(300)] for r in range(6)]
     answer = 470  # 770 tokens a request: 3 full kvbm blocks, the last one made of answer tokens only
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    monkeypatch.setenv("KVBM_HOOK_TIMES_DIR", str(hooks))  # the engine's connector writes its hook times here
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     pressure, clean = g2_daemon(tmp_path / "a"), g2_daemon(tmp_path / "b")
@@ -66,6 +70,13 @@ def test_blocks_saved_across_preemption_hold_their_own_tokens_kv(tmp_path, tiny_
         (run,) = run_vllm(tmp_path, "pressure", tiny_model, pressure, [{"batch": prompts, "max_tokens": answer}],
                           engine={"num_gpu_blocks_override": 14, "max_model_len": 1024, "max_num_seqs": 6})
         assert len(run["preempted"]) > 0, "no request was preempted: the test did not take the path it tests"
+        # Every hook's time is in the histograms, preemption fences included (one file per side and process).
+        sides = {f.name.split("-")[0]: json.loads(f.read_text()) for f in hooks.glob("*.json")}
+        assert set(sides) == {"scheduler", "worker"}, sorted(hooks.iterdir())
+        assert sides["worker"]["hooks"]["handle_preemptions"]["count"] > 0
+        assert sides["scheduler"]["step"]["count"] > 0 and sides["worker"]["step"]["count"] > 0
+        assert sum(sides["scheduler"]["hooks"]["build_connector_meta"]["buckets"]) == \
+            sides["scheduler"]["hooks"]["build_connector_meta"]["count"]
         texts = [p + out for p, out in zip(prompts, run["batch_tokens"], strict=True)]
         assert all(len(t) == 300 + answer for t in texts)
         # The reference: each request's tokens computed as one prompt, with nothing else running.
@@ -87,3 +98,27 @@ def test_blocks_saved_across_preemption_hold_their_own_tokens_kv(tmp_path, tiny_
     finally:
         pressure.stop()
         clean.stop()
+
+
+def test_a_request_whose_load_came_up_short_saves_the_blocks_it_then_computed(tmp_path, tiny_model):
+    """A load that comes up short (its later blocks evicted between lookup and load): vLLM recomputes them,
+    and those recomputed blocks are saved again (they used to count as saved, being "loaded", and were never
+    stored: the next engine missed them). What the step computed on top of the missing blocks is not saved.
+    The next engine loads every block, with the bytes an engine that computed the prompt holds."""
+    prompt = [(i * 23 + 9) % 977 + 3 for i in range(1100)]
+    full = (len(prompt) - 1) // BLOCK_TOKENS  # 4 kvbm blocks
+    daemon = g2_daemon(tmp_path)
+    try:
+        daemon.start()
+        (first,) = run_vllm(tmp_path, "store", tiny_model, daemon, [{"settle": True}], prompt=prompt,
+                            digest_blocks=full * K)
+        (short,) = run_vllm(tmp_path, "short", tiny_model, daemon, [{"settle": True}], prompt=prompt,
+                            evict_before_load=1)
+        assert short["evicted_before_load"] == full - 1, short
+        assert short["tokens"] == first["tokens"]
+        (last,) = run_vllm(tmp_path, "reload", tiny_model, daemon, [{}], prompt=prompt, digest_blocks=full * K)
+        assert last["num_cached_tokens"] == full * BLOCK_TOKENS, "the recomputed blocks were not saved again"
+        assert last["kv_digests"] == first["kv_digests"]
+        assert last["tokens"] == first["tokens"]
+    finally:
+        daemon.stop()
