@@ -492,3 +492,28 @@ def test_an_unexpected_error_while_connecting_is_a_miss_and_the_lookup_thread_li
                           timeout=30)
     finally:
         sched.shutdown()
+
+
+def test_a_save_bigger_than_the_sessions_slot_budget_goes_in_reservations_that_fit(tmp_path):
+    """The daemon states each session's slot budget (``Registered.session_slots``) and refuses a PrepareStore
+    beyond it (``full``). A long prompt's save (more kvbm blocks than the budget) was one PrepareStore, refused
+    whole: nothing of it was stored. It goes in reservations of at most the budget now, and every block lands."""
+    from test_vllm_e2e import free_port
+
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+
+    cfg = daemon_cfg(tmp_path, free_port())
+    cfg["host"]["capacity"] = "8MiB"
+    cfg["daemon"]["max_session_slots"] = 3
+    daemon = ServeProc(tmp_path, cfg).start()
+    w = _worker(daemon.endpoint, 1, async_load=False, async_save=False)
+    try:
+        assert w._link.client.registered.session_slots == 3
+        hashes = [bytes([0x40 + i]) * 32 for i in range(7)]
+        w.wait_for_save(KvbmConnectorMetadata(k=1, saves=[BlockTransfer("long", hashes, [[i] for i in range(7)])]))
+        with daemon.client() as c:
+            c.register(w._link.layout, worker_id="reader")
+            assert c.lookup(hashes).matched == 7, "the save was refused whole"
+    finally:
+        w.shutdown()
+        daemon.stop()

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from kvbm.client.lease import reserving
+from kvbm.client.lease import pin_window, reserving
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link, is_load
 from kvbm.integrations.vllm.metadata import BlockTransfer
 
 log = logging.getLogger("kvbm.vllm")
 
-QUEUED, COPYING, COPIED, CANCELLED = range(4)
+QUEUED, COPYING, CANCELLED = range(3)
 FENCE_WAIT_S = 2.0  # a copy between host buffers is done in milliseconds; past this it is not trusted
 
 
@@ -46,12 +46,14 @@ class SaveJob:
             if self.state == CANCELLED:
                 return False
             self.state = COPYING
+            self.copied.clear()
             return True
 
     def end_copy(self) -> bool:
-        """The copy is over; whether its bytes can be committed."""
+        """A copy is over (a save in several reservations copies several times); whether its bytes can be
+        committed."""
         with self.lock:
-            self.state = COPIED
+            self.state = QUEUED
             self.copied.set()
             return not self.poisoned
 
@@ -150,17 +152,26 @@ class Saver:
             job.future.set_result(None)
 
     def save(self, client: Any, job: SaveJob) -> None:
-        """PrepareStore -> copy (unless fenced first) -> CommitStore."""
+        """PrepareStore -> copy (unless fenced first) -> CommitStore, in reservations no bigger than this
+        session's slot budget (a long prompt's save would otherwise be refused whole)."""
         tr, nbytes = job.tr, self._block_bytes()
+        step = pin_window(client.registered)
+        for a in range(0, len(tr.hashes), step):
+            if not self._save_span(client, job, range(a, min(a + step, len(tr.hashes))), nbytes):
+                return
+
+    def _save_span(self, client: Any, job: SaveJob, span: range, nbytes: int) -> bool:
+        """Blocks ``span`` of the job; whether the rest may follow."""
+        tr = job.tr
         try:
-            with reserving(client, tr.hashes, nbytes) as res:
+            with reserving(client, tr.hashes[span.start : span.stop], nbytes) as res:
                 if not any(s is not None for s in res.slots):
-                    return  # every block is stored already: nothing to read
+                    return True  # every block is stored already: nothing to read
                 if not job.start_copy():
                     res.ok = False  # preempted while the daemon answered: its blocks are someone else's now
-                    return
+                    return False
                 try:
-                    for i, vblocks in enumerate(tr.block_ids):
+                    for i, vblocks in enumerate(tr.block_ids[span.start : span.stop]):
                         view = res.view(i)
                         if view is not None:
                             self._copy(view, vblocks, self._stream)
@@ -168,12 +179,14 @@ class Saver:
                         self._stream.synchronize()  # the bytes are in G2 before the daemon is told to commit
                 finally:
                     res.ok = job.end_copy()
-                self.stats["saved"] = self.stats.get("saved", 0) + len(tr.hashes)
+                self.stats["saved"] = self.stats.get("saved", 0) + len(span)
+                return res.ok
         except Exception as e:
             if not is_load(e):
                 raise
             # The daemon is saturated or full: this save is skipped, the engine keeps going.
-            self.stats["saves_skipped"] = self.stats.get("saves_skipped", 0) + len(tr.hashes)
+            self.stats["saves_skipped"] = self.stats.get("saves_skipped", 0) + len(tr.hashes) - span.start
+            return False
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
