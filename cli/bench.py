@@ -471,3 +471,34 @@ def native_cmd(chunk_size: int, chunks: int, repeats: int, tiers: str, workdir: 
     click.echo("")
     click.echo(native_table(report, markdown))
     _emit(report, json_path, None, None)
+
+
+@bench.command("outage")
+@click.option("--prompt-words", default=3000, show_default=True, help="Words (tokens) of each new prompt.")
+@click.option("--decode-tokens", default=6000, show_default=True, help="At most (cut off after each phase).")
+@click.option("--arrivals", default=2, show_default=True, help="New requests sent at once in a prefill phase.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--root", type=click.Path(file_okay=False), default=None,
+              help="Keep the model, logs and daemon files here (else a temporary dir).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def outage_cmd(prompt_words: int, decode_tokens: int, arrivals: int, seed: int, root: str | None,
+               json_path: str | None) -> None:
+    """The daemon SIGKILLed or SIGSTOPped under vLLM's OpenAI server: decode gaps, TTFTs, the hooks' step times."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from kvbm.bench.outage import run
+
+    with tempfile.TemporaryDirectory(prefix="kvbm-outage-") as tmp:
+        report = asyncio.run(run(Path(root or tmp), prompt_words, decode_tokens, arrivals, seed))
+    text = json.dumps(report, indent=1)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(text + "\n")
+    for name, ph in report["phases"].items():
+        worst = max((v["steps"]["slowest_bucket_le_ms"] or 0 for v in ph["hook_times"].values()
+                     if v["steps"]["slowest_bucket_le_ms"] != "inf"), default=0)
+        click.echo(f"{name:14} decode gap before {ph['decode_max_gap_before_s'] or 0:.3f}s during "
+                   f"{ph['decode_max_gap_during_s'] or 0:.3f}s  slowest kvbm step <= {worst} ms  "
+                   f"new TTFT {[round(t, 2) for t in ph['new_concurrent_ttft_s'] + ph['new_after_ttft_s']]}")
