@@ -215,15 +215,18 @@ class _Core:
         return ns, hashes, sizes.pop() if sizes else 0
 
     def _store_step(self, count: int, batch: int, in_flight: int) -> int:
-        """Blocks per PrepareStore of a store of ``count`` blocks: ``batch``; but a store of more blocks than G2
-        holds streams through it, in batches whose ``in_flight`` reserved at once fit in half of G2 (a committed
-        batch's slots are free again once written below), instead of reserving a slot per block and failing
-        whole with ``full``."""
-        reg = self.registered
-        slots = reg.capacity_bytes // reg.slot_bytes if reg is not None and reg.slot_bytes else 0
-        if not slots or count <= min(slots, batch):
+        """Blocks per PrepareStore of a store of ``count`` blocks: ``batch``; but a store of more blocks than this
+        session may hold reserved at once (the slot budget the daemon states, else half of G2) streams through
+        G2 in batches whose ``in_flight`` reserved at once fit in that budget (a committed batch's slots are free
+        again once written below), instead of failing whole with ``full``."""
+        from kvbm.client.lease import pin_window  # lease builds on this module
+
+        if self.registered is None:
             return batch
-        return max(1, min(batch, slots // 2 // max(1, in_flight)))
+        budget = pin_window(self.registered)
+        if count <= min(budget, batch):
+            return batch
+        return max(1, min(batch, budget // max(1, in_flight)))
 
     def _copy_in(self, slots: Sequence[int | None], bufs: Sequence[Buffer], n: int) -> None:
         """Copy each buffer into its reserved slot: host buffers through numpy (a torch copy per 1 KiB block

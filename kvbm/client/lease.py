@@ -31,12 +31,13 @@ def is_load(e: BaseException) -> bool:
 
 
 def pin_window(registered: p.Registered | None) -> int:
-    """How many G2 slots this session may hold pinned or reserved at once: the daemon's per-session budget,
-    else half the pool (a daemon that does not state one: the other half stays for other sessions)."""
+    """How many G2 slots this session may hold pinned or reserved at once: the daemon's per-session budget, and
+    never more than half the pool (the other half takes the blocks being written down or brought up)."""
     if registered is None:
         return 1
+    half = max(1, registered.num_slots // 2)
     stated = int(getattr(registered, "session_slots", 0) or 0)
-    return max(1, stated if stated > 0 else registered.num_slots // 2)
+    return max(1, min(stated, half) if stated > 0 else half)
 
 
 class Reservation:
