@@ -116,7 +116,7 @@ class Daemon:
             sub.open()
             self._subs.append(sub)
             self._spawn(sub.run())
-        peer_token = await asyncio.to_thread(read_peer_token, self.dc, self.service.creds.admin_token)
+        peer_token = await asyncio.to_thread(read_peer_token, self.dc)
         self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn, self.publisher.endpoint, peer_token)
         if self.dc.metrics_port:
             self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))

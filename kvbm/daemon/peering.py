@@ -68,8 +68,8 @@ class FleetMember:
         (:func:`read_peer_token`) is what a follower presents to a peer with tenants and no CURVE."""
         self._ctx, self._curve_keys, self._spawn = ctx, curve_keys, spawn
         self._peer_token = peer_token
-        # A configured peer gets PLAIN only when a peer token is configured (a plain peer would refuse PLAIN).
-        static_plain = (EVENTS_USER, peer_token) if self.dc.peer_token_file and peer_token else None
+        # Only with daemon.peer_token_file: a configured peer whose socket is plain would refuse PLAIN.
+        static_plain = (EVENTS_USER, peer_token) if peer_token else None
         for ep in self.dc.peers:
             peer = PeerFollower(ep, ctx, self._apply_peer, self._peer_gap, curve=self._peer_curve(curve_keys),
                                 plain=static_plain)
@@ -188,12 +188,13 @@ class FleetMember:
         }
 
 
-def read_peer_token(dc: DaemonConfig, admin_token: str) -> str:
+def read_peer_token(dc: DaemonConfig) -> str:
     """What this daemon presents to a peer's events socket that has tenants and no CURVE (PLAIN, user
-    ``admin``): the token in ``daemon.peer_token_file`` (the peers' admin token), else this daemon's own admin
-    token (a fleet whose daemons share one). Blocking file read: call it in a thread."""
+    ``admin``): the token in ``daemon.peer_token_file`` (the peers' admin token); "" when none is configured.
+    Never this daemon's own admin token by default: anyone who can write the bucket prefix can announce an
+    endpoint, and PLAIN sends the token in clear. Blocking file read: call it in a thread."""
     if not dc.peer_token_file:
-        return admin_token
+        return ""
     path = os.path.expanduser(dc.peer_token_file)
     try:
         with open(path, encoding="utf-8") as f:

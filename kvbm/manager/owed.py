@@ -159,7 +159,7 @@ class OwedWrites:
             await asyncio.sleep(self.journal_delay_s)
             try:
                 await self.flush()
-            except OSError as e:  # a full or failing disk: the lines stay pending, tried again
+            except Exception as e:  # a full or failing disk: the lines stay pending, tried again
                 log.warning("owed-write journal %s not written: %s", self.journal, e)
                 await asyncio.sleep(max(self.every_s, self.journal_delay_s))
 
