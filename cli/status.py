@@ -89,7 +89,7 @@ def daemon_report(link: DaemonLink) -> dict[str, Any]:
 
 
 PEER_FIELDS = ("endpoint", "node_id", "connected", "connects", "batches", "stored", "removed", "gaps", "lost",
-               "resets", "last_seq")
+               "resets", "last_seq", "failures", "error")
 
 
 def _fleet(f: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -188,9 +188,14 @@ def render_fleet(f: dict[str, Any] | None) -> list[str]:
         rows = [["peer", "state", "batches", "stored", "removed", "gaps", "resets"]]
         for p in f["peers"]:
             name = f"{p['endpoint']} ({p['node_id']})" if p.get("node_id") else str(p["endpoint"])
-            rows.append([name, "connected" if p["connected"] else "DISCONNECTED", str(p["batches"]),
-                         str(p["stored"]), str(p["removed"]), str(p["gaps"]), str(p["resets"])])
+            state = "connected" if p["connected"] else "FAILING" if p.get("error") else "DISCONNECTED"
+            rows.append([name, state, str(p["batches"]), str(p["stored"]), str(p["removed"]), str(p["gaps"]),
+                         str(p["resets"])])
         lines += ["  " + line for line in _table(rows, {2, 3, 4, 5, 6})]
+        for p in f["peers"]:
+            if p.get("error") and not p["connected"]:
+                lines.append(f"  peer {p['endpoint']}: FOLLOW FAILING ({p.get('failures') or 0} handshakes): "
+                             f"{p['error']}")
     return lines
 
 

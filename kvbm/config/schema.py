@@ -263,6 +263,9 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     # Fleet: many daemons sharing one bucket (same s3.bucket and s3.prefix). See kvbm.fleet.
     peers: list[str] = []  # other daemons' events_endpoint (tcp://node-a:5558): their G4 stores/removals are learned
     peer_curve_server_key: str = ""  # Z85 public key of the peers' PUB sockets (empty: curve_public_key)
+    # A peer with tenants and no CURVE lets only its admin token subscribe to its events (ZeroMQ PLAIN, sent in
+    # clear): the file holding that token. Empty: such peers cannot be followed (their status says so).
+    peer_token_file: str = ""
     probe: bool = True  # a lookup that misses probes the bucket (HEAD) for the next blocks of its prefix
     probe_budget_ms: float = 30.0  # how long a lookup waits for its probe; the rest is learned for the next lookup
     probe_concurrency: int = 8  # HEADs in flight per probe (blocks are probed in windows of this many)

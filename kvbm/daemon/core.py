@@ -21,7 +21,7 @@ from kvbm.daemon.indexing import BucketIndexer
 from kvbm.daemon.kvevents import KVEventSubscriber, describe_views
 from kvbm.daemon.logs import logj
 from kvbm.daemon.metrics import Metrics, MetricsServer
-from kvbm.daemon.peering import FleetMember, shared_tier
+from kvbm.daemon.peering import FleetMember, read_peer_token, shared_tier
 from kvbm.daemon.prefetch import Prefetcher
 from kvbm.daemon.service import Service, g2_of
 from kvbm.daemon.sessions import Sessions, WorkerSession
@@ -120,7 +120,8 @@ class Daemon:
             sub.open()
             self._subs.append(sub)
             self._spawn(sub.run())
-        self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn, self.publisher.endpoint)
+        peer_token = await asyncio.to_thread(read_peer_token, self.dc)
+        self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn, self.publisher.endpoint, peer_token)
         if self.dc.metrics_port:
             self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
             self.metrics_port = await self._metrics.start()

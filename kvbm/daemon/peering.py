@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from typing import Any
 
@@ -19,9 +20,10 @@ import zmq.asyncio
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.config import DaemonConfig
-from kvbm.daemon.events import EventPublisher
+from kvbm.daemon.events import EVENTS_USER, EventPublisher
 from kvbm.daemon.logs import logj
 from kvbm.daemon.transport import Spawn
+from kvbm.errors import ConfigError
 from kvbm.fleet import BucketProbe, PeerFollower
 from kvbm.fleet.members import Discovery, Membership, host_local
 from kvbm.manager.core import BlockManager
@@ -56,15 +58,21 @@ class FleetMember:
         self._named: dict[str, PeerFollower] = {}  # node -> the configured follower its endpoint matched
         self._ctx: zmq.asyncio.Context | None = None
         self._curve_keys = ("", "")
+        self._peer_token = ""
         self._spawn: Spawn | None = None
 
     def follow(self, ctx: zmq.asyncio.Context, curve_keys: tuple[str, str], spawn: Spawn,
-               events_endpoint: str = "") -> None:
+               events_endpoint: str = "", peer_token: str = "") -> None:
         """Open a follower per ``daemon.peers`` endpoint; with ``daemon.discovery``, announce this daemon
-        (its bound ``events_endpoint``) and follow the members found in the bucket."""
+        (its bound ``events_endpoint``) and follow the members found in the bucket. ``peer_token``
+        (:func:`read_peer_token`) is what a follower presents to a peer with tenants and no CURVE."""
         self._ctx, self._curve_keys, self._spawn = ctx, curve_keys, spawn
+        self._peer_token = peer_token
+        # Only with daemon.peer_token_file: a configured peer whose socket is plain would refuse PLAIN.
+        static_plain = (EVENTS_USER, peer_token) if peer_token else None
         for ep in self.dc.peers:
-            peer = PeerFollower(ep, ctx, self._apply_peer, self._peer_gap, curve=self._peer_curve(curve_keys))
+            peer = PeerFollower(ep, ctx, self._apply_peer, self._peer_gap, curve=self._peer_curve(curve_keys),
+                                plain=static_plain)
             peer.open()
             self.peers.append(peer)
             spawn(peer.run())
@@ -76,9 +84,11 @@ class FleetMember:
                 logj("fleet.announce_local", level=logging.WARNING, endpoint=announced,
                      message=f"discovery announces {announced}: {why}; daemons on other hosts will not follow this "
                              "one (set daemon.announce_endpoint to an address they can reach)")
+            # Followers must know whether this daemon's events socket asks for PLAIN (EventPublisher.bind).
+            auth = "plain" if self.dc.tenants and not curve_keys[1] else ""
             self.discovery = Discovery(shared, self.dc.node_id, announced, curve_keys[0], join=self._join,
                                        leave=self._leave, interval_s=self.dc.discovery_interval_s,
-                                       ttl_s=self.dc.discovery_ttl_s)
+                                       ttl_s=self.dc.discovery_ttl_s, events_auth=auth)
             spawn(self.discovery.run())
 
     def _join(self, m: Membership) -> None:
@@ -92,8 +102,9 @@ class FleetMember:
             return
         assert self._ctx is not None and self._spawn is not None
         curve = self._peer_curve(self._curve_keys, m.curve_public_key) if m.curve_public_key else None
+        plain = (EVENTS_USER, self._peer_token) if m.events_auth == "plain" and self._peer_token else None
         peer = PeerFollower(m.events_endpoint, self._ctx, self._apply_peer, self._peer_gap, curve=curve,
-                            node_id=m.node_id)
+                            plain=plain, node_id=m.node_id)
         peer.open()
         self.peers.append(peer)
         self._found[m.node_id] = (peer, self._spawn(peer.run()))
@@ -175,6 +186,24 @@ class FleetMember:
             "probe": self.probe.describe() if self.probe is not None else None,
             "discovery": self.discovery.describe() if self.discovery is not None else None,
         }
+
+
+def read_peer_token(dc: DaemonConfig) -> str:
+    """What this daemon presents to a peer's events socket that has tenants and no CURVE (PLAIN, user
+    ``admin``): the token in ``daemon.peer_token_file`` (the peers' admin token); "" when none is configured.
+    Never this daemon's own admin token by default: anyone who can write the bucket prefix can announce an
+    endpoint, and PLAIN sends the token in clear. Blocking file read: call it in a thread."""
+    if not dc.peer_token_file:
+        return ""
+    path = os.path.expanduser(dc.peer_token_file)
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"daemon.peer_token_file: cannot read {path}: {e.strerror or e}") from e
+    if not token:
+        raise ConfigError(f"daemon.peer_token_file: {path} is empty")
+    return token
 
 
 def announced_endpoint(dc: DaemonConfig, bound: str) -> str:

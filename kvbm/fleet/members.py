@@ -56,6 +56,7 @@ class Membership(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     started_at: float  # unix time (informational)
     ttl_s: float  # refreshed every ttl_s / 3; gone when not refreshed for ttl_s
     host: str = ""  # the announcing host (:func:`this_host`); "" from older writers: host unknown
+    events_auth: str = ""  # "plain": its events socket lets only its admin token subscribe (tenants, no CURVE)
 
 
 def this_host() -> str:
@@ -138,7 +139,8 @@ class Discovery:
     def __init__(self, tier: Any, node_id: str, events_endpoint: str, curve_public_key: str, *,
                  join: Callable[[Membership], None], leave: Callable[[str], None], interval_s: float = 2.0,
                  ttl_s: float = 15.0, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic, host: str | None = None) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, host: str | None = None,
+                 events_auth: str = "") -> None:
         self.tier = tier
         self.node = node_name(node_id)
         self.key = member_key(tier.prefix, self.node)
@@ -150,7 +152,7 @@ class Discovery:
         self._mono = monotonic
         self.me = Membership(node_id=self.node, instance=secrets.token_hex(8), events_endpoint=events_endpoint,
                              curve_public_key=curve_public_key, started_at=clock(), ttl_s=ttl_s,
-                             host=this_host() if host is None else host)
+                             host=this_host() if host is None else host, events_auth=events_auth)
         self._body = msgspec.json.encode(self.me)
         self._clock = clock
         self.members: dict[str, Membership] = {}  # followed: node -> its membership

@@ -6,6 +6,10 @@ numbers: a jump forward means messages were lost (a slow joiner, a full queue), 
 restarted and counts from 0 again. Either way the follower keeps going and tells the daemon (``on_gap``),
 which forgets its negative cache so the bucket probe finds whatever the lost messages announced. ZeroMQ
 reconnects the SUB socket on its own when a peer dies and comes back.
+
+A follower authenticates with CURVE (the peer's server key) or, to a daemon with tenants and no CURVE, with
+ZeroMQ PLAIN (``plain``: user and the peer's admin token). A handshake the peer refuses is not retried silently:
+``error`` in its stats (and ``kvbm status``) says why, until a connection succeeds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ from kvbm import protocol as p
 log = logging.getLogger(__name__)
 
 _UP_EVENT = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)  # CURVE: up once the handshake passed
+_FAILED_AUTH = getattr(zmq, "EVENT_HANDSHAKE_FAILED_AUTH", 0)  # the peer's ZAP handler refused us
+_FAILED_PROTOCOL = getattr(zmq, "EVENT_HANDSHAKE_FAILED_PROTOCOL", 0)  # e.g. it asks for another mechanism
+_FAILED_NO_DETAIL = getattr(zmq, "EVENT_HANDSHAKE_FAILED_NO_DETAIL", 0)  # e.g. a wrong CURVE server key
+_MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
 
 
 class PeerStats(msgspec.Struct):
@@ -42,6 +50,8 @@ class PeerStats(msgspec.Struct):
     bad: int = 0  # messages that did not decode
     last_seq: int = -1
     last_event_at: float = 0.0  # unix time of the last batch
+    failures: int = 0  # handshakes the peer refused (or that failed)
+    error: str = ""  # why the last handshake failed; "" once one succeeds
 
 
 class PeerFollower:
@@ -49,13 +59,14 @@ class PeerFollower:
 
     def __init__(self, endpoint: str, ctx: zmq.asyncio.Context, apply: Callable[[PeerFollower, p.EventBatch], None],
                  on_gap: Callable[[PeerFollower], None], *, curve: tuple[str, str, str] | None = None,
-                 node_id: str = "") -> None:
+                 plain: tuple[str, str] | None = None, node_id: str = "") -> None:
         self.endpoint = endpoint
         self.stats = PeerStats(endpoint=endpoint, node_id=node_id)
         self._ctx = ctx
         self._apply = apply
         self._on_gap = on_gap
         self._curve = curve  # (server public key, own public key, own secret key), Z85
+        self._plain = plain if curve is None else None  # (user, password): a peer with tenants and no CURVE
         self._sock: zmq.asyncio.Socket | None = None
         self._mon: zmq.asyncio.Socket | None = None
         self._seen = False
@@ -71,8 +82,12 @@ class PeerFollower:
             sock.curve_serverkey = server.encode()
             sock.curve_publickey = public.encode()
             sock.curve_secretkey = secret.encode()
+        elif self._plain is not None:
+            sock.plain_username = self._plain[0].encode()
+            sock.plain_password = self._plain[1].encode()
         sock.setsockopt(zmq.SUBSCRIBE, p.EVENTS_TOPIC)
-        self._mon = sock.get_monitor_socket(_UP_EVENT | zmq.EVENT_DISCONNECTED)
+        self._mon = sock.get_monitor_socket(_UP_EVENT | zmq.EVENT_DISCONNECTED | _FAILED_AUTH | _FAILED_PROTOCOL
+                                            | _FAILED_NO_DETAIL)
         sock.connect(self.endpoint)
         self._sock = sock
 
@@ -108,9 +123,33 @@ class PeerFollower:
             if ev["event"] == _UP_EVENT:
                 self.stats.connected = True
                 self.stats.connects += 1
+                self.stats.error = ""
                 self._on_gap(self)  # whatever it published before this connection is lost to us
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 self.stats.connected = False
+            elif ev["event"] in (_FAILED_AUTH, _FAILED_PROTOCOL, _FAILED_NO_DETAIL):
+                self.stats.connected = False
+                self.stats.failures += 1
+                why = self._why(ev["event"], int(ev.get("value") or 0))
+                if why != self.stats.error:
+                    log.warning("peer %s: cannot follow it: %s", self.endpoint, why)
+                self.stats.error = why
+
+    def _why(self, event: int, value: int) -> str:
+        """What a failed handshake means for the operator (what ``kvbm status`` shows)."""
+        if event == _FAILED_AUTH:
+            if self._plain is not None:
+                return (f"the peer refused the token (ZAP {value}): daemon.peer_token_file must hold the peer's "
+                        "admin token")
+            return f"the peer refused this daemon's CURVE key (ZAP {value}): add it to the peer's curve_clients_dir"
+        if event == _FAILED_PROTOCOL and value == _MECHANISM_MISMATCH:
+            if self._curve is None and self._plain is None:
+                return ("the peer's events socket needs a credential (a daemon with tenants and no CURVE): set "
+                        "daemon.peer_token_file to a file holding its admin token")
+            return "the peer's events socket uses another security mechanism (CURVE on one side only?)"
+        if event == _FAILED_PROTOCOL:
+            return f"handshake failed: ZMTP protocol error {value:#x}"
+        return "handshake failed (no detail: a wrong CURVE server key, daemon.peer_curve_server_key?)"
 
     def handle(self, frames: list[bytes]) -> None:
         """One published message: ``[topic, seq (8 bytes), EventBatch]``."""

@@ -159,29 +159,41 @@ class OwedWrites:
             await asyncio.sleep(self.journal_delay_s)
             try:
                 await self.flush()
-            except OSError as e:  # a full or failing disk: the lines stay pending, tried again
+            except Exception as e:  # a full or failing disk: the lines stay pending, tried again
                 log.warning("owed-write journal %s not written: %s", self.journal, e)
                 await asyncio.sleep(max(self.every_s, self.journal_delay_s))
 
     async def flush(self) -> None:
         """Write the pending journal lines (in a thread); rewrite the file compactly when it is mostly paid.
-        One flush at a time: a second waits for the first, then writes what is left."""
+        One flush at a time: a second waits for the first, then writes what is left. A flush cancelled while its
+        thread writes still holds the lock until the write ends (then re-raises), so no two writes overlap."""
         async with self._flushing:
             if self.journal is None or not self._lines:
                 return
             lines, self._lines = self._lines, []
-            compact = self._journal_lines + len(lines) > 2 * self.total() + 10_000
-            try:
-                if compact:
-                    current = [f"+ {t} {k.hash.hex()} {k.namespace}\n" for t, keys in self._owed.items() for k in keys]
-                    await asyncio.to_thread(_rewrite, self.journal, current)
-                    self._journal_lines = len(current)
-                else:
-                    await asyncio.to_thread(_append, self.journal, lines)
-                    self._journal_lines += len(lines)
-            except BaseException:
-                self._lines[:0] = lines  # not written (or cancelled): written by the next flush
-                raise
+            if self._journal_lines + len(lines) > 2 * self.total() + 10_000:
+                body = [f"+ {t} {k.hash.hex()} {k.namespace}\n" for t, keys in self._owed.items() for k in keys]
+                fn, after = _rewrite, len(body)
+            else:
+                body, fn, after = lines, _append, self._journal_lines + len(lines)
+            work = asyncio.ensure_future(asyncio.to_thread(fn, self.journal, body))
+            cancelled = False
+            while not work.done():
+                try:
+                    await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    cancelled = True  # the thread goes on writing: wait for it before anyone else may write
+                except Exception:
+                    break
+            err = work.exception()
+            if err is not None:
+                self._lines[:0] = lines  # not written: the next flush writes them
+            else:
+                self._journal_lines = after
+            if cancelled:
+                raise asyncio.CancelledError
+            if err is not None:
+                raise err
 
     async def resume(self, journal: Path) -> int:
         """Use ``journal`` from now on and owe again what it holds unpaid (a restart after an outage); returns how

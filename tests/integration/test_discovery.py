@@ -174,3 +174,37 @@ def test_another_hosts_host_local_endpoint_is_not_followed(tmp_path, s3_server, 
     assert "member far NOT FOLLOWED" in text, text
     assert "127.0.0.1 is a loopback address: other hosts will not follow this daemon" in text, text
     assert '"fleet.announce_local"' in b.proc.log_path.read_text()  # B warned of its ipc:// announcement
+
+
+def test_peers_authenticate_to_a_daemon_with_tenants_and_no_curve(tmp_path, s3_server, s3_prefix, nodes):
+    """B has tenants and no CURVE: its events socket lets only its admin token subscribe (PLAIN). A follower
+    without a credential fails the handshake, and A's `kvbm status` says why (before: it reconnected forever
+    without a word). With daemon.peer_token_file holding B's admin token, a configured peer (C) and a discovered
+    member (D, told by B's membership that it asks for PLAIN) both follow B and learn its stores by events alone."""
+    tenant = [{"name": "team", "token_file": str(tmp_path / "team.token"), "models": ["other/*"]}]
+    b = Node(tmp_path, "b", s3_server, s3_prefix, node_id="b", tenants=tenant, **FAST)
+    nodes.append(b.start())
+    a = Node(tmp_path, "a", s3_server, s3_prefix, node_id="a", peers=[b.events], probe=False, prefetch=False)
+    nodes.append(a.start())
+    with a.client() as ca:
+        peer = poll(lambda: (p := followed(a, ca)[b.events]).get("error") and p)
+        assert peer and not peer["connected"] and "daemon.peer_token_file" in peer["error"], followed(a, ca)
+    text = CliRunner().invoke(main, ["status"], env={"KVBM_CONFIG": str(a.proc.cfg_path)},
+                              catch_exceptions=False).output
+    assert f"peer {b.events}: FOLLOW FAILING" in text and "daemon.peer_token_file" in text, text
+    a.stop()
+
+    token = str(b.proc.admin_token_path)
+    c = Node(tmp_path, "c", s3_server, s3_prefix, node_id="c", peers=[b.events], peer_token_file=token,
+             probe=False, prefetch=False)
+    d = Node(tmp_path, "d", s3_server, s3_prefix, node_id="d", peer_token_file=token, **FAST)
+    nodes.extend([c.start(), d.start()])
+    keys = prompt(3)
+    with c.client() as cc, d.client() as cd:
+        assert poll(lambda: followed(c, cc)[b.events]["connected"]), followed(c, cc)
+        assert poll(lambda: connected_to(cd, {"b"})), followed(d, cd)
+        with b.client(admin=True) as cb:
+            store(cb, keys)
+        for cl in (cc, cd):
+            assert poll(lambda cl=cl: cl.lookup(keys).matched == 3)  # by B's events: probes are off
+        assert followed(c, cc)[b.events]["error"] == "" and followed(d, cd)["b"]["stored"] >= 3

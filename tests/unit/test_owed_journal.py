@@ -67,14 +67,23 @@ def test_journal_flushes_run_one_at_a_time_and_lose_no_line(tmp_path, monkeypatc
         for i in range(50, 100):
             ow.owe("G3", key(i))
         second = asyncio.ensure_future(ow.flush())
-        await asyncio.gather(first, second, ow.close())
+        await asyncio.gather(first, second)
+        for i in range(100, 150):  # a flush cancelled while its thread writes (a shutdown): the next one waits
+            ow.owe("G3", key(i))
+        cancelled = asyncio.ensure_future(ow.flush())
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        for i in range(150, 200):
+            ow.owe("G3", key(i))
+        await asyncio.gather(cancelled, ow.flush(), ow.close(), return_exceptions=True)
+        assert cancelled.cancelled()
         owed = {(t, k) for t, keys in ow._owed.items() for k in keys}
         for tier in mgr.tiers:
             await tier.close()
         return owed
 
     owed = asyncio.run(go())
-    assert len(owed) == 100
+    assert len(owed) == 200
     assert most[0] == 1, f"{most[0]} journal writes overlapped"
     journal = tmp_path / "disk" / JOURNAL_NAME
     assert set(owed_mod._replay(journal)) == owed
