@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvbm.bench.common import BenchTarget, DaemonProc, load_avg, machine, s3_server, summary, temp_dir
-from kvbm.bench.trace_sim import TraceRequest, bounds, load_trace, trace_summary
+from kvbm.bench.trace_sim import TraceRequest, bounds, load_trace, purge_cost, trace_summary
 
 KiB = 1024
 FULL_RETRIES = 10
@@ -281,7 +281,10 @@ async def run_trace(o: TraceOptions, say: Callable[[str], None]) -> dict[str, An
         f"{summ['duration_s']:.0f} s (replayed x{o.speedup:g})")
     report: dict[str, Any] = {"bench": "trace", "machine": machine(), "load_avg_start": load_avg(),
                               "options": {k: v for k, v in asdict(o).items()}, "trace": summ,
-                              "simulated": bounds(reqs, caps), "runs": []}
+                              "simulated": bounds(reqs, caps), "purge": purge_cost(reqs), "runs": []}
+    pc = report["purge"]
+    say(f"trace: a purge of the bucket to 10% halfway costs the second half {pc['none'] - pc['access']:.4f} of hit "
+        f"ratio by last access, {pc['none'] - pc['value']:.4f} by value (no purge: {pc['none']:.4f})")
     blocks = Blocks(o.block_bytes, o.seed)
     with temp_dir("kvbm-bench-trace-", o.workdir) as root:
         for s3 in o.s3_modes:
