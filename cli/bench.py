@@ -406,6 +406,9 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
 @click.option("--g2-share", default=0.25, show_default=True, help="G2's part of G2+G3.")
 @click.option("--s3", "s3_modes", default="off", show_default=True, help="off, on or off,on (G4 behind G2+G3).")
 @click.option("--inflight", default=8, show_default=True, help="Requests in flight at most.")
+@click.option("--eviction", "evictions", default="lru", show_default=True,
+              help="The daemon's policy.eviction: lru, frequency or lru,frequency (a run each).")
+@click.option("--g3-dir", default="", help="Where G3 lives (e.g. a tmpfs: the policy without the disk's latency).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
 @with_s3
@@ -414,7 +417,8 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
               help="PNG: hit ratio vs capacity, per tier, with LRU / policy / Belady.")
 @click.option("--markdown", is_flag=True, help="Print the table as markdown.")
 def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capacities: str, g2_share: float,
-              s3_modes: str, inflight: int, seed: int, workdir: str | None, s3_endpoint: str | None,
+              s3_modes: str, inflight: int, evictions: str, g3_dir: str, seed: int, workdir: str | None,
+              s3_endpoint: str | None,
               s3_access_key: str, s3_secret_key: str, s3_bucket: str, json_path: str | None, plot_path: str | None,
               markdown: bool) -> None:
     """Replay a production trace through a real daemon: hit ratio per tier vs LRU / Belady / infinite."""
@@ -428,7 +432,8 @@ def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capa
         raise click.BadParameter(f"numbers, not {capacities!r}", param_hint="--capacities") from None
     opts = TraceOptions(trace=trace_path, limit=limit, speedup=speedup,
                         block_bytes=block_size, capacities=caps, g2_share=g2_share,
-                        s3_modes=_csv(s3_modes), inflight=inflight, seed=seed, workdir=workdir,
+                        s3_modes=_csv(s3_modes), inflight=inflight, evictions=_csv(evictions), g3_dir=g3_dir,
+                        seed=seed, workdir=workdir,
                         s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key,
                         s3_bucket=s3_bucket)
     try:

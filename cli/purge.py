@@ -72,9 +72,10 @@ def _plan_lines(plan: list[Entry]) -> list[str]:
 @click.option("--max-bytes", metavar="SIZE", type=SIZE,
               help="Keep each namespace at most SIZE (e.g. 10GiB) per store, deleting its least recently used "
                    "blocks first.")
-@click.option("--by", "by", type=click.Choice(["access", "written"]), default="access", show_default=True,
+@click.option("--by", "by", type=click.Choice(["access", "written", "value"]), default="access", show_default=True,
               help="Age and rank blocks by their last use anywhere in the fleet (the bucket's access logs; "
-                   "write time where none is recorded), or by write time only.")
+                   "write time where none is recorded), or by write time only; value: as access, but --max-bytes "
+                   "keeps what the placement policy values most (blocks hit since written before one-offs).")
 @click.option("--access-log-retention", "log_keep", metavar="AGE", callback=_duration, default="30d",
               show_default=True, help="Delete access logs older than AGE (their hits no longer protect a block).")
 @click.option("--from", "from_", type=click.Choice(["bucket", "disk", "both"]), default="both", show_default=True,
@@ -147,7 +148,7 @@ def purge(state: CliState, older_than: float | None, namespaces: tuple[str, ...]
         logs: list[AccessLog] = []
         recency = "write time"
         # A disk-only purge reads the logs of a configured bucket, but never starts the embedded SeaweedFS for it.
-        if by == "access" and entries and cfg.s3.enabled and (use_bucket or cfg.s3.endpoint):
+        if by in ("access", "value") and entries and cfg.s3.enabled and (use_bucket or cfg.s3.endpoint):
             try:
                 if tier is None:  # a disk-only purge still ranks by the fleet's hits when the bucket answers
                     tier = loop.run_until_complete(open_bucket(cfg))
@@ -159,7 +160,7 @@ def purge(state: CliState, older_than: float | None, namespaces: tuple[str, ...]
                 if use_bucket:
                     raise
                 recency = f"write time (bucket access logs unreadable: {' '.join(str(e).split())[:200]})"
-        plan = plan_purge(entries, sel)
+        plan = plan_purge(entries, sel, rank="value" if by == "value" else "access")
         log_plan = plan_log_purge(logs, sel, log_keep) if use_bucket else []
         total = sum(e.size for e in plan)
         where = " and ".join(w for w, on in (("bucket", use_bucket), ("disk", use_disk)) if on) or "nothing"
@@ -171,7 +172,8 @@ def purge(state: CliState, older_than: float | None, namespaces: tuple[str, ...]
             say(f"  access logs: {len(log_plan)} old ones")
         summary: dict[str, Any] = {"dry_run": dry_run, "selected": len(plan), "selected_bytes": total,
                                    "in_scope": len(entries), "deleted": 0, "bytes_freed": 0, "errors": 0,
-                                   "by": "access" if recency.startswith("access") else "written",
+                                   "by": ("value" if by == "value" else "access") if recency.startswith("access")
+                                   else "written",
                                    "access_logs": len(logs), "access_logs_selected": len(log_plan),
                                    "access_logs_deleted": 0}
         if dry_run or not (plan or log_plan):

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from kvbm.bench.common import BenchTarget, DaemonProc, load_avg, machine, s3_server, summary, temp_dir
-from kvbm.bench.trace_sim import TraceRequest, bounds, load_trace, trace_summary
+from kvbm.bench.trace_sim import TraceRequest, bounds, load_trace, purge_cost, trace_summary
 
 KiB = 1024
+FULL_RETRIES = 10
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: distinct ids give distinct words at every offset
 
 
@@ -37,6 +38,8 @@ class TraceOptions(BenchTarget):
     g2_share: float = 0.25  # of G2+G3, G2's part
     s3_modes: tuple[str, ...] = ("off",)  # off, on
     inflight: int = 8
+    evictions: tuple[str, ...] = ("lru",)  # the daemon's policy.eviction, one run each
+    g3_dir: str = ""  # where G3 lives (default: the workdir); a tmpfs takes the disk's latency out
     seed: int = 0
     daemon_overrides: dict[str, Any] = field(default_factory=dict)  # merged into the daemon's "daemon" config
 
@@ -53,6 +56,8 @@ class TraceOptions(BenchTarget):
             raise ValueError("--g2-share must be in (0, 1)")
         if bad := [m for m in self.s3_modes if m not in ("off", "on")]:
             raise ValueError(f"--s3: off and/or on, not {bad}")
+        if bad := [e for e in self.evictions if e not in ("lru", "frequency")]:
+            raise ValueError(f"--eviction: lru and/or frequency, not {bad}")
         if self.inflight < 1:
             raise ValueError("--inflight must be >= 1")
 
@@ -87,6 +92,7 @@ class RunStats:
     errors: Counter[str] = field(default_factory=Counter)
     latency: list[float] = field(default_factory=list)
     lag: list[float] = field(default_factory=list)  # start - scheduled arrival
+    full_retries: int = 0
 
 
 async def _request(c: Any, ns: str, r: TraceRequest, blocks: Blocks, st: RunStats, chunk: int) -> None:
@@ -120,7 +126,17 @@ async def _request(c: Any, ns: str, r: TraceRequest, blocks: Blocks, st: RunStat
         rest = r.hash_ids[got:]
         if rest:
             st.store_requested += len(rest)
-            ack = await c.store(keys[got:], list(blocks.make(rest)))
+            bufs = list(blocks.make(rest))
+            for attempt in range(FULL_RETRIES + 1):
+                try:
+                    ack = await c.store(keys[got:], bufs)
+                    break
+                except DaemonError as e:
+                    # G2 taken by the other requests' pins and reservations right now: they end within ms.
+                    if e.code != "full" or attempt == FULL_RETRIES:
+                        raise
+                    st.full_retries += 1
+                    await asyncio.sleep(0.02 * (attempt + 1))
             st.stored += ack.stored
     except Overloaded:
         st.errors["shed"] += 1
@@ -174,15 +190,16 @@ async def replay(endpoint: str, reqs: Sequence[TraceRequest], opts: TraceOptions
 
 
 def _daemon_cfg(root: Path, o: TraceOptions, g2_blocks: int, g3_blocks: int, srv: dict[str, Any] | None,
-                tag: str) -> dict[str, Any]:
+                tag: str, eviction: str) -> dict[str, Any]:
     from kvbm.blocks import ALIGNED_HEADER_LEN
     from kvbm.transfer.aligned import round_up
 
     cfg: dict[str, Any] = {
         "block_bytes": o.block_bytes, "device": {"enabled": False},
         "host": {"capacity": g2_blocks * o.block_bytes, "pin": False},
-        "disk": {"dir": str(root / "g3"), "capacity": g3_blocks * (ALIGNED_HEADER_LEN + round_up(o.block_bytes)),
-                 "fsync": False},
+        "disk": {"dir": str(Path(o.g3_dir) / tag if o.g3_dir else root / "g3"), "o_direct": not o.g3_dir,
+                 "capacity": g3_blocks * (ALIGNED_HEADER_LEN + round_up(o.block_bytes)), "fsync": False},
+        "policy": {"eviction": eviction},
         "s3": {"enabled": False}, "embedded_s3": {"enabled": False}, "transfer": {"backend": "plain"},
         "daemon": {"endpoint": f"ipc://{root}/kvbm.sock", "events_endpoint": f"ipc://{root}/events.sock",
                    "metrics_port": 0, "access_log_interval_s": 0, "max_inflight": 4096, "max_queue": 4096,
@@ -206,14 +223,16 @@ def _tier_bytes(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_one(reqs: Sequence[TraceRequest], o: TraceOptions, share: float, distinct: int, s3: str,
-                  root: Path, srv: dict[str, Any] | None, blocks: Blocks, say: Callable[[str], None]) -> dict[str, Any]:
+                  root: Path, srv: dict[str, Any] | None, blocks: Blocks, say: Callable[[str], None],
+                  eviction: str = "lru") -> dict[str, Any]:
     total = max(2, round(share * distinct))
     g2 = max(1, round(total * o.g2_share))
     g3 = max(1, total - g2)
-    tag = f"c{share:g}-s3{s3}"
-    d = DaemonProc(root / tag, _daemon_cfg(root / tag, o, g2, g3, srv, tag), name=tag,
+    tag = f"c{share:g}-s3{s3}-{eviction}"
+    d = DaemonProc(root / tag, _daemon_cfg(root / tag, o, g2, g3, srv, tag, eviction), name=tag,
                    args=("--log-level", "warning"))
-    say(f"trace: capacity {share:g} of distinct ({g2} G2 + {g3} G3 blocks), S3 {s3}: replaying {len(reqs)} requests")
+    say(f"trace: capacity {share:g} of distinct ({g2} G2 + {g3} G3 blocks), S3 {s3}, eviction {eviction}: "
+        f"replaying {len(reqs)} requests")
     try:
         d.start(ready=(root / tag / "kvbm.sock").exists)
         cpu0 = d.cpu()
@@ -228,12 +247,13 @@ async def run_one(reqs: Sequence[TraceRequest], o: TraceOptions, share: float, d
     fast = sum(n for t, n in st.by_tier.items() if t in ("G2", "G3"))
     row: dict[str, Any] = {
         "capacity_share": share, "capacity_blocks": total, "g2_blocks": g2, "g3_blocks": g3, "s3": s3,
+        "eviction": eviction,
         "requests": len(reqs), "block_refs": st.refs, "hit_blocks": st.hits, "hit_ratio": round(st.hits / refs, 4),
         "served_share": served, "g2_g3_share": round(fast / refs, 4), "lookup_matched": st.matched,
         "bytes_served": {t: n * o.block_bytes for t, n in sorted(st.by_tier.items())},
         "bytes_stored": st.stored * o.block_bytes, "store_requested_blocks": st.store_requested,
         "stored_blocks": st.stored, "verified_blocks": st.verified, "wrong_blocks": st.wrong,
-        "errors": dict(st.errors), "wall_s": round(wall, 2),
+        "errors": dict(st.errors), "full_retries": st.full_retries, "wall_s": round(wall, 2),
         "latency_ms": {k: round(v * 1e3, 3) for k, v in summary(st.latency).items() if k != "n"},
         "lag_ms": {k: round(v * 1e3, 3) for k, v in summary(st.lag).items() if k in ("p50", "p99", "max")},
         # The daemon's own counters over the replay: requests answered, and KV events (stored/removed) published.
@@ -261,7 +281,10 @@ async def run_trace(o: TraceOptions, say: Callable[[str], None]) -> dict[str, An
         f"{summ['duration_s']:.0f} s (replayed x{o.speedup:g})")
     report: dict[str, Any] = {"bench": "trace", "machine": machine(), "load_avg_start": load_avg(),
                               "options": {k: v for k, v in asdict(o).items()}, "trace": summ,
-                              "simulated": bounds(reqs, caps), "runs": []}
+                              "simulated": bounds(reqs, caps), "purge": purge_cost(reqs), "runs": []}
+    pc = report["purge"]
+    say(f"trace: a purge of the bucket to 10% halfway costs the second half {pc['none'] - pc['access']:.4f} of hit "
+        f"ratio by last access, {pc['none'] - pc['value']:.4f} by value (no purge: {pc['none']:.4f})")
     blocks = Blocks(o.block_bytes, o.seed)
     with temp_dir("kvbm-bench-trace-", o.workdir) as root:
         for s3 in o.s3_modes:
@@ -269,8 +292,10 @@ async def run_trace(o: TraceOptions, say: Callable[[str], None]) -> dict[str, An
                             bucket=o.s3_bucket) if s3 == "on" else None
             srv = ctx.__enter__() if ctx is not None else None
             try:
-                for share in o.capacities:
-                    report["runs"].append(await run_one(reqs, o, share, distinct, s3, root, srv, blocks, say))
+                for eviction in o.evictions:
+                    for share in o.capacities:
+                        report["runs"].append(await run_one(reqs, o, share, distinct, s3, root, srv, blocks, say,
+                                                            eviction))
             finally:
                 if ctx is not None:
                     ctx.__exit__(None, None, None)
@@ -278,8 +303,8 @@ async def run_trace(o: TraceOptions, say: Callable[[str], None]) -> dict[str, An
     return report
 
 
-HEADERS = ("capacity", "blocks G2+G3", "S3", "hit", "G2", "G3", "G4", "G2+G3", "LRU", "policy sim", "Belady",
-           "infinite", "p50 ms", "p90 ms", "p99 ms", "daemon req/s", "events/s", "wrong", "errors")
+HEADERS = ("capacity", "blocks G2+G3", "S3", "eviction", "hit", "G2", "G3", "G4", "G2+G3", "LRU", "policy sim",
+           "Belady", "infinite", "p50 ms", "p90 ms", "p99 ms", "daemon req/s", "events/s", "wrong", "errors")
 
 
 def trace_table(report: dict[str, Any], markdown: bool = False) -> str:
@@ -290,7 +315,8 @@ def trace_table(report: dict[str, Any], markdown: bool = False) -> str:
     for r in report["runs"]:
         s = sim.get(r["capacity_blocks"], {})
         sh = r["served_share"]
-        rows.append([f"{r['capacity_share']:g}", r["capacity_blocks"], r["s3"], f"{r['hit_ratio']:.3f}",
+        rows.append([f"{r['capacity_share']:g}", r["capacity_blocks"], r["s3"], r.get("eviction", "lru"),
+                     f"{r['hit_ratio']:.3f}",
                      f"{sh.get('G2', 0):.3f}", f"{sh.get('G3', 0):.3f}", f"{sh.get('G4', 0):.3f}",
                      f"{r['g2_g3_share']:.3f}", f"{s.get('lru', 0):.3f}",
                      f"{s['policy']:.3f}" if "policy" in s else "-",
@@ -310,7 +336,7 @@ def plot_trace(report: dict[str, Any], path: str) -> None:
 
     runs = report["runs"]
     caps = sorted({r["capacity_share"] for r in runs})
-    modes = [m for m in ("off", "on") if any(r["s3"] == m for r in runs)]
+    modes = sorted({(r["s3"], r.get("eviction", "lru")) for r in runs}, key=lambda m: (m[1], m[0]))
     fig, ax = plt.subplots(figsize=(8, 5))
     width = 0.8 / max(1, len(modes))
     colors = {"G2": "#1f77b4", "G3": "#ff7f0e", "G4": "#2ca02c"}
@@ -318,12 +344,13 @@ def plot_trace(report: dict[str, Any], path: str) -> None:
         bottom = np.zeros(len(caps))
         for tier in ("G2", "G3", "G4"):
             vals = np.array([next((r["served_share"].get(tier, 0.0) for r in runs
-                                   if r["capacity_share"] == c and r["s3"] == m), 0.0) for c in caps])
+                                   if r["capacity_share"] == c and (r["s3"], r.get("eviction", "lru")) == m), 0.0)
+                             for c in caps])
             if not vals.any():
                 continue
             x = np.arange(len(caps)) + (j - (len(modes) - 1) / 2) * width
-            ax.bar(x, vals, width * 0.9, bottom=bottom, color=colors[tier], alpha=0.6 if m == "on" else 1.0,
-                   label=f"{tier} (S3 {m})")
+            ax.bar(x, vals, width * 0.9, bottom=bottom, color=colors[tier], alpha=0.55 if m[0] == "on" else 1.0,
+                   hatch="//" if m[1] == "frequency" else None, label=f"{tier} (S3 {m[0]}, {m[1]})")
             bottom += vals
     sim = report["simulated"]["by_capacity"]
     xs = np.arange(len(caps))

@@ -167,3 +167,49 @@ def bounds(reqs: Sequence[TraceRequest], capacities: Sequence[int], with_policy:
             row["policy"] = round(policy_hits(reqs, c) / refs, 4)
         out["by_capacity"].append(row)
     return out
+
+
+def purge_cost(reqs: Sequence[TraceRequest], keep_share: float = 0.1, at: float = 0.5,
+               age0_s: float = 600.0) -> dict[str, Any]:
+    """What a purge of the bucket (an infinite cache: G4) to ``keep_share`` of its blocks, at fraction ``at`` of the
+    trace, costs in hit ratio over the rest of the trace, by ranking: none (no purge), ``access`` (least recently
+    used first, ``kvbm purge --max-bytes --by access``), ``value`` (the policy's hit density from what the bucket's
+    access logs tell, hit since written or not, then age: ``--by value``) and ``value_counts`` (the same density
+    with the reference counts a daemon keeps)."""
+    from kvbm.manager.placement import DEFAULT_WEIGHTS
+
+    split = int(len(reqs) * at)
+    first, rest = reqs[:split], reqs[split:]
+    last: dict[int, float] = {}
+    written: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    for r in first:
+        t = r.timestamp_ms / 1e3
+        for h in r.hash_ids:
+            written.setdefault(h, t)
+            last[h] = t
+            counts[h] = counts.get(h, 0) + 1
+    now = first[-1].timestamp_ms / 1e3 if first else 0.0
+    keep_n = max(1, int(len(last) * keep_share))
+    w = DEFAULT_WEIGHTS
+
+    def density(h: int, n: int) -> float:
+        return w[min(n, len(w)) - 1] / (now - last[h] + age0_s)
+
+    ranked = {
+        "none": set(last),
+        "access": set(sorted(last, key=lambda h: last[h])[-keep_n:]),
+        "value": set(sorted(last, key=lambda h: density(h, 2 if last[h] > written[h] else 1))[-keep_n:]),
+        "value_counts": set(sorted(last, key=lambda h: density(h, counts[h]))[-keep_n:]),
+    }
+    refs = sum(len(r.hash_ids) for r in rest) or 1
+    out: dict[str, Any] = {"purge_at_request": split, "bucket_blocks": len(last), "kept_blocks": keep_n,
+                           "second_half_refs": refs}
+    for name, kept in ranked.items():
+        held = set(kept)
+        hits = 0
+        for r in rest:
+            hits += _hit(r.hash_ids, held)
+            held.update(r.hash_ids)
+        out[name] = round(hits / refs, 4)
+    return out

@@ -49,7 +49,7 @@ class Prefetcher:
 
         async def run() -> None:
             try:
-                self.stats.prefetch_blocks += await self.manager.onboard(keys, to=TierName.G2)
+                self.stats.prefetch_blocks += await self.manager.onboard(keys, to=TierName.G2, hit=False)
             except Exception as e:  # a prefetch is a hint; the Onboard that follows reports real errors
                 log.debug("prefetch failed: %s", e)
             finally:

@@ -263,17 +263,19 @@ class BlockManager:
             self.registry.add(tier.name, key, fp)
 
     # -- reads -----------------------------------------------------------------------------------------
-    async def onboard(self, keys: Sequence[BlockKey], to: str | None = None) -> int:
+    async def onboard(self, keys: Sequence[BlockKey], to: str | None = None, *, hit: bool = True) -> int:
         """Bring the longest leading run of ``keys`` held anywhere up into tier ``to`` (default G1).
 
         Returns how many leading blocks are now in ``to``; a block that fails its integrity check on
-        the way ends the run there (it is a miss, never served).
+        the way ends the run there (it is a miss, never served). ``hit=False`` (a prefetch, which the request's
+        own Onboard follows): not counted as a reference of the blocks, so the placement policy counts it once.
         """
         target = self.by_name[to] if to else self.tiers[0]
         t0 = time.perf_counter()
         found = self.registry.match_prefix(keys)
         run = list(keys[: len(found)])
-        self.registry.record_hit(run)
+        if hit:
+            self.registry.record_hit(run)
         staging = self.by_name.get(TierName.G2) if target.kind == "device" else None
         done = 0
         with self.registry.pinned(run):

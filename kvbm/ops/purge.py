@@ -29,11 +29,28 @@ def plan_log_purge(logs: Iterable[AccessLog], sel: Selector, keep_s: float,
     return [lg for lg in logs if sel.ns_in_scope(lg.namespace) and (every or now - lg.epoch > keep_s)]
 
 
-def plan_purge(entries: Iterable[Entry], sel: Selector, now: float | None = None) -> list[Entry]:
+def value_order(now: float, age0_s: float | None = None) -> Any:
+    """Sort key of ``--by value``: the placement policy's hit density (kvbm.manager.placement), lowest first. What
+    the bucket tells of a block is whether any node hit it since it was written (the access logs) and when it was
+    last used: a block hit since written is in the policy's second class, a one-off in its first."""
+    from kvbm.manager.placement import DEFAULT_AGE0_S, DEFAULT_WEIGHTS
+
+    a0 = DEFAULT_AGE0_S if age0_s is None else age0_s
+
+    def key(e: Entry) -> tuple[float, float, str]:
+        cls = 1 if e.accessed > e.mtime else 0
+        return (DEFAULT_WEIGHTS[cls] / (max(0.0, now - e.last_used) + a0), e.last_used, e.ref)
+
+    return key
+
+
+def plan_purge(entries: Iterable[Entry], sel: Selector, now: float | None = None, *,
+               rank: str = "access") -> list[Entry]:
     """What to delete, least recently used first: every in-scope entry when ``sel.all`` or when only a
     prefix was given; else those not used (written or, per the access logs, read) for ``sel.older_than_s``;
     then, with ``sel.max_bytes``, the least recently used of what is left in each (store, namespace) until
-    it is at most ``max_bytes``. Entries without a recorded access go by their write time."""
+    it is at most ``max_bytes`` (``rank="value"``: the blocks the placement policy values least first,
+    :func:`value_order`). Entries without a recorded access go by their write time."""
     if not sel.has_criterion:
         raise ConfigError("no purge criterion: give --older-than, --max-bytes, --prefix or --all")
     now = time.time() if now is None else now
@@ -52,7 +69,8 @@ def plan_purge(entries: Iterable[Entry], sel: Selector, now: float | None = None
             groups.setdefault((e.store, e.namespace), []).append(e)
         for group in groups.values():
             total = sum(e.size for e in group)
-            for e in sorted(group, key=lambda e: (e.last_used, e.accessed, e.ref)):
+            order = value_order(now) if rank == "value" else (lambda e: (e.last_used, e.accessed, e.ref))
+            for e in sorted(group, key=order):
                 if total <= sel.max_bytes:
                     break
                 chosen[(e.store, e.ref)] = e
