@@ -27,6 +27,7 @@ log = logging.getLogger("kvbm.vllm")
 
 QUEUED, COPYING, CANCELLED = range(3)
 FENCE_WAIT_S = 2.0  # a copy between host buffers is done in milliseconds; past this it is not trusted
+LOAD_RETRIES = 2  # a reservation refused as load is asked again this many times
 
 
 class SaveJob:
@@ -153,40 +154,47 @@ class Saver:
 
     def save(self, client: Any, job: SaveJob) -> None:
         """PrepareStore -> copy (unless fenced first) -> CommitStore, in reservations no bigger than this
-        session's slot budget (a long prompt's save would otherwise be refused whole)."""
+        session's slot budget (a long prompt's save would otherwise be refused whole). A reservation the daemon
+        refuses as load (``full``, ``shed``, ``busy``) is asked again twice, 20 ms and 80 ms later, on this
+        thread (a burst of saves passes), then skipped and counted."""
         tr, nbytes = job.tr, self._block_bytes()
         step = pin_window(client.registered)
         for a in range(0, len(tr.hashes), step):
-            if not self._save_span(client, job, range(a, min(a + step, len(tr.hashes))), nbytes):
-                return
+            span = range(a, min(a + step, len(tr.hashes)))
+            for attempt in range(LOAD_RETRIES + 1):
+                try:
+                    if not self._save_span(client, job, span, nbytes):
+                        return
+                    break
+                except Exception as e:
+                    if not is_load(e):
+                        raise
+                    if attempt == LOAD_RETRIES or job.state == CANCELLED:
+                        # The daemon stays saturated or full: the rest is skipped, the engine keeps going.
+                        self.stats["saves_skipped"] = self.stats.get("saves_skipped", 0) + len(tr.hashes) - a
+                        return
+                    time.sleep(0.02 * 4**attempt)
 
     def _save_span(self, client: Any, job: SaveJob, span: range, nbytes: int) -> bool:
         """Blocks ``span`` of the job; whether the rest may follow."""
         tr = job.tr
-        try:
-            with reserving(client, tr.hashes[span.start : span.stop], nbytes) as res:
-                if not any(s is not None for s in res.slots):
-                    return True  # every block is stored already: nothing to read
-                if not job.start_copy():
-                    res.ok = False  # preempted while the daemon answered: its blocks are someone else's now
-                    return False
-                try:
-                    for i, vblocks in enumerate(tr.block_ids[span.start : span.stop]):
-                        view = res.view(i)
-                        if view is not None:
-                            self._copy(view, vblocks, self._stream)
-                    if self._stream is not None:
-                        self._stream.synchronize()  # the bytes are in G2 before the daemon is told to commit
-                finally:
-                    res.ok = job.end_copy()
-                self.stats["saved"] = self.stats.get("saved", 0) + len(span)
-                return res.ok
-        except Exception as e:
-            if not is_load(e):
-                raise
-            # The daemon is saturated or full: this save is skipped, the engine keeps going.
-            self.stats["saves_skipped"] = self.stats.get("saves_skipped", 0) + len(tr.hashes) - span.start
-            return False
+        with reserving(client, tr.hashes[span.start : span.stop], nbytes) as res:
+            if not any(s is not None for s in res.slots):
+                return True  # every block is stored already: nothing to read
+            if not job.start_copy():
+                res.ok = False  # preempted while the daemon answered: its blocks are someone else's now
+                return False
+            try:
+                for i, vblocks in enumerate(tr.block_ids[span.start : span.stop]):
+                    view = res.view(i)
+                    if view is not None:
+                        self._copy(view, vblocks, self._stream)
+                if self._stream is not None:
+                    self._stream.synchronize()  # the bytes are in G2 before the daemon is told to commit
+            finally:
+                res.ok = job.end_copy()
+            self.stats["saved"] = self.stats.get("saved", 0) + len(span)
+            return res.ok
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
