@@ -14,6 +14,7 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
 from kvbm.client.core import Buffer, DaemonError, DaemonUnavailable, R, _Core
+from kvbm.client.lease import aonboarded, areserving
 
 
 async def _in_thread(fn: Callable[..., None], *args: Any) -> None:
@@ -137,27 +138,20 @@ class AsyncWorkerClient(_Core):
 
     async def _store_batch(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int,
                            durable: bool) -> p.Ack:
-        prep = p.PrepareStore(namespace=ns, hashes=hashes, nbytes=n)
-        slots = (await self.request(prep, p.Slots)).slots
-        try:
-            await _in_thread(self._copy_in, slots, bufs, n)
-        except BaseException:
-            await self.request(p.CommitStore(namespace=ns, hashes=hashes, ok=False), p.Ack)
-            raise
-        if prep.token != self.token:  # another batch registered again: the daemon dropped these slots' session
-            raise DaemonError(p.E_UNREGISTERED, "the daemon forgot this worker while the batch was copied; "
-                                                "the batch was not stored")
-        return await self.request(p.CommitStore(namespace=ns, hashes=hashes, durable=durable), p.Ack)
+        async with areserving(self, hashes, n, durable=durable, namespace=ns) as res:
+            token = self.token  # the session these slots were reserved in
+            await _in_thread(self._copy_in, res.slots, bufs, n)
+            if self.token != token:  # another batch registered again: the daemon dropped these slots' session
+                raise DaemonError(p.E_UNREGISTERED, "the daemon forgot this worker while the batch was copied; "
+                                                    "the batch was not stored")
+        assert res.ack is not None
+        return res.ack
 
     async def load(self, keys: Sequence[BlockKey | bytes], outs: Sequence[Buffer]) -> int:
         ns, hashes = self._ns(keys)
-        rep = await self.request(p.Onboard(namespace=ns, hashes=hashes), p.Onboarded)
-        try:
-            await _in_thread(self._copy_out, rep, outs)
-        finally:
-            if rep.count:
-                await self.request(p.Release(namespace=ns, hashes=hashes[: rep.count]), p.Released)
-        return rep.count
+        async with aonboarded(self, hashes, ns) as got:
+            await _in_thread(self._copy_out, got.reply, outs)
+        return got.count
 
     async def stats(self, *, resident: bool = False) -> dict[str, Any]:
         return (await self.request(p.Stats(resident=resident), p.StatsReply)).stats

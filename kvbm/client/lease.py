@@ -10,8 +10,9 @@ slots; a load's pins are released). The daemon states how many slots one session
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import torch
@@ -68,10 +69,28 @@ def reserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: bool = 
         yield res
     except BaseException:
         res.ok = False
+        with contextlib.suppress(Exception):  # the body's error is the one that matters
+            client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=False), p.Ack)
         raise
-    finally:
-        res.ack = client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=res.ok, durable=durable and res.ok),
-                                 p.Ack)
+    res.ack = client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=res.ok, durable=durable and res.ok), p.Ack)
+
+
+@asynccontextmanager
+async def areserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: bool = False,
+                     namespace: str = "") -> AsyncIterator[Reservation]:
+    """:func:`reserving` for the asyncio client (``await client.request``)."""
+    ns = namespace or client.namespace
+    slots = (await client.request(p.PrepareStore(namespace=ns, hashes=hashes, nbytes=nbytes), p.Slots)).slots
+    res = Reservation(client.g2, slots, nbytes)
+    try:
+        yield res
+    except BaseException:
+        res.ok = False
+        with contextlib.suppress(Exception):  # the body's error is the one that matters
+            await client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=False), p.Ack)
+        raise
+    res.ack = await client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=res.ok, durable=durable and res.ok),
+                                   p.Ack)
 
 
 class Loaded:
@@ -119,6 +138,18 @@ def onboarded(client: Any, hashes: list[bytes], namespace: str = "") -> Iterator
             yield got
     finally:
         job.released()
+
+
+@asynccontextmanager
+async def aonboarded(client: Any, hashes: list[bytes], namespace: str = "") -> AsyncIterator[Loaded]:
+    """:func:`onboarded` for the asyncio client."""
+    ns = namespace or client.namespace
+    rep = await client.request(p.Onboard(namespace=ns, hashes=hashes), p.Onboarded)
+    try:
+        yield Loaded(client.g2, rep)
+    finally:
+        if rep.count:
+            await client.request(p.Release(namespace=ns, hashes=hashes[: rep.count]), p.Released)
 
 
 class PendingLookup:
