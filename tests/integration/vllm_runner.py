@@ -149,6 +149,19 @@ class EvictBeforeLoad:
         conn.update_state_after_alloc = update_state_after_alloc
 
 
+def settle(llm: Any) -> None:
+    """Until the async saves are in the daemon (the next step's lookup must see all of them) and the blocks
+    vLLM kept for them are free: engine steps carry the finished requests to the worker, whose report frees
+    them."""
+    core = llm.llm_engine.engine_core.engine_core
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if all(llm.collective_rpc("kvbm_test_saves_done")) and not core.scheduler.has_requests():
+            break
+        core.step_fn()
+        time.sleep(0.05)
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -215,13 +228,7 @@ def main(spec_path: str, out_path: str) -> None:
             import msgspec
 
             res["layouts"] = [msgspec.json.encode(lay).decode() for lay in sched.connector.layouts()]
-            core = llm.llm_engine.engine_core.engine_core
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if all(llm.collective_rpc("kvbm_test_saves_done")) and not core.scheduler.has_requests():
-                    break
-                core.step_fn()
-                time.sleep(0.05)
+            settle(llm)
             results.append(res)
             continue
         if "prompt" in step:
@@ -257,16 +264,7 @@ def main(spec_path: str, out_path: str) -> None:
             res["group_windows"] = [getattr(g.kv_cache_spec, "sliding_window", None) for g in
                                     llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups]
         if step.get("settle"):
-            # Until the async saves are in the daemon (the next step's lookup must see all of them) and the
-            # blocks vLLM kept for them are free: engine steps carry the finished requests to the worker,
-            # whose report frees them.
-            core = llm.llm_engine.engine_core.engine_core
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if all(llm.collective_rpc("kvbm_test_saves_done")) and not core.scheduler.has_requests():
-                    break
-                core.step_fn()
-                time.sleep(0.05)
+            settle(llm)
         if evictor is not None:
             res["evicted_before_load"] = evictor.evicted
         res["prompt_tokens"] = len(prompt)
