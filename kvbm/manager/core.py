@@ -301,7 +301,12 @@ class BlockManager:
         stage = staging.name if staging is not None and policy.needs_staging(where) else ""
         if stage and stage not in where and not await self.moves.move(key, stage):
             return False
-        return await self.moves.move(key, target.name)
+        if not await self.moves.move(key, target.name):
+            return False
+        pl = self.state.placement
+        if pl is not None and pl.promotes(self.state.tiers, where, target.name):
+            self.write_through.schedule(key)  # a G4 hit is written to G3 too: it returned, it is worth keeping there
+        return True
 
     async def read(self, key: BlockKey) -> bytes | None:
         """The block's bytes from the fastest tier that has a good copy."""

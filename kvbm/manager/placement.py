@@ -163,6 +163,18 @@ class PlacementPolicy:
         registry.listeners.append(on_change)
         registry.hit_listeners.append(freq.hit)
 
+    def promotes(self, tiers: Sequence[Any], where: Sequence[str], target: str) -> bool:
+        """Whether a block brought up into ``target`` from ``where`` is also written to the tiers between (a G4 hit
+        into G3): with ``frequency`` yes, as a store would be; without it a block that returned from S3 lives in
+        G2 alone, and G3 serves almost nothing once S3 is on (measured: 0.0015 of references vs 0.022 with S3 off)."""
+        if self.freq is None or not where:
+            return False
+        names = [t.name for t in tiers]
+        if target not in names or where[0] not in names:
+            return False
+        between = names[names.index(target) + 1 : names.index(where[0])]
+        return bool(between)
+
     def victims(self, tier: str, need: int, capacity: int) -> list[BlockKey]:
         """Unpinned blocks of ``tier`` whose removal frees room for ``need`` bytes ([] when there is room);
         LookupError when pinned blocks make it impossible (as :meth:`Registry.victims`)."""
