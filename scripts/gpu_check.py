@@ -237,7 +237,7 @@ def worker(cuda: bool, geo: dict[str, int]) -> dict[str, Any]:
             exact = not errors and all(torch.equal(c.select(bd, dd), c.select(bd, s)) for c in caches.values()
                                        for r in range(rounds) for s, dd in zip(src[r], dst[r], strict=True))
             total = rounds * vblock * k
-            return {"ran": True, "async_save": True, "async_load": True, "save_stream": ws._save_stream is not None,
+            return {"ran": True, "async_save": True, "async_load": True, "save_stream": ws.saver.stream is not None,
                     "bytes": total, "load_errors": errors, "exact": exact,
                     "save_GBps": round(total / t_save / GB, 3), "load_GBps": round(total / t_load / GB, 3)}
         finally:

@@ -85,7 +85,7 @@ class Saver:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbm-save")
         self._jobs: dict[str, list[SaveJob]] = {}
         self._finishing: set[str] = set()
-        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # the saves' own CUDA stream
 
     def pending(self) -> bool:
         return any(not j.future.done() for jobs in self._jobs.values() for j in jobs)
@@ -101,7 +101,7 @@ class Saver:
     def submit(self, trs: Iterable[BlockTransfer]) -> None:
         """Queue saves after everything queued on the device so far (this step's forward) has run."""
         ready = None
-        if self._stream is not None:
+        if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record()
         for tr in trs:
@@ -139,9 +139,9 @@ class Saver:
             if client is None:
                 return
             try:
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        self._stream.wait_event(ready)
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(ready)
                         self.save(client, job)
                 else:
                     self.save(client, job)
@@ -188,9 +188,9 @@ class Saver:
                 for i, vblocks in enumerate(tr.block_ids[span.start : span.stop]):
                     view = res.view(i)
                     if view is not None:
-                        self._copy(view, vblocks, self._stream)
-                if self._stream is not None:
-                    self._stream.synchronize()  # the bytes are in G2 before the daemon is told to commit
+                        self._copy(view, vblocks, self.stream)
+                if self.stream is not None:
+                    self.stream.synchronize()  # the bytes are in G2 before the daemon is told to commit
             finally:
                 res.ok = job.end_copy()
             self.stats["saved"] = self.stats.get("saved", 0) + len(span)
