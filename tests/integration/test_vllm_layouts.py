@@ -178,7 +178,8 @@ def test_a_short_load_of_a_hybrid_model_is_recomputed_and_the_engine_lives(tmp_p
     daemon = g2_daemon(tmp_path)
     try:
         daemon.start()
-        store = run_vllm(tmp_path, "swa-store", gemma2_sliding, daemon, [{}], prompt=prompt)[0]
+        # settle: the async saves are in the daemon before this engine exits
+        store = run_vllm(tmp_path, "swa-store", gemma2_sliding, daemon, [{"settle": True}], prompt=prompt)[0]
         assert g2_blocks(daemon) == 4
         short, again = run_vllm(tmp_path, "swa-short", gemma2_sliding, daemon, [{}, {}], prompt=prompt,
                                 evict_before_load=1)
