@@ -149,6 +149,10 @@ class PeerFollower:
             return "the peer's events socket uses another security mechanism (CURVE on one side only?)"
         if event == _FAILED_PROTOCOL:
             return f"handshake failed: ZMTP protocol error {value:#x}"
+        if self._curve is None and self._plain is None:
+            # Seen for a daemon with tenants and no CURVE too (its PLAIN socket drops a NULL peer without a word).
+            return ("handshake failed (no detail): the peer's events socket may need a credential (daemon."
+                    "peer_token_file, for a daemon with tenants and no CURVE) or CURVE (daemon.peer_curve_server_key)")
         return "handshake failed (no detail: a wrong CURVE server key, daemon.peer_curve_server_key?)"
 
     def handle(self, frames: list[bytes]) -> None:
