@@ -216,17 +216,18 @@ class _Core:
 
     def _store_step(self, count: int, batch: int, in_flight: int) -> int:
         """Blocks per PrepareStore of a store of ``count`` blocks: ``batch``; but a store of more blocks than this
-        session may hold reserved at once (the slot budget the daemon states, else half of G2) streams through
-        G2 in batches whose ``in_flight`` reserved at once fit in that budget (a committed batch's slots are free
-        again once written below), instead of failing whole with ``full``."""
+        session may hold at once (the slot budget the daemon states, else G2's slots) streams through G2, in
+        batches whose ``in_flight`` reserved at once fit in :func:`kvbm.client.lease.pin_window` (a committed
+        batch's slots are free again once written below), instead of failing whole with ``full``."""
         from kvbm.client.lease import pin_window  # lease builds on this module
 
-        if self.registered is None:
+        reg = self.registered
+        if reg is None or not reg.num_slots:
             return batch
-        budget = pin_window(self.registered)
+        budget = int(getattr(reg, "session_slots", 0) or 0) or reg.num_slots
         if count <= min(budget, batch):
             return batch
-        return max(1, min(batch, budget // max(1, in_flight)))
+        return max(1, min(batch, pin_window(reg) // max(1, in_flight)))
 
     def _copy_in(self, slots: Sequence[int | None], bufs: Sequence[Buffer], n: int) -> None:
         """Copy each buffer into its reserved slot: host buffers through numpy (a torch copy per 1 KiB block

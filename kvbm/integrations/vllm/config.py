@@ -29,6 +29,9 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lookup_give_up_ms: Annotated[float, msgspec.Meta(ge=0)] = 500.0
     # A step whose kvbm hooks held the engine longer than this is logged (kvbm.integrations.vllm.hooks).
     hook_warn_ms: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # Before vLLM reuses blocks (a preempted request's, a sliding window's), saves of them not copying yet are
+    # waited for at most this long in all per step, then dropped: a stalled daemon costs a step no more.
+    fence_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 50.0
     save: bool = True
     load: bool = True
     async_load: bool | None = None  # None: async on an accelerator, sync on a CPU engine (the connector resolves it)

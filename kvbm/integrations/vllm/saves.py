@@ -10,11 +10,13 @@ as failed, never as the request's KV.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -109,13 +111,24 @@ class Saver:
             self._jobs.setdefault(tr.req_id, []).append(job)
             self._pool.submit(self._run, job, ready)
 
-    def fence(self, req_ids: Iterable[str] | None = None) -> None:
-        """Before vLLM reuses blocks: no save reads those of ``req_ids`` (of every request if None) from now on."""
+    def fence(self, req_ids: Iterable[str] | None = None, wait_s: float = 0.0) -> None:
+        """Before vLLM reuses blocks: no save reads those of ``req_ids`` (of every request if None) from now on.
+        A save not copying yet is waited for up to ``wait_s`` in all (bounded: a stalled daemon costs at most
+        that per fence), then dropped."""
         started = time.monotonic()
+        deadline = started + wait_s
         ids = list(self._jobs) if req_ids is None else [r for r in req_ids if r in self._jobs]
         for rid in ids:
             for job in self._jobs[rid]:
-                if not job.future.done() and job.fence(FENCE_WAIT_S):
+                if job.future.done():
+                    continue
+                left = deadline - time.monotonic()
+                if left > 0 and job.state != COPYING:
+                    with contextlib.suppress(FutureTimeout):
+                        job.future.result(timeout=left)
+                    if job.future.done():
+                        continue
+                if job.fence(FENCE_WAIT_S):
                     self.stats["saves_cancelled"] = self.stats.get("saves_cancelled", 0) + len(job.tr.hashes)
         if ids and time.monotonic() - started > 0.005:
             log.debug("kvbm: fencing saves of %d requests took %.1f ms", len(ids), (time.monotonic() - started) * 1e3)

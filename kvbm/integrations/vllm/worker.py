@@ -81,15 +81,15 @@ class WorkerSide:
         """Before this step's forward: no save reads blocks vLLM freed (a preempted request's) from now on."""
         with self.hooks.time("handle_preemptions"):
             if isinstance(meta, KvbmConnectorMetadata) and meta.preempted:
-                self.saver.fence(meta.preempted)
+                self.saver.fence(meta.preempted, self.cfg.fence_wait_ms / 1000)
 
     def start_load_kv(self, meta: Any) -> None:
         with self.hooks.time("start_load_kv"):
             self.loader.failed_now = set()
             if self.groups.sliding:
                 # A sliding-window group frees blocks mid-request and this step may reuse them: no earlier
-                # save reads them from now on (those not copying yet are dropped, not waited for).
-                self.saver.fence()
+                # save reads them from now on (waited for up to fence_wait_ms, then dropped).
+                self.saver.fence(None, self.cfg.fence_wait_ms / 1000)
             if not isinstance(meta, KvbmConnectorMetadata) or not meta.loads:
                 return
             if not self._same_k(meta):
