@@ -219,13 +219,12 @@ class _Core:
         session may hold at once (the slot budget the daemon states, else G2's slots) streams through G2, in
         batches whose ``in_flight`` reserved at once fit in :func:`kvbm.client.lease.pin_window` (a committed
         batch's slots are free again once written below), instead of failing whole with ``full``."""
-        from kvbm.client.lease import pin_window  # lease builds on this module
+        from kvbm.client.lease import pin_window, session_budget  # lease builds on this module
 
         reg = self.registered
         if reg is None or not reg.num_slots:
             return batch
-        budget = int(getattr(reg, "session_slots", 0) or 0) or reg.num_slots
-        if count <= min(budget, batch):
+        if count <= min(session_budget(reg), batch):
             return batch
         return max(1, min(batch, pin_window(reg) // max(1, in_flight)))
 

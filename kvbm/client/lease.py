@@ -22,7 +22,7 @@ from kvbm.client.core import DaemonError
 
 # Answers that mean the daemon is loaded (no free slot or over a budget, shedding offloads, a lower tier out
 # for now, too many requests in flight): this transfer is skipped or recomputed, the session stays up.
-LOAD_CODES = frozenset({p.E_FULL, "shed", p.E_UNAVAILABLE, getattr(p, "E_BUSY", "busy")})
+LOAD_CODES = frozenset({p.E_FULL, "shed", p.E_UNAVAILABLE, p.E_BUSY})
 BAD_REQUEST = p.E_BAD_REQUEST  # the daemon refused what was asked (a layout it cannot store): not an outage
 
 
@@ -37,8 +37,12 @@ def pin_window(registered: p.Registered | None) -> int:
     if registered is None:
         return 1
     half = max(1, registered.num_slots // 2)
-    stated = int(getattr(registered, "session_slots", 0) or 0)
-    return max(1, min(stated, half) if stated > 0 else half)
+    return min(session_budget(registered), half)
+
+
+def session_budget(registered: p.Registered) -> int:
+    """The slots the daemon lets this session hold at once (``session_slots``; 0, not stated: the whole pool)."""
+    return max(1, registered.session_slots or registered.num_slots)
 
 
 class Reservation:
