@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,7 +129,8 @@ class AsyncWorkerClient(_Core):
         spans = [(i, min(i + step, len(hashes))) for i in range(0, len(hashes), step)]
         acks: list[p.Ack] = []
         for w in range(0, len(spans), self.store_window):
-            got = await asyncio.gather(*(self._store_batch(ns, hashes[a:b], bufs[a:b], n, durable)
+            # After the first window, a batch refused `full` waits for the committed ones to be written down.
+            got = await asyncio.gather(*(self._store_batch(ns, hashes[a:b], bufs[a:b], n, durable, w > 0)
                                          for a, b in spans[w : w + self.store_window]), return_exceptions=True)
             for r in got:
                 if isinstance(r, BaseException):
@@ -137,15 +139,28 @@ class AsyncWorkerClient(_Core):
         return p.Ack(stored=sum(a.stored for a in acks), durable=sum(a.durable for a in acks))
 
     async def _store_batch(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int,
-                           durable: bool) -> p.Ack:
-        async with areserving(self, hashes, n, durable=durable, namespace=ns) as res:
-            token = self.token  # the session these slots were reserved in
-            await _in_thread(self._copy_in, res.slots, bufs, n)
-            if self.token != token:  # another batch registered again: the daemon dropped these slots' session
-                raise DaemonError(p.E_UNREGISTERED, "the daemon forgot this worker while the batch was copied; "
-                                                    "the batch was not stored")
-        assert res.ack is not None
-        return res.ack
+                           durable: bool, wait_for_room: bool = False) -> p.Ack:
+        """One batch: reserve, copy, commit. With ``wait_for_room`` a PrepareStore refused ``full`` is asked
+        again with backoff up to ``timeout_s`` (the store's committed batches free their slots once written)."""
+        waits = self._full_waits(time.monotonic() + self.timeout_s) if wait_for_room else iter(())
+        while True:
+            reserved = False
+            try:
+                async with areserving(self, hashes, n, durable=durable, namespace=ns) as res:
+                    reserved = True
+                    token = self.token  # the session these slots were reserved in
+                    await _in_thread(self._copy_in, res.slots, bufs, n)
+                    if self.token != token:  # another batch registered again: the daemon dropped the session
+                        raise DaemonError(p.E_UNREGISTERED, "the daemon forgot this worker while the batch was "
+                                                            "copied; the batch was not stored")
+            except DaemonError as e:
+                delay = None if reserved or e.code != p.E_FULL else next(waits, None)
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+                continue
+            assert res.ack is not None
+            return res.ack
 
     async def load(self, keys: Sequence[BlockKey | bytes], outs: Sequence[Buffer]) -> int:
         ns, hashes = self._ns(keys)

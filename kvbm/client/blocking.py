@@ -248,6 +248,8 @@ class WorkerClient(_Core):
                     acks += [self._check(self._await(c), p.Ack) for c in commits]  # the daemon forgot us: settle
                     commits = []
                     reply = self.request(p.PrepareStore(namespace=ns, hashes=hashes[a:b], nbytes=n), p.Slots)
+                if j and isinstance(reply, p.Error) and reply.code == p.E_FULL:
+                    reply = self._prepare_when_room(ns, hashes[a:b], n, reply)
                 slots = self._check(reply, p.Slots).slots
                 if j + 1 < len(spans):
                     ahead = prepare(*spans[j + 1])
@@ -266,6 +268,18 @@ class WorkerClient(_Core):
         finally:
             self._settle(ahead, commits)
         return p.Ack(stored=sum(a.stored for a in acks), durable=sum(a.durable for a in acks))
+
+    def _prepare_when_room(self, ns: str, hashes: list[bytes], n: int, reply: Any) -> Any:
+        """Ask again for a batch refused ``full`` after earlier batches of the same store were committed (their
+        slots free once written down), with backoff up to ``timeout_s``; the last reply either way."""
+        for delay in self._full_waits(time.monotonic() + self.timeout_s):
+            time.sleep(delay)
+            msg = p.PrepareStore(namespace=ns, hashes=hashes, nbytes=n)
+            self._send(msg)
+            reply = self._await(msg)
+            if not (isinstance(reply, p.Error) and reply.code == p.E_FULL):
+                break
+        return reply
 
     def _settle(self, ahead: p.PrepareStore | None, commits: list[p.CommitStore]) -> None:
         """After a pipelined store failed: abort the batch prepared ahead and wait out the commits in flight."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -227,6 +228,16 @@ class _Core:
         if count <= min(session_budget(reg), batch):
             return batch
         return max(1, min(batch, pin_window(reg) // max(1, in_flight)))
+
+    @staticmethod
+    def _full_waits(deadline: float) -> Iterator[float]:
+        """Backoff delays while a streamed store's batch is refused ``full`` until ``deadline`` (monotonic): G2
+        then holds this store's own committed batches still being written down, and they free their slots soon
+        (a write-down takes milliseconds); a daemon whose G2 stays pinned answers ``full`` at the deadline."""
+        delay = 0.002
+        while time.monotonic() + delay < deadline:
+            yield delay
+            delay = min(delay * 2, 0.1)
 
     def _copy_in(self, slots: Sequence[int | None], bufs: Sequence[Buffer], n: int) -> None:
         """Copy each buffer into its reserved slot: host buffers through numpy (a torch copy per 1 KiB block

@@ -105,7 +105,9 @@ def test_openai_server_second_request_from_kvbm(daemon: ServeProc, tmp_path: Pat
         assert first.cached_tokens == 0
         assert second.cached_tokens == kvbm_tokens > 0, (second.cached_tokens, kvbm_tokens)
         assert second.text == first.text and len(first.text.split()) == 12
-        assert first.ttft_s is not None and len(first.itl_s) == 11
+        # Streamed: vLLM merges tokens into one chunk when the client reads slower than it decodes (a busy
+        # 2-core box), so 12 tokens come in at most 12 chunks, and in more than one.
+        assert first.ttft_s is not None and 1 <= len(first.itl_s) <= 11
         with daemon.client() as c:
             m = c.stats()["manager"]
         assert m["lookup_hit_blocks"] >= kvbm_tokens // (k * bs) and m["onboards"] >= 1, m
