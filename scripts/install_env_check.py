@@ -39,7 +39,7 @@ DEFAULT_TESTS = ["tests/unit/test_transfer.py", "tests/unit/test_copiers.py", "t
 # Run inside the new environment: imports, where kvbm comes from, and the NIXL-absent behaviour.
 PROBE = r"""
 import json, os, sys
-import torch, kvbm, kvbm.cli.main, kvbm.tiers, kvbm.transfer, kvbm.integrations.vllm_plugin
+import torch, kvbm, kvbm.cli.main, kvbm.tiers, kvbm.transfer, kvbm.integrations.vllm.plugin
 from kvbm.config import TransferConfig
 from kvbm.transfer import TransferBackendError, make_memory_mover, nixl_available
 out = {"torch": torch.__version__, "torch_file": torch.__file__, "kvbm_file": kvbm.__file__,

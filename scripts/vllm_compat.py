@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvbm.integrations import vllm_apicheck as apicheck
-from kvbm.integrations.vllm_compat import SUPPORTED, SUPPORTED_BELOW, SUPPORTED_MIN, major_minor
+from kvbm.integrations.vllm import apicheck
+from kvbm.integrations.vllm.compat import SUPPORTED, SUPPORTED_BELOW, SUPPORTED_MIN, major_minor
 
 
 def main() -> int:

@@ -133,7 +133,7 @@ class DiscoveryStats(msgspec.Struct):
 class Discovery:
     """Announce this node and watch the others; see the module docstring.
 
-    ``tier`` is the shared S3 tier (``put_aux``/``get_aux``/``_list_pages``/``delete_many``); ``join(m)`` is
+    ``tier`` is the shared S3 tier (``put_aux``/``get_aux``/``list_pages``/``delete_many``); ``join(m)`` is
     called for a member to follow (again, when its endpoint or key changed), ``leave(node)`` for one to drop."""
 
     def __init__(self, tier: Any, node_id: str, events_endpoint: str, curve_public_key: str, *,
@@ -207,7 +207,7 @@ class Discovery:
         """``{object key: (size, last-modified)}`` under ``_members/``, or None when the bucket cannot tell."""
         out: dict[str, tuple[int, object]] = {}
         try:
-            async for page in self.tier._list_pages(members_prefix(self.tier.prefix)):
+            async for page in self.tier.list_pages(members_prefix(self.tier.prefix)):
                 for _bk, okey, size, mtime in page:
                     if okey.endswith(MEMBER_SUFFIX):
                         out[okey] = (size, mtime)

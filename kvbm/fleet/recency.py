@@ -253,7 +253,7 @@ async def list_logs(tier: Any, namespaces: Iterable[str] | None = None) -> list[
     prefixes = [access_prefix(tier.prefix, ns) for ns in namespaces] if namespaces else [access_prefix(tier.prefix)]
     out: list[AccessLog] = []
     for pfx in dict.fromkeys(prefixes):
-        async for page in tier._list_pages(pfx):
+        async for page in tier.list_pages(pfx):
             for _bk, okey, size, _mt in page:
                 lg = parse_log_key(tier.prefix, okey, size)
                 if lg is not None:

@@ -13,7 +13,7 @@ from kvbm.fleet.members import Discovery, Membership, member_key, members_prefix
 
 
 class FakeBucket:
-    """put_aux/get_aux/_list_pages/delete_many over a dict; last-modified is a counter bumped by every PUT."""
+    """put_aux/get_aux/list_pages/delete_many over a dict; last-modified is a counter bumped by every PUT."""
 
     def __init__(self) -> None:
         self.prefix = "p"
@@ -37,7 +37,7 @@ class FakeBucket:
         got = self.objects.get(okey)
         return got[0] if got else None
 
-    async def _list_pages(self, prefix: str):
+    async def list_pages(self, prefix: str):
         self._check()
         yield [(None, k, len(b), mt) for k, (b, mt) in sorted(self.objects.items()) if k.startswith(prefix)]
 

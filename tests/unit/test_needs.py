@@ -110,7 +110,7 @@ def test_an_unknown_component_in_kvbm_require_is_a_usage_error(tree):
 PROBE = """
 import importlib.util, subprocess, sys
 from kvbm.transfer import nixl_available
-import kvbm.integrations.vllm_apicheck  # kvbm's own vLLM probe imports fine without vLLM
+import kvbm.integrations.vllm.apicheck  # kvbm's own vLLM probe imports fine without vLLM
 child = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, cwd="/")
 print("probe:", importlib.util.find_spec("vllm") is None, importlib.util.find_spec("nixl_cu12") is None,
       nixl_available()[0], child.returncode, (child.stderr.strip().splitlines() or ["imported"])[-1])

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from needs import needs
 
-from kvbm.integrations import vllm_apicheck as apicheck
-from kvbm.integrations.vllm_compat import ALLOW_ENV, SUPPORTED, UnsupportedVllmError, check_vllm, major_minor
+from kvbm.integrations.vllm import apicheck
+from kvbm.integrations.vllm.compat import ALLOW_ENV, SUPPORTED, UnsupportedVllmError, check_vllm, major_minor
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

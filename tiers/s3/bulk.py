@@ -104,9 +104,6 @@ class S3Listing(S3Session):
             if not token:
                 break
 
-    # kvbm.fleet (members, recency) still calls it by its old private name; list_pages is the interface's.
-    _list_pages = list_pages
-
     async def list_objects_parallel(
         self, namespace: str | None = None, concurrency: int | None = None
     ) -> AsyncIterator[tuple[BlockKey | None, str, int, _dt.datetime | None]]:

@@ -33,7 +33,7 @@ async def start_nixl(tier: S3Session, session: Any) -> None:
             raise ConfigError(f"no S3 credentials for the NIXL OBJ backend ({tier.endpoint_name})")
         frozen = await creds.get_frozen_credentials()
         ak, sk, tok = frozen.access_key, frozen.secret_key, frozen.token
-    tier._nixl = _NixlObj(tier.cfg, tier.endpoint, tier.bucket, ak, sk, tok)
+    tier._nixl = NixlObj(tier.cfg, tier.endpoint, tier.bucket, ak, sk, tok)
     await tier._nixl.start()
     # create_backend accepts any secret; prove the credentials with a real write + read.
     probe = f"{tier._base()}.kvbm-probe/{uuid.uuid4().hex}"
@@ -51,10 +51,10 @@ async def start_nixl(tier: S3Session, session: Any) -> None:
             await tier._s3.delete_object(Bucket=tier.bucket, Key=probe)
 
 
-class _NixlBody:
+class NixlBody:
     """:class:`BodyBackend` over NIXL OBJ: bodies are staged in a buffer (NIXL registers whole regions)."""
 
-    def __init__(self, tier: S3Tier, obj: _NixlObj) -> None:
+    def __init__(self, tier: S3Tier, obj: NixlObj) -> None:
         self.tier = tier  # for its index (object sizes) and HEAD
         self.obj = obj
         self._buffers = BodyBuffers(tier.cfg.max_concurrency)
@@ -108,10 +108,10 @@ class _NixlBody:
         return buf
 
     def close(self) -> None:
-        pass  # the tier closes its _NixlObj
+        pass  # the tier closes its NixlObj
 
 
-class _NixlObj:
+class NixlObj:
     """The NIXL OBJ backend, driven from a private thread pool (its calls block)."""
 
     _agent_ids = itertools.count()

@@ -22,7 +22,7 @@ from kvbm.tiers.s3.codes import CRED_CODES, error_code, one_line, probe_failure
 from kvbm.tiers.s3.fastlist import fast_list_contents, fast_timestamp
 from kvbm.tiers.s3.http import HttpBodyClient
 from kvbm.tiers.s3.index import ObjectIndex
-from kvbm.tiers.s3.nixl import _NixlBody, _NixlObj, start_nixl
+from kvbm.tiers.s3.nixl import NixlBody, NixlObj, start_nixl
 from kvbm.tiers.s3.signer import UNSIGNED_SIGV4, register_unsigned_signer
 
 log = logging.getLogger("kvbm.tiers.s3")
@@ -79,7 +79,7 @@ class S3Session(Tier):
         self._sem: asyncio.Semaphore | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._s3: Any = None
-        self._nixl: _NixlObj | None = None
+        self._nixl: NixlObj | None = None
         self._body: BodyBackend | None = None  # block bodies (http, aiobotocore, nixl); set once online
         self._started = False
         self._warned_at = 0.0
@@ -172,7 +172,7 @@ class S3Session(Tier):
         await check_bucket(self)
         if self.client_kind == "nixl" and self._nixl is None:
             await start_nixl(self, session)
-            self._body = _NixlBody(self, self._nixl)  # type: ignore[arg-type]
+            self._body = NixlBody(self, self._nixl)  # type: ignore[arg-type]
         if self.client_kind == "http" and self._body is None:
             await start_http(self, session)
         if self.client_kind == "aiobotocore" and self._body is None:

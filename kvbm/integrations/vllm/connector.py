@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbm.blocks.layout import KVLayout
+from kvbm.integrations.vllm.compat import check_vllm
 from kvbm.integrations.vllm.config import ConnectorConfig, curve_options
 from kvbm.integrations.vllm.fingerprint import layout_for, storing_ranks
 from kvbm.integrations.vllm.geometry import Geometry
@@ -23,7 +24,6 @@ from kvbm.integrations.vllm.hooks import KvbmConnectorStats
 from kvbm.integrations.vllm.link import Links
 from kvbm.integrations.vllm.scheduler import SchedulerSide
 from kvbm.integrations.vllm.worker import WorkerSide
-from kvbm.integrations.vllm_compat import check_vllm
 
 logger = logging.getLogger("kvbm.vllm")
 

