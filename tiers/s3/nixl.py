@@ -24,31 +24,30 @@ if TYPE_CHECKING:
     from kvbm.tiers.s3.tier import S3Tier
 
 
-async def start_nixl(tier: S3Session, session: Any) -> None:
-    """Start the NIXL OBJ backend for ``tier`` and prove its credentials with a real write + read."""
-    ak, sk, tok = tier._access_key, tier._secret_key, tier._session_token
-    if not (ak and sk):
-        creds = await session.get_credentials()
-        if creds is None:
-            raise ConfigError(f"no S3 credentials for the NIXL OBJ backend ({tier.endpoint_name})")
-        frozen = await creds.get_frozen_credentials()
-        ak, sk, tok = frozen.access_key, frozen.secret_key, frozen.token
-    tier._nixl = NixlObj(tier.cfg, tier.endpoint, tier.bucket, ak, sk, tok)
-    await tier._nixl.start()
+async def start_nixl(tier: S3Session, session: Any) -> NixlObj:
+    """The NIXL OBJ backend for ``tier``, started and its credentials proven with a real write + read."""
+    frozen = await (await tier.credential_source(session, f"the NIXL OBJ backend ({tier.endpoint_name})"))()
+    obj = NixlObj(tier.cfg, tier.endpoint, tier.bucket, frozen.access_key, frozen.secret_key, frozen.token)
+    await obj.start()
     # create_backend accepts any secret; prove the credentials with a real write + read.
     probe = f"{tier._base()}.kvbm-probe/{uuid.uuid4().hex}"
     body = b"kvbm-nixl-probe"
     try:
-        await tier._nixl.write(probe, body)
+        await obj.write(probe, body)
         back = bytearray(len(body))
-        await tier._nixl.read(probe, memoryview(back))
+        await obj.read(probe, memoryview(back))
         if bytes(back) != body:
             raise TierUnavailableError("NIXL OBJ probe read back different bytes")
     except TierUnavailableError as e:
+        obj.close()
         raise probe_failure(tier.endpoint_name, "NIXL OBJ backend", await tier._diagnose(), e) from None
+    except BaseException:
+        obj.close()
+        raise
     finally:
         with contextlib.suppress(Exception):
             await tier._s3.delete_object(Bucket=tier.bucket, Key=probe)
+    return obj
 
 
 class NixlBody:

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvbm.blocks import MIN_HEADER_LEN, BlockKey
@@ -171,14 +172,34 @@ class S3Session(Tier):
         """Check (or create) the bucket and start the body backend; the tier is online afterwards."""
         await check_bucket(self)
         if self.client_kind == "nixl" and self._nixl is None:
-            await start_nixl(self, session)
+            self._nixl = await start_nixl(self, session)
             self._body = NixlBody(self, self._nixl)  # type: ignore[arg-type]
         if self.client_kind == "http" and self._body is None:
-            await start_http(self, session)
+            self._body = await start_http(self, session)
         if self.client_kind == "aiobotocore" and self._body is None:
             self._body = AioBody(self._s3, self.bucket, self.cfg.max_concurrency)
         self.online = True
         self.last_error = ""
+
+    async def credential_source(self, session: Any, what: str) -> Callable[[], Awaitable[Any]]:
+        """An async callable giving the current credentials (``access_key``, ``secret_key``, ``token``): the
+        configured keys, else the session's chain, refreshed by botocore when near expiry; ``what`` names the
+        client in the error when there are none."""
+        from botocore.credentials import ReadOnlyCredentials
+
+        if self._access_key and self._secret_key:
+            fixed = ReadOnlyCredentials(self._access_key, self._secret_key, self._session_token)
+
+            async def configured() -> Any:
+                return fixed
+            return configured
+        chain = await session.get_credentials()
+        if chain is None:
+            raise ConfigError(f"no S3 credentials for {what}")
+
+        async def refreshed() -> Any:
+            return await chain.get_frozen_credentials()
+        return refreshed
 
     async def _probe_until_online(self, session: Any) -> None:
         """Re-check the endpoint with backoff (0.5 s doubling up to ``breaker_reset_s``) until it answers."""
@@ -314,23 +335,9 @@ async def check_bucket(tier: S3Session) -> None:
     log.info("created S3 bucket %s at %s", tier.bucket, where)
 
 
-async def start_http(tier: S3Session, session: Any) -> None:
+async def start_http(tier: S3Session, session: Any) -> HttpBodyClient:
     """The http body client, proven with a real write + read (its own signer, its own connections)."""
-    from botocore.credentials import ReadOnlyCredentials
-
-    if tier._access_key and tier._secret_key:
-        fixed = ReadOnlyCredentials(tier._access_key, tier._secret_key, tier._session_token)
-
-        async def creds() -> Any:
-            return fixed
-    else:
-        chain = await session.get_credentials()
-        if chain is None:
-            raise ConfigError(f"no S3 credentials for {tier.endpoint_name}")
-
-        async def creds() -> Any:
-            return await chain.get_frozen_credentials()  # refreshed by botocore when near expiry
-
+    creds = await tier.credential_source(session, tier.endpoint_name)
     try:
         client = HttpBodyClient(tier.cfg, tier.endpoint, tier.bucket, creds)
     except ValueError as e:
@@ -349,4 +356,4 @@ async def start_http(tier: S3Session, session: Any) -> None:
     finally:
         with contextlib.suppress(Exception):
             await tier._s3.delete_object(Bucket=tier.bucket, Key=probe)
-    tier._body = client
+    return client
