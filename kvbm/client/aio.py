@@ -15,7 +15,7 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
 from kvbm.client.core import Buffer, DaemonError, DaemonUnavailable, R, _Core
-from kvbm.client.lease import aonboarded, areserving
+from kvbm.client.lease import SlotGate, aonboarded, areserving
 
 
 async def _in_thread(fn: Callable[..., None], *args: Any) -> None:
@@ -42,6 +42,7 @@ class AsyncWorkerClient(_Core):
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._registering = asyncio.Lock()  # one re-registration at a time (batches of a store run at once)
+        self._slots = SlotGate()  # this session's slots, shared by the stores and loads in flight
 
     def _socket(self) -> zmq.asyncio.Socket:
         if self._sock is None:
@@ -72,6 +73,10 @@ class AsyncWorkerClient(_Core):
             if not fut.done():
                 fut.set_exception(DaemonUnavailable(f"connection to {self.endpoint} reset"))
         self._pending.clear()
+
+    def _attach(self, reg: p.Registered) -> None:
+        super()._attach(reg)
+        self._slots.resize(self.registered)
 
     async def request(self, msg: Any, expect: type[R], timeout_s: float | None = None) -> R:
         """Send ``msg`` and await the reply with its rid (registering again if the daemon forgot us)."""
@@ -146,7 +151,8 @@ class AsyncWorkerClient(_Core):
         while True:
             reserved = False
             try:
-                async with areserving(self, hashes, n, durable=durable, namespace=ns) as res:
+                async with self._slots.taking(len(hashes), self.timeout_s), \
+                        areserving(self, hashes, n, durable=durable, namespace=ns) as res:
                     reserved = True
                     token = self.token  # the session these slots were reserved in
                     await _in_thread(self._copy_in, res.slots, bufs, n)
@@ -163,8 +169,9 @@ class AsyncWorkerClient(_Core):
             return res.ack
 
     async def load(self, keys: Sequence[BlockKey | bytes], outs: Sequence[Buffer]) -> int:
+        """Onboard -> copy out -> Release; the leading blocks loaded (at most this session's slot budget)."""
         ns, hashes = self._ns(keys)
-        async with aonboarded(self, hashes, ns) as got:
+        async with self._slots.taking(len(hashes), self.timeout_s) as n, aonboarded(self, hashes[:n], ns) as got:
             await _in_thread(self._copy_out, got.reply, outs)
         return got.count
 

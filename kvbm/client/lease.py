@@ -10,6 +10,7 @@ slots; a load's pins are released). The daemon states how many slots one session
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -43,6 +44,40 @@ def pin_window(registered: p.Registered | None) -> int:
 def session_budget(registered: p.Registered) -> int:
     """The slots the daemon lets this session hold at once (``session_slots``; 0, not stated: the whole pool)."""
     return max(1, registered.session_slots or registered.num_slots)
+
+
+class SlotGate:
+    """The asyncio client's own count of the G2 slots its session holds (pinned + prepared + reserved, as the
+    daemon counts them): a store batch or a load takes its slots here before it asks, so the operations of one
+    session in flight together wait for each other's commits and releases instead of being refused ``full`` by
+    the session budget. The daemon still decides: past ``timeout_s`` the request goes out and it answers."""
+
+    def __init__(self) -> None:
+        self.cap = 0  # 0: not registered yet, nothing is counted
+        self.held = 0
+        self._cond = asyncio.Condition()
+
+    def resize(self, registered: p.Registered | None) -> None:
+        self.cap = session_budget(registered) if registered is not None else 0
+
+    @asynccontextmanager
+    async def taking(self, n: int, timeout_s: float) -> AsyncIterator[int]:
+        """Hold ``min(n, cap)`` slots for the body (yielded: the most blocks the body may ask for)."""
+        n = min(n, self.cap) if self.cap else n
+        took = 0
+        if self.cap and n > 0:
+            async with self._cond:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._cond.wait_for(lambda: self.held + n <= self.cap), timeout_s)
+                self.held += n
+                took = n
+        try:
+            yield n
+        finally:
+            if took:
+                async with self._cond:
+                    self.held -= took
+                    self._cond.notify_all()
 
 
 class Reservation:

@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 from serve_proc import ServeProc, wait_until
-from test_sessions import LAYOUT, NB, daemon
+from test_sessions import LAYOUT, NB, daemon, keys
 
 from kvbm.client import AsyncWorkerClient, WorkerClient
 from kvbm.client.lease import aonboarded, areserving, onboarded, pin_window, reserving
@@ -68,6 +68,34 @@ def test_the_asyncio_forms_do_the_same(tmp_path):
     try:
         count, first, loaded = asyncio.run(go())
         assert (count, first, loaded) == (1, 3, 1)  # "b" was given back, not stored
+        assert wait_until(lambda: _pins(d) == 0, timeout=10)
+    finally:
+        d.stop()
+
+
+def test_one_sessions_stores_and_loads_in_flight_together_wait_for_its_budget(tmp_path):
+    """An asyncio client's stores and loads in flight at once share one session's slot budget: together past it,
+    they wait for each other's commits and releases (it used to answer ``full: session slot budget`` to the ones
+    that came last: a bench replaying a trace saw half its stores refused and its hits come up short)."""
+    d = daemon(tmp_path, max_session_slots=4).start()
+
+    async def go() -> tuple[list, list]:
+        async with AsyncWorkerClient(d.endpoint, timeout_s=30) as c:
+            await c.register(LAYOUT, worker_id="budget")
+            ks = [keys(3, b"st%d" % i) for i in range(6)]
+            data = [np.full((3, NB), i + 1, np.uint8) for i in range(6)]
+            acks = await asyncio.gather(*(c.store(k, list(v)) for k, v in zip(ks, data, strict=True)),
+                                        return_exceptions=True)
+            # Loads of the last store's blocks (G2 holds 8 and has no disk below it), 6 at once: 18 pins > 4.
+            outs = [np.zeros((3, NB), np.uint8) for _ in range(6)]
+            loads = await asyncio.gather(*(c.load(ks[-1], list(o)) for o in outs), return_exceptions=True)
+            assert all(np.array_equal(o, data[-1]) for o, n in zip(outs, loads, strict=True) if n == 3)
+            return acks, loads
+
+    try:
+        acks, loads = asyncio.run(go())
+        assert [getattr(a, "stored", a) for a in acks] == [3] * 6
+        assert loads == [3] * 6
         assert wait_until(lambda: _pins(d) == 0, timeout=10)
     finally:
         d.stop()
