@@ -103,7 +103,7 @@ class SeaweedCluster:
         try:
             self._launch("master", [
                 "master", f"-mdir={self._sub('master')}", f"-defaultReplication={self.replication}",
-                f"-volumeSizeLimitMB={self.volume_size_limit_mb}", "-telemetry=false"])
+                f"-volumeSizeLimitMB={self.volume_size_limit_mb}", "-telemetry=false", "-electionTimeout=1s"])
             for i, name in enumerate(self.volume_names()):
                 self._launch_volume(name, i)
             self._wait(self._volumes_up, "volume servers registered with the master")
