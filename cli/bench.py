@@ -450,6 +450,60 @@ def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capa
     _emit(report, json_path, plot_path, plot_trace)
 
 
+@bench.command("trace-serve")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, exists=True), required=True,
+              help="A Mooncake-format JSONL trace.")
+@click.option("--conversations", default=12, show_default=True, help="Conversations (2+ turns) in the slice.")
+@click.option("--turns", default=4, show_default=True, help="Requests kept per conversation.")
+@click.option("--max-blocks", default=48, show_default=True, help="Hash ids kept per request (its prefix).")
+@click.option("--tokens-per-id", default=64, show_default=True,
+              help="Tokens per hash id: one vLLM block (a multiple of 32).")
+@click.option("--speedup", default=200.0, show_default=True, help="Timestamps are divided by this.")
+@click.option("--concurrency", default=4, show_default=True, help="Requests in flight at most.")
+@click.option("--max-tokens", default=8, show_default=True, help="Output tokens per request (greedy).")
+@click.option("--sources", default="vllm,kvbm", show_default=True, help="vllm (alone), kvbm (vLLM + kvbm).")
+@click.option("--g1-share", default=0.25, show_default=True,
+              help="vLLM's KV space, as a share of the slice's distinct tokens.")
+@click.option("--g2-share", default=0.25, show_default=True, help="G2, as a share of the slice's distinct blocks.")
+@click.option("--s3/--no-s3", default=True, show_default=True, help="G4 (S3) behind G2 and G3.")
+@click.option("--layers", default=8, show_default=True)
+@click.option("--hidden", default=1024, show_default=True)
+@click.option("--heads", default=8, show_default=True)
+@click.option("--kv-heads", default=4, show_default=True)
+@click.option("--vocab", default=8192, show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="auto: bfloat16 where the machine computes it natively, else float32.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
+@with_s3
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+def trace_serve_cmd(trace_path: str, sources: str, json_path: str | None, markdown: bool, **kw: Any) -> None:
+    """A conversation slice of a trace through vLLM's OpenAI server: vLLM alone vs vLLM + kvbm."""
+    import sys
+
+    from kvbm.bench.openai_server import native_dtype
+    from kvbm.bench.trace_serve import TraceServeOptions, run_trace_serve, trace_serve_table
+
+    if kw["dtype"] == "auto":
+        kw["dtype"] = native_dtype()
+    opts = TraceServeOptions(trace=trace_path, sources=_csv(sources), **kw)
+    try:
+        opts.check()
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    try:
+        report = asyncio.run(run_trace_serve(opts, click.echo))
+    except ValueError as e:  # a bad trace line (named with its field)
+        raise click.ClickException(str(e)) from None
+    report["command"] = (["kvbm", "bench", *sys.argv[sys.argv.index("trace-serve"):]] if "trace-serve" in sys.argv
+                         else sys.argv)
+    click.echo("")
+    click.echo(trace_serve_table(report, markdown))
+    _emit(report, json_path, None, None)
+
+
 @bench.command("native")
 @click.option("--chunk-size", type=SIZE, default="256KiB", show_default=True,
               help="Bytes of one vLLM CPU-tier chunk (one vLLM block of one worker).")

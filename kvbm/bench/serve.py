@@ -152,23 +152,24 @@ class BenchDaemon:
     """``kvbm serve`` on a fixed endpoint, restartable with other tier sizes or S3 client (vLLM's workers
     re-register with the new pool); admin evictions and quiet waits for the passes."""
 
-    def __init__(self, root: Path, o: ServeBenchOptions, srv: dict[str, Any]) -> None:
-        self.root, self.o, self.srv = root, o, srv
+    def __init__(self, root: Path, block_bytes: int, srv: dict[str, Any]) -> None:
+        self.root, self.block_bytes, self.srv = root, block_bytes, srv
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.events = f"tcp://127.0.0.1:{free_port()}"
         self.token_file = root / "admin.token"
         self.proc: DaemonProc | None = None
         self.config: dict[str, Any] = {}
 
-    def start(self, *, g2: int, g3: int, s3_client: str = "http") -> None:
-        o = self.o
+    def start(self, *, g2: int, g3: int, s3_client: str = "http", s3: bool = True) -> None:
+        """(Re)start with G2 and G3 of these sizes and G4 (``s3``) through ``s3_client``."""
+        g4 = {"endpoint": self.srv["endpoint"], "access_key": self.srv["access_key"],
+              "secret_key": self.srv["secret_key"], "bucket": self.srv["bucket"],
+              "prefix": f"{self.srv['prefix']}/serve", "client": s3_client, "max_pending_writes": 4096} if s3 else {
+              "enabled": False}
         self.config = {
-            "block_bytes": o.block_bytes, "device": {"enabled": False}, "host": {"capacity": g2},
+            "block_bytes": self.block_bytes, "device": {"enabled": False}, "host": {"capacity": g2},
             "disk": {"dir": str(self.root / "g3"), "capacity": g3, "fsync": False},
-            "s3": {"endpoint": self.srv["endpoint"], "access_key": self.srv["access_key"],
-                   "secret_key": self.srv["secret_key"], "bucket": self.srv["bucket"],
-                   "prefix": f"{self.srv['prefix']}/serve", "client": s3_client, "max_pending_writes": 4096},
-            "embedded_s3": {"enabled": False},
+            "s3": g4, "embedded_s3": {"enabled": False},
             "daemon": {"endpoint": self.endpoint, "events_endpoint": self.events, "metrics_port": 0,
                        "admin_token_file": str(self.token_file)},
         }
@@ -565,7 +566,7 @@ async def _serve_source(run: Run, source: str, report: dict[str, Any]) -> None:
     o = run.o
     daemon: BenchDaemon | None = None
     if source == "kvbm":
-        daemon = BenchDaemon(run.work / "daemon", o, run.srv)
+        daemon = BenchDaemon(run.work / "daemon", o.block_bytes, run.srv)
         daemon.start(g2=o.g2_bytes, g3=o.g3_bytes, s3_client=o.s3_clients[0] if o.s3_clients else "http")
         connector: dict[str, Any] | None = {**KVBM_CONNECTOR, "kv_connector_extra_config": {
             "daemon": daemon.endpoint, "vllm_blocks_per_kvbm_block": o.vllm_blocks_per_kvbm_block}}
