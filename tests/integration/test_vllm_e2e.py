@@ -174,7 +174,8 @@ def test_connector_end_to_end(tmp_path, tiny_model, baseline, s3_server):
 
 
 def test_tensor_parallel_2_stores_and_loads_every_rank(tmp_path, tiny_model, s3_server):
-    """TP=2 (two worker processes, one thread each): both ranks store, and a fresh engine loads both."""
+    """TP=2 (two worker processes, one thread each): both ranks store, and both load what they stored (the
+    same engine, its prefix cache reset and every KV cache poisoned in between: only kvbm can serve it)."""
     prompt = [(i * 11 + 5) % 991 + 3 for i in range(3000)]
     daemon = Daemon(tmp_path, s3_server, f"kvbm-tp2-{uuid.uuid4().hex[:8]}")
     try:
@@ -182,14 +183,11 @@ def test_tensor_parallel_2_stores_and_loads_every_rank(tmp_path, tiny_model, s3_
         # Per rank a vLLM block is half as big (one KV head of two), so k = 4 against 128 KiB blocks.
         k = 128 * 1024 // (VBLOCK_BYTES // 2)
         full = (len(prompt) - 1) // (VLLM_BS * k)  # 5 blocks of 512 tokens = 2560 tokens
-        store = run_vllm(tmp_path, "tp2-store", tiny_model, daemon, [{}], tp=2, prompt=prompt,
-                         digest_blocks=full * k)[0]
+        store, load = run_vllm(tmp_path, "tp2", tiny_model, daemon, [{"settle": True}, {"poison": True}], tp=2,
+                               prompt=prompt, digest_blocks=full * k)
         assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
         st = daemon.wait_cascaded(2 * full)
         assert {t["tier"]: t["blocks"] for t in st["tiers"]}["G2"] == 2 * full  # each rank its own namespace
-
-        load = run_vllm(tmp_path, "tp2-load", tiny_model, daemon, [{}], tp=2, prompt=prompt,
-                        digest_blocks=full * k)[0]
         assert load["num_cached_tokens"] == full * k * VLLM_BS
         assert load["tokens"] == store["tokens"]
         assert len(load["kv_digests"]) == 2 and load["kv_digests"] == store["kv_digests"]
@@ -223,7 +221,8 @@ def test_daemon_blocks_smaller_than_a_vllm_block_is_a_clear_error(tmp_path, tiny
 
 def test_connector_under_curve_with_a_client_allow_list(tmp_path, tiny_model, s3_server):
     """The connector's CURVE settings (kv_connector_extra_config) reach a daemon that admits only
-    allow-listed clients: a fresh engine loads what the first stored, both through CURVE."""
+    allow-listed clients: the engine loads what it stored (its prefix cache reset, its KV caches poisoned in
+    between), both through CURVE; an engine without a client key pair is not admitted."""
     from kvbm.client import WorkerClient
     from kvbm.security import load_keypair, write_keypair
 
@@ -239,13 +238,13 @@ def test_connector_under_curve_with_a_client_allow_list(tmp_path, tiny_model, s3
     full = (len(PROMPT) - 1) // (VLLM_BS * k)
     try:
         daemon.start()
-        store = run_vllm(tmp_path, "curve-store", tiny_model, daemon, [{}], extra=extra)[0]
+        store, load = run_vllm(tmp_path, "curve", tiny_model, daemon, [{"settle": True}, {"poison": True}],
+                               extra=extra)
         assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
         with WorkerClient(daemon.endpoint, timeout_s=10, curve_server_key=load_keypair(ssec)[0].decode(),
                           curve_keypair=load_keypair(csec)) as c:
             g2 = {t["tier"]: t["blocks"] for t in c.stats()["tiers"]}["G2"]
         assert g2 == full
-        load = run_vllm(tmp_path, "curve-load", tiny_model, daemon, [{}], extra=extra)[0]
         assert load["num_cached_tokens"] == full * VLLM_BS * k
         assert load["tokens"] == store["tokens"]
         # The same engine without its key pair: not admitted, so it recomputes and says it is degraded.

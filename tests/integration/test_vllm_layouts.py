@@ -59,13 +59,11 @@ def test_pipeline_parallel_2_each_stage_stores_and_loads_its_own_layers(tmp_path
     full = (len(prompt) - 1) // (VLLM_BS * k)  # 4 kvbm blocks = 1024 tokens
     try:
         daemon.start()
-        store = run_vllm(tmp_path, "pp2-store", llama_4_layers, daemon, [{}], pp=2, prompt=prompt,
-                         digest_blocks=full * k)[0]
+        # One engine: it stores, then (prefix cache reset, KV caches poisoned) loads what it stored.
+        store, load = run_vllm(tmp_path, "pp2", llama_4_layers, daemon, [{"settle": True}, {"poison": True}], pp=2,
+                               prompt=prompt, digest_blocks=full * k)
         assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
         assert store["kv_digests"][0] != store["kv_digests"][1]  # the stages hold different layers
-
-        load = run_vllm(tmp_path, "pp2-load", llama_4_layers, daemon, [{}], pp=2, prompt=prompt,
-                        digest_blocks=full * k)[0]
         assert load["num_cached_tokens"] == full * k * VLLM_BS
         assert len(load["kv_digests"]) == 2 and load["kv_digests"] == store["kv_digests"]
         assert load["tokens"] == store["tokens"]
@@ -104,18 +102,14 @@ def test_mla_at_tp_2_stores_one_copy_per_tp_group_and_loads_the_computed_latent(
     full = (len(prompt) - 1) // (bs * k)  # 24 kvbm blocks = 1,152 tokens (also with the 8 generated)
     try:
         daemon.start()
-        store = run_vllm(tmp_path, "mla-store", deepseek_v2, daemon, [{}], tp=2, prompt=prompt,
-                         digest_blocks=full * k, attention_backend="CPU_MLA")[0]
+        store, load = run_vllm(tmp_path, "mla", deepseek_v2, daemon, [{"settle": True}, {"poison": True}], tp=2,
+                               prompt=prompt, digest_blocks=full * k, attention_backend="CPU_MLA")
         assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
         assert store["kv_digests"][0] == store["kv_digests"][1]  # the ranks hold the same latent
-        assert g2_blocks(daemon) == full  # one copy per TP group
-
-        load = run_vllm(tmp_path, "mla-load", deepseek_v2, daemon, [{}], tp=2, prompt=prompt,
-                        digest_blocks=full * k, attention_backend="CPU_MLA")[0]
         assert load["num_cached_tokens"] == full * k * bs
         assert load["kv_digests"] == store["kv_digests"]  # both ranks loaded the computed bytes
         assert load["tokens"] == store["tokens"]  # ... so the completion is the computed one
-        assert g2_blocks(daemon) == full
+        assert g2_blocks(daemon) == full  # one copy per TP group
     finally:
         daemon.stop()
 
@@ -148,7 +142,8 @@ def test_sliding_window_model_keeps_vllms_hybrid_kv_cache_and_loads_only_the_win
     n = full * k
     try:
         daemon.start()
-        store = run_vllm(tmp_path, "swa-store", gemma2_sliding, daemon, [{}], prompt=prompt, group_digest_blocks=n)[0]
+        store, load = run_vllm(tmp_path, "swa", gemma2_sliding, daemon, [{"settle": True}, {"poison": True}],
+                               prompt=prompt, group_digest_blocks=n)
         assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
         windows = store["group_windows"]
         assert sorted(windows, key=str) == [256, None], windows  # two groups: vLLM's hybrid manager is on
@@ -156,8 +151,6 @@ def test_sliding_window_model_keeps_vllms_hybrid_kv_cache_and_loads_only_the_win
         (stored,) = store["group_digests"]
         assert None not in stored[fa] and None not in stored[swa]  # the storing engine computed every block
         assert g2_blocks(daemon) == full
-
-        load = run_vllm(tmp_path, "swa-load", gemma2_sliding, daemon, [{}], prompt=prompt, group_digest_blocks=n)[0]
         assert load["num_cached_tokens"] == n * VLLM_BS
         (loaded,) = load["group_digests"]
         assert loaded[fa] == stored[fa]
@@ -178,11 +171,11 @@ def test_a_short_load_of_a_hybrid_model_is_recomputed_and_the_engine_lives(tmp_p
     daemon = g2_daemon(tmp_path)
     try:
         daemon.start()
-        # settle: the async saves are in the daemon before this engine exits
-        store = run_vllm(tmp_path, "swa-store", gemma2_sliding, daemon, [{"settle": True}], prompt=prompt)[0]
-        assert g2_blocks(daemon) == 4
-        short, again = run_vllm(tmp_path, "swa-short", gemma2_sliding, daemon, [{}, {}], prompt=prompt,
-                                evict_before_load=1)
+        # One engine: it stores (settle: the async saves are in the daemon), then with its prefix cache reset
+        # and KV caches poisoned asks for the prompt again, twice; each load finds 3 of its 4 blocks evicted.
+        store, short, again = run_vllm(tmp_path, "swa-short", gemma2_sliding, daemon,
+                                       [{"settle": True}, {"poison": True}, {}], prompt=prompt, evict_before_load=1)
+        assert store["evicted_before_load"] == 0
         assert short["evicted_before_load"] == 3, short  # the lookup said 4 blocks, the load finds 1
         assert short["tokens"] == store["tokens"]
         assert short["kv_transfer_params"]["kvbm"]["degraded"] is False

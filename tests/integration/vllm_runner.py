@@ -37,6 +37,13 @@ class KVDigest:
             out.append(h.hexdigest())
         return out
 
+    def kvbm_test_poison(self) -> None:
+        """Fill every KV cache with one value, so that a later step's blocks hold only what it computed or
+        loaded: an engine that stores in one step and loads in the next is then as strict an oracle as a fresh
+        engine (a load that wrote nothing shows the poison in the digests, not the earlier step's bytes)."""
+        for cache in self.model_runner.kv_caches:  # type: ignore[attr-defined]
+            cache.fill_(7)
+
     def kvbm_test_saves_done(self) -> bool:
         """Whether every save the connector's worker side started has finished (committed or dropped)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -231,6 +238,10 @@ def main(spec_path: str, out_path: str) -> None:
             settle(llm)
             results.append(res)
             continue
+        if step.get("poison"):
+            # Only after the last step's prefix cache was reset (or with none): no block holds what vLLM may reuse.
+            assert results and results[-1].get("prefix_cache_reset") is not False, "the prefix cache was not reset"
+            llm.collective_rpc("kvbm_test_poison")
         if "prompt" in step:
             prompt = step["prompt"]
         if "follow_up" in step:
