@@ -104,19 +104,19 @@ def test_a_request_whose_load_came_up_short_saves_the_blocks_it_then_computed(tm
     """A load that comes up short (its later blocks evicted between lookup and load): vLLM recomputes them,
     and those recomputed blocks are saved again (they used to count as saved, being "loaded", and were never
     stored: the next engine missed them). What the step computed on top of the missing blocks is not saved.
-    The next engine loads every block, with the bytes an engine that computed the prompt holds."""
+    The next load (one engine throughout: its prefix cache reset and its KV caches poisoned before each step)
+    brings every block, with the bytes the first step computed."""
     prompt = [(i * 23 + 9) % 977 + 3 for i in range(1100)]
     full = (len(prompt) - 1) // BLOCK_TOKENS  # 4 kvbm blocks
     daemon = g2_daemon(tmp_path)
     try:
         daemon.start()
-        (first,) = run_vllm(tmp_path, "store", tiny_model, daemon, [{"settle": True}], prompt=prompt,
-                            digest_blocks=full * K)
-        (short,) = run_vllm(tmp_path, "short", tiny_model, daemon, [{"settle": True}], prompt=prompt,
-                            evict_before_load=1)
+        first, short, last = run_vllm(
+            tmp_path, "short", tiny_model, daemon,
+            [{"settle": True}, {"settle": True, "poison": True}, {"poison": True, "evict_before_load": False}],
+            prompt=prompt, digest_blocks=full * K, evict_before_load=1)
         assert short["evicted_before_load"] == full - 1, short
         assert short["tokens"] == first["tokens"]
-        (last,) = run_vllm(tmp_path, "reload", tiny_model, daemon, [{}], prompt=prompt, digest_blocks=full * K)
         assert last["num_cached_tokens"] == full * BLOCK_TOKENS, "the recomputed blocks were not saved again"
         assert last["kv_digests"] == first["kv_digests"]
         assert last["tokens"] == first["tokens"]

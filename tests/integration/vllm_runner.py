@@ -138,6 +138,7 @@ class EvictBeforeLoad:
         from kvbm.security import read_admin_token
 
         self.evicted = 0
+        self.active = True  # per step: a step with "evict_before_load": false loads what is there
         conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
         inner = conn.update_state_after_alloc
         token = read_admin_token(Path(spec["admin_token_file"]))
@@ -145,7 +146,7 @@ class EvictBeforeLoad:
         def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
             out = inner(request, blocks, num_external_tokens)
             k = conn.scheduler.geometry.known_k
-            if num_external_tokens > 0 and k:
+            if self.active and num_external_tokens > 0 and k:
                 hashes = [bytes(h) for h in request.block_hashes[k - 1 :: k]][from_block:]
                 for layout in conn.layouts():
                     with WorkerClient(spec["connector"]["daemon"], timeout_s=10, admin_token=token) as c:
@@ -238,6 +239,8 @@ def main(spec_path: str, out_path: str) -> None:
             settle(llm)
             results.append(res)
             continue
+        if evictor is not None:
+            evictor.active = step.get("evict_before_load", True)
         if step.get("poison"):
             # Only after the last step's prefix cache was reset (or with none): no block holds what vLLM may reuse.
             assert results and results[-1].get("prefix_cache_reset") is not False, "the prefix cache was not reset"
