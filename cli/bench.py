@@ -36,6 +36,23 @@ def _emit(report: dict[str, Any], json_path: str | None, plot_path: str | None, 
         click.echo(f"json: {json_path}")
 
 
+def _run_checked(opts: Any, run: Any, name: str) -> dict[str, Any]:
+    """Check ``opts`` (a bad option is the CLI's usage error), run the bench (a bad input file it names is the
+    CLI's error), and stamp the command line that ran it."""
+    import sys
+
+    try:
+        opts.check()
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    try:
+        report = asyncio.run(run(opts, click.echo))
+    except ValueError as e:  # e.g. a bad trace line, named with its field
+        raise click.ClickException(str(e)) from None
+    report["command"] = ["kvbm", "bench", *sys.argv[sys.argv.index(name):]] if name in sys.argv else sys.argv
+    return report
+
+
 @click.group()
 def bench() -> None:
     """Benchmarks of kvbm's data paths (not tests: they measure this machine)."""
@@ -55,6 +72,25 @@ s3_opts = [
 
 def with_s3(fn: Any) -> Any:
     for opt in reversed(s3_opts):
+        fn = opt(fn)
+    return fn
+
+
+model_opts = [  # the random Llama of the benches that drive vLLM's OpenAI server (RandomModelOptions)
+    click.option("--layers", default=8, show_default=True),
+    click.option("--hidden", default=1024, show_default=True),
+    click.option("--heads", default=8, show_default=True),
+    click.option("--kv-heads", default=4, show_default=True),
+    click.option("--vocab", default=8192, show_default=True),
+    click.option("--dtype", default="auto", show_default=True,
+                 type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+                 help="Weights and KV; auto: bfloat16 on a GPU or a CPU with AVX-512/AMX/Arm, float32 on an AVX2 "
+                 "CPU (which emulates bf16 ~90x slower)."),
+]
+
+
+def with_model(fn: Any) -> Any:
+    for opt in reversed(model_opts):
         fn = opt(fn)
     return fn
 
@@ -346,15 +382,7 @@ def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block
               help="The daemon's G3 (disk) capacity in long-doc-qa.")
 @click.option("--block-size", default=128, show_default=True, help="vLLM block size (CPU: a multiple of 32).")
 @click.option("--tokens-per-block", default=256, show_default=True, help="Tokens per kvbm block.")
-@click.option("--layers", default=8, show_default=True)
-@click.option("--hidden", default=1024, show_default=True)
-@click.option("--heads", default=8, show_default=True)
-@click.option("--kv-heads", default=4, show_default=True)
-@click.option("--vocab", default=8192, show_default=True)
-@click.option("--dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-              help="Weights and KV; auto: bfloat16 on a GPU or a CPU with AVX-512/AMX/Arm, float32 on an AVX2 CPU "
-              "(which emulates bf16 ~90x slower).")
+@with_model
 @click.option("--omp-threads", default=2, show_default=True, help="OMP_NUM_THREADS of each vLLM server.")
 @click.option("--server-python", default=None, help="Interpreter the vLLM servers run in [this one].")
 @click.option("--peer-python", default=None, help="Interpreter of the peers' servers (a venv with LMCache) [this one].")
@@ -370,7 +398,6 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
               tokens_per_block: int, block_size: int, request_timeout: float, json_path: str | None,
               plot_path: str | None, markdown: bool, **kw: Any) -> None:
     """vLLM's OpenAI server over HTTP (streamed, C in flight): recompute, vLLM's prefix cache, kvbm, peers."""
-    import sys
 
     from kvbm.bench.openai_server import native_dtype
     from kvbm.bench.serve import ServeBenchOptions, plot_serve, run_serve, serve_table
@@ -384,12 +411,7 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
         s3_clients=_csv(s3_clients), vllm_kv_bytes=vllm_kv, g2_bytes=g2,
         g3_bytes=g3, block_size=block_size,
         vllm_blocks_per_kvbm_block=tokens_per_block // block_size, request_timeout_s=request_timeout, **kw)
-    try:
-        opts.check()
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    report = asyncio.run(run_serve(opts, click.echo))
-    report["command"] = ["kvbm", "bench", *sys.argv[sys.argv.index("serve"):]] if "serve" in sys.argv else sys.argv
+    report = _run_checked(opts, run_serve, "serve")
     click.echo("")
     click.echo(serve_table(report, markdown))
     _emit(report, json_path, plot_path, plot_serve)
@@ -422,7 +444,6 @@ def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capa
               s3_access_key: str, s3_secret_key: str, s3_bucket: str, json_path: str | None, plot_path: str | None,
               markdown: bool) -> None:
     """Replay a production trace through a real daemon: hit ratio per tier vs LRU / Belady / infinite."""
-    import sys
 
     from kvbm.bench.trace import TraceOptions, plot_trace, run_trace, trace_table
 
@@ -436,15 +457,7 @@ def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capa
                         seed=seed, workdir=workdir,
                         s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key,
                         s3_bucket=s3_bucket)
-    try:
-        opts.check()
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    try:
-        report = asyncio.run(run_trace(opts, click.echo))
-    except ValueError as e:  # a bad trace line (named with its field)
-        raise click.ClickException(str(e)) from None
-    report["command"] = ["kvbm", "bench", *sys.argv[sys.argv.index("trace"):]] if "trace" in sys.argv else sys.argv
+    report = _run_checked(opts, run_trace, "trace")
     click.echo("")
     click.echo(trace_table(report, markdown))
     _emit(report, json_path, plot_path, plot_trace)
@@ -466,14 +479,7 @@ def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capa
               help="vLLM's KV space, as a share of the slice's distinct tokens.")
 @click.option("--g2-share", default=0.25, show_default=True, help="G2, as a share of the slice's distinct blocks.")
 @click.option("--s3/--no-s3", default=True, show_default=True, help="G4 (S3) behind G2 and G3.")
-@click.option("--layers", default=8, show_default=True)
-@click.option("--hidden", default=1024, show_default=True)
-@click.option("--heads", default=8, show_default=True)
-@click.option("--kv-heads", default=4, show_default=True)
-@click.option("--vocab", default=8192, show_default=True)
-@click.option("--dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-              help="auto: bfloat16 where the machine computes it natively, else float32.")
+@with_model
 @click.option("--seed", default=0, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
 @with_s3
@@ -481,7 +487,6 @@ def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capa
 @click.option("--markdown", is_flag=True, help="Print the table as markdown.")
 def trace_serve_cmd(trace_path: str, sources: str, json_path: str | None, markdown: bool, **kw: Any) -> None:
     """A conversation slice of a trace through vLLM's OpenAI server: vLLM alone vs vLLM + kvbm."""
-    import sys
 
     from kvbm.bench.openai_server import native_dtype
     from kvbm.bench.trace_serve import TraceServeOptions, run_trace_serve, trace_serve_table
@@ -489,16 +494,7 @@ def trace_serve_cmd(trace_path: str, sources: str, json_path: str | None, markdo
     if kw["dtype"] == "auto":
         kw["dtype"] = native_dtype()
     opts = TraceServeOptions(trace=trace_path, sources=_csv(sources), **kw)
-    try:
-        opts.check()
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    try:
-        report = asyncio.run(run_trace_serve(opts, click.echo))
-    except ValueError as e:  # a bad trace line (named with its field)
-        raise click.ClickException(str(e)) from None
-    report["command"] = (["kvbm", "bench", *sys.argv[sys.argv.index("trace-serve"):]] if "trace-serve" in sys.argv
-                         else sys.argv)
+    report = _run_checked(opts, run_trace_serve, "trace-serve")
     click.echo("")
     click.echo(trace_serve_table(report, markdown))
     _emit(report, json_path, None, None)

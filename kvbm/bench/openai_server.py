@@ -53,6 +53,24 @@ class ModelSpec:
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+@dataclass
+class RandomModelOptions:
+    """The random Llama a bench serves, as its options give it (the benches driving vLLM's server share them)."""
+
+    layers: int = 8
+    hidden: int = 1024
+    heads: int = 8
+    kv_heads: int = 4
+    vocab: int = 8192
+    dtype: str = "bfloat16"  # of weights and KV; the CLIs' "auto" is native_dtype()
+    seed: int = 0
+
+    def model_spec(self, max_len: int) -> ModelSpec:
+        return ModelSpec(layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+                         intermediate=int(self.hidden * 2.75), vocab=self.vocab, max_len=max_len, seed=self.seed,
+                         dtype=self.dtype)
+
+
 def avx2_only_cpu() -> bool:
     """Whether this is an x86 CPU without AVX-512 or AMX: PyTorch emulates bf16 and fp16 there, and vLLM's CPU
     attention refuses an fp8 KV cache."""

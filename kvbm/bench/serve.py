@@ -34,6 +34,7 @@ from kvbm.bench.openai_server import (
     VLLM_BLOCK,
     Completion,
     ModelSpec,
+    RandomModelOptions,
     VllmServer,
     client,
     free_port,
@@ -55,16 +56,10 @@ PEER_CONNECTORS = {
 
 
 @dataclass
-class ServeBenchOptions(BenchTarget):
+class ServeBenchOptions(BenchTarget, RandomModelOptions):
     workloads: tuple[str, ...] = ("long-doc-qa", "ttft-length")
     sources: tuple[str, ...] = SOURCES
-    # the model (random Llama, bf16) and the server
-    layers: int = 8
-    hidden: int = 1024
-    heads: int = 8
-    kv_heads: int = 4
-    vocab: int = 8192
-    dtype: str = "bfloat16"  # of weights and KV; the CLI's "auto" is openai_server.native_dtype()
+    # the server (the model: RandomModelOptions)
     block_size: int = VLLM_BLOCK
     vllm_kv_bytes: int = 1 << 30
     max_tokens: int = 16  # output tokens per request (greedy, ignore_eos)
@@ -89,7 +84,6 @@ class ServeBenchOptions(BenchTarget):
     sessions: int = 2
     turns: int = 4
     turn_tokens: int = 512
-    seed: int = 0
     logs: str | None = None
     request_timeout_s: float = 600.0
     sample_s: float = 0.5  # the daemon's tier counters are sampled this often (the bandwidth timeline)
@@ -115,9 +109,7 @@ class ServeBenchOptions(BenchTarget):
 
     @property
     def model(self) -> ModelSpec:
-        return ModelSpec(layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
-                         intermediate=int(self.hidden * 2.75), vocab=self.vocab, max_len=self.max_model_len,
-                         seed=self.seed, dtype=self.dtype)
+        return self.model_spec(self.max_model_len)
 
     @property
     def kvbm_block_tokens(self) -> int:

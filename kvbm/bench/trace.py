@@ -11,6 +11,7 @@ them the same trace's LRU / Belady / infinite-cache hit ratios at the same capac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -20,7 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from kvbm.bench.common import BenchTarget, DaemonProc, load_avg, machine, s3_server, summary, temp_dir
+from kvbm.bench.common import (
+    BenchTarget,
+    DaemonProc,
+    delete_prefix,
+    load_avg,
+    machine,
+    s3_server,
+    summary,
+    temp_dir,
+)
 from kvbm.bench.trace_sim import TraceRequest, bounds, load_trace, purge_cost, trace_summary
 
 KiB = 1024
@@ -298,6 +308,9 @@ async def run_trace(o: TraceOptions, say: Callable[[str], None]) -> dict[str, An
                                                             eviction))
             finally:
                 if ctx is not None:
+                    if srv is not None:  # an existing endpoint keeps its bucket: leave nothing of the run in it
+                        with contextlib.suppress(Exception):
+                            delete_prefix(srv, srv["prefix"])
                     ctx.__exit__(None, None, None)
     report["load_avg_end"] = load_avg()
     return report

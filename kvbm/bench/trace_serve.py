@@ -33,6 +33,7 @@ from kvbm.bench.openai_server import (
     KVBM_CONNECTOR,
     Completion,
     ModelSpec,
+    RandomModelOptions,
     VllmServer,
     client,
     free_port,
@@ -48,7 +49,7 @@ SOURCES = ("vllm", "kvbm")
 
 
 @dataclass
-class TraceServeOptions(BenchTarget):
+class TraceServeOptions(BenchTarget, RandomModelOptions):
     trace: str = ""
     conversations: int = 12
     turns: int = 4  # requests kept per conversation
@@ -61,15 +62,7 @@ class TraceServeOptions(BenchTarget):
     g1_share: float = 0.25  # vLLM's KV space, as a share of the slice's distinct tokens
     g2_share: float = 0.25  # G2, as a share of the slice's distinct blocks (G3 holds them all)
     s3: bool = True  # G4 behind G2+G3
-    # the model (random Llama; "auto" dtype is the machine's native one, as bench serve picks it)
-    layers: int = 8
-    hidden: int = 1024
-    heads: int = 8
-    kv_heads: int = 4
-    vocab: int = 8192
-    dtype: str = "bfloat16"
     omp_threads: int = 2
-    seed: int = 0
     request_timeout_s: float = 600.0
 
     def check(self) -> None:
@@ -90,9 +83,7 @@ class TraceServeOptions(BenchTarget):
 
     @property
     def model(self) -> ModelSpec:
-        return ModelSpec(layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
-                         intermediate=int(self.hidden * 2.75), vocab=self.vocab, max_len=self.max_model_len,
-                         seed=self.seed, dtype=self.dtype)
+        return self.model_spec(self.max_model_len)
 
     @property
     def max_model_len(self) -> int:

@@ -72,6 +72,16 @@ def test_bench_trace_s3_on(tmp_path: Path, s3_server) -> None:
     _check_run(r, rep["trace"])
     assert r["s3"] == "on"
     assert s3_server.secret_key not in js.read_text()
+    # The run's objects are deleted afterwards (the bucket is the endpoint's, not the bench's); they used to stay.
+    from kvbm.bench.common import boto3_client
+
+    cli = boto3_client({"endpoint": s3_server.endpoint, "access_key": s3_server.access_key,
+                        "secret_key": s3_server.secret_key})
+    try:
+        left = cli.list_objects_v2(Bucket=s3_server.bucket, Prefix="kvbm-bench-").get("Contents", ()) or ()
+    finally:
+        cli.close()
+    assert not [o["Key"] for o in left if "/c0.2-s3on-" in o["Key"]]
 
 
 def test_bench_trace_bad_line(tmp_path: Path) -> None:
