@@ -55,6 +55,11 @@ class CircuitBreaker:
         self._probing = True
         return True
 
+    def abandon(self) -> None:
+        """The request let through as the half-open probe was cancelled: it proved nothing, so the next request
+        may probe (neither a success nor a failure)."""
+        self._probing = False
+
     def success(self) -> None:
         if self.state != "closed":
             log.info("S3 circuit breaker closed: endpoint answers again")

@@ -308,7 +308,7 @@ class S3Bulk(S3Listing):
         try:
             got = await asyncio.gather(*(one(k) for k in todo))
         except BaseException:
-            self.breaker._probing = False
+            self.breaker.abandon()
             raise
         for k, v in got:
             if isinstance(v, BaseException):

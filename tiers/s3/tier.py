@@ -109,7 +109,7 @@ class S3Tier(S3Bulk):
                 await self._body.put(okey, key, memoryview(data), self._meta(key, n))
                 self.observe("put", time.perf_counter() - t0)
         except (asyncio.CancelledError, KeyboardInterrupt):
-            self.breaker._probing = False
+            self.breaker.abandon()
             raise
         except Exception as e:
             self._failed("PUT", key, e)
@@ -137,7 +137,7 @@ class S3Tier(S3Bulk):
                 n = await self._body.get_into(okey, key, view)
                 self.observe("get", time.perf_counter() - t0)
         except (asyncio.CancelledError, KeyboardInterrupt):
-            self.breaker._probing = False
+            self.breaker.abandon()
             raise
         except CorruptBlockError as e:
             self.breaker.success()
