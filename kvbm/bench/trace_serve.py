@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbm.bench.common import BenchTarget, delete_prefix, load_avg, machine, percentile, s3_server, temp_dir
+from kvbm.bench.common import BenchTarget, delete_prefix, load_avg, machine, s3_server, summary, temp_dir
 from kvbm.bench.openai_server import (
     DTYPE_BYTES,
     FIRST_WORD,
@@ -126,10 +126,7 @@ class IdTokens:
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {}
-    return {"mean": round(sum(xs) / len(xs), 4), "p50": round(percentile(xs, 50), 4),
-            "p90": round(percentile(xs, 90), 4), "p99": round(percentile(xs, 99), 4), "max": round(max(xs), 4)}
+    return {k: round(v, 4) for k, v in summary(xs).items()} if xs else {}
 
 
 async def replay(server: VllmServer, reqs: Sequence[TraceRequest], toks: IdTokens,

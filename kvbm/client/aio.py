@@ -75,8 +75,8 @@ class AsyncWorkerClient(_Core):
         self._pending.clear()
 
     def _attach(self, reg: p.Registered) -> None:
-        super()._attach(reg)
-        self._slots.resize(self.registered)
+        super()._attach(reg)  # raises on an Error reply
+        self._slots.resize(reg)
 
     async def request(self, msg: Any, expect: type[R], timeout_s: float | None = None) -> R:
         """Send ``msg`` and await the reply with its rid (registering again if the daemon forgot us)."""

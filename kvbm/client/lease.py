@@ -57,27 +57,26 @@ class SlotGate:
         self.held = 0
         self._cond = asyncio.Condition()
 
-    def resize(self, registered: p.Registered | None) -> None:
-        self.cap = session_budget(registered) if registered is not None else 0
+    def resize(self, registered: p.Registered) -> None:
+        self.cap = session_budget(registered)
 
     @asynccontextmanager
     async def taking(self, n: int, timeout_s: float) -> AsyncIterator[int]:
         """Hold ``min(n, cap)`` slots for the body (yielded: the most blocks the body may ask for)."""
-        n = min(n, self.cap) if self.cap else n
-        took = 0
-        if self.cap and n > 0:
-            async with self._cond:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._cond.wait_for(lambda: self.held + n <= self.cap), timeout_s)
-                self.held += n
-                took = n
+        if not self.cap or n <= 0:
+            yield n
+            return
+        n = min(n, self.cap)
+        async with self._cond:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._cond.wait_for(lambda: self.held + n <= self.cap), timeout_s)
+            self.held += n
         try:
             yield n
         finally:
-            if took:
-                async with self._cond:
-                    self.held -= took
-                    self._cond.notify_all()
+            async with self._cond:
+                self.held -= n
+                self._cond.notify_all()
 
 
 class Reservation:
