@@ -230,6 +230,8 @@ def main(spec_path: str, out_path: str) -> None:
                 return inner(request, *a, **k)
 
             sched._preempt_request = preempt
+            if step.get("poison"):  # the blocks hold only what this step computes or loads
+                llm.collective_rpc("kvbm_test_poison")
             outs = llm.generate([{"prompt_token_ids": q} for q in step["batch"]], bp, use_tqdm=False)
             res = {"batch_tokens": [list(o.outputs[0].token_ids) for o in outs],
                    "kv_transfer_params": [o.kv_transfer_params for o in outs], "preempted": preempted}

@@ -53,6 +53,7 @@ class Loader:
         self._errors: set[int] = set()  # vLLM block ids that did not load, until vLLM reads them
         self._failed: set[str] = set()  # requests whose load came up short, until vLLM reads them
         self.failed_now: set[str] = set()  # requests whose sync load of the current step came up short
+        self.failed_blocks_now: set[int] = set()  # and the vLLM block ids that did not load
 
     def fail_all(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
         """Loads never started, reported as failed (vLLM recomputes them, and never waits for them)."""
@@ -64,6 +65,7 @@ class Loader:
             else:
                 self._errors.update(bad)
                 self.failed_now.add(tr.req_id)
+                self.failed_blocks_now.update(bad)
 
     def start(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
         if asynchronous:
@@ -78,6 +80,11 @@ class Loader:
                     self._errors.update(bad)
                     self._failed.add(rid)
                     self.failed_now.add(rid)
+                    self.failed_blocks_now.update(bad)
+
+    def busy(self, req_id: str) -> bool:
+        """Whether an async load of ``req_id`` is still to be reported (it may be writing its blocks)."""
+        return req_id in self._loading
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(requests whose async load is over, requests whose load, sync or async, came up short)."""
