@@ -1,0 +1,42 @@
+"""Loads through a real vLLM (CPU build) and a real daemon, in the shapes that used to lose their hit."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from needs import needs
+from serve_proc import ServeProc
+from test_vllm_e2e import run_vllm
+from test_vllm_layouts import free_port
+from test_vllm_preemption import BLOCK_TOKENS, K
+
+pytestmark = [pytest.mark.slow, needs("vllm", importlib.util.find_spec("vllm") is not None,
+                                      "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")]
+
+
+def test_a_load_longer_than_the_sessions_slot_budget_is_loaded_in_pieces(tmp_path, tiny_model):
+    """A daemon that lets a session hold 2 G2 slots at once, a prompt of 4 stored kvbm blocks: the load is
+    onboarded 2 blocks at a time (it used to be one Onboard of 4, refused ``full``: a whole miss). The load is
+    the only source (the engine's KV caches poisoned first) and brings the bytes the first step computed."""
+    prompt = [(i * 31 + 7) % 971 + 3 for i in range(1100)]
+    full = (len(prompt) - 1) // BLOCK_TOKENS
+    assert full == 4
+    daemon = ServeProc(tmp_path, {
+        "block_bytes": "128KiB", "device": {"enabled": False}, "host": {"capacity": "8MiB"},
+        "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
+        "daemon": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "events_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                   "metrics_port": -1, "max_session_slots": 2},
+    })
+    try:
+        daemon.start()
+        first, second = run_vllm(tmp_path, "split", tiny_model, daemon, [{"settle": True}, {"poison": True}],
+                                 prompt=prompt, digest_blocks=full * K)
+        with daemon.client(timeout_s=5) as c:
+            m = c.stats()["manager"]
+        assert second["num_cached_tokens"] == full * BLOCK_TOKENS, (second["num_cached_tokens"], m)
+        assert m["onboards"] >= 2 and m["onboard_blocks"] == full, m
+        assert second["kv_digests"] == first["kv_digests"]
+        assert second["tokens"] == first["tokens"]
+    finally:
+        daemon.stop()
