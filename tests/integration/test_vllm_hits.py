@@ -8,7 +8,7 @@ import pytest
 from needs import needs
 from serve_proc import ServeProc
 from test_vllm_e2e import run_vllm
-from test_vllm_layouts import free_port
+from test_vllm_layouts import free_port, g2_daemon
 from test_vllm_preemption import BLOCK_TOKENS, K
 
 pytestmark = [pytest.mark.slow, needs("vllm", importlib.util.find_spec("vllm") is not None,
@@ -38,5 +38,25 @@ def test_a_load_longer_than_the_sessions_slot_budget_is_loaded_in_pieces(tmp_pat
         assert m["onboards"] >= 2 and m["onboard_blocks"] == full, m
         assert second["kv_digests"] == first["kv_digests"]
         assert second["tokens"] == first["tokens"]
+    finally:
+        daemon.stop()
+
+
+def test_with_sync_saves_the_blocks_a_request_completes_in_its_last_step_are_saved(tmp_path, tiny_model):
+    """``async_save: false``: the blocks completed in a request's last step (with async scheduling, the step
+    whose token was not appended yet when its saves were planned) used to be saved only with async saves, so
+    a sync-save engine never stored a request's last block. A prompt whose last kvbm block fills with the
+    answer's last computed token: the next request with those tokens loads every block."""
+    bs = BLOCK_TOKENS
+    prompt = [(i * 37 + 11) % 967 + 3 for i in range(4 * bs - 4)]
+    daemon = g2_daemon(tmp_path)
+    try:
+        daemon.start()
+        first, second = run_vllm(tmp_path, "sync", tiny_model, daemon,
+                                 [{"settle": True, "max_tokens": 5},
+                                  {"poison": True, "follow_up": [5, 6, 7], "max_tokens": 2}],
+                                 prompt=prompt, extra={"async_save": False}, engine={"async_scheduling": True})
+        assert first["prompt_tokens"] + len(first["tokens"]) == 4 * bs + 1
+        assert second["num_cached_tokens"] == 4 * bs, (second["num_cached_tokens"], 4 * bs)
     finally:
         daemon.stop()
