@@ -60,3 +60,27 @@ def test_with_sync_saves_the_blocks_a_request_completes_in_its_last_step_are_sav
         assert second["num_cached_tokens"] == 4 * bs, (second["num_cached_tokens"], 4 * bs)
     finally:
         daemon.stop()
+
+
+@pytest.mark.parametrize("async_load", [True, False], ids=["async-load", "sync-load"])
+def test_requests_preempted_and_admitted_again_in_one_step_load_and_finish(tmp_path, tiny_model, async_load):
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts every running request and the next step
+    admits them again, with a kvbm hit each. The connector took the preemption for the new admission's and
+    dropped its planned load: an async load was never started (the request waited for ever), a sync one left
+    its blocks unloaded. Every request finishes, with the tokens it gets with no reset at all."""
+    prefix = [(i * 41 + 13) % 959 + 3 for i in range(4 * BLOCK_TOKENS)]
+    batch = [prefix + [(i * 7 + r) % 900 + 3 for i in range(20)] for r in range(2)]
+    plan = {"batch": batch, "max_tokens": 12, "reset_after": 3}
+    daemon = g2_daemon(tmp_path)
+    try:
+        daemon.start()
+        extra = {"async_load": async_load}
+        _, reset, again = run_vllm(tmp_path, "reset", tiny_model, daemon,
+                                   [{"settle": True, "max_tokens": 1}, {"stepped": plan},
+                                    {"stepped": {**plan, "reset_after": -1}}], prompt=prefix, extra=extra)
+        assert not reset["stuck"], f"requests never finished after {reset['steps']} steps"
+        assert reset["resets"] == 1
+        assert reset["batch_tokens"] == again["batch_tokens"]
+        assert all(len(t) == 12 for t in reset["batch_tokens"])
+    finally:
+        daemon.stop()
