@@ -122,3 +122,40 @@ def test_a_request_whose_load_came_up_short_saves_the_blocks_it_then_computed(tm
         assert last["tokens"] == first["tokens"]
     finally:
         daemon.stop()
+
+
+def test_a_short_sync_load_never_makes_another_request_store_what_did_not_load(tmp_path, tiny_model):
+    """Two requests with one stored prefix admitted in one step; the first one's sync load comes up short
+    (its blocks evicted between lookup and load). vLLM caches the first one's blocks when it allocates them,
+    so the second one hits them in vLLM's own prefix cache and computes on top of blocks that never loaded.
+    Its saves of those blocks used to go through (only the failed request's were dropped) and the daemon
+    stored the garbage under the right hashes, for good. Every block kvbm holds afterwards must be the KV a
+    clean engine computes for its tokens."""
+    prefix = [(i * 29 + 5) % 983 + 3 for i in range(1100)]
+    texts_in = [prefix + [(i * 3 + r) % 900 + 3 for i in range(40)] for r in range(2)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    daemon, clean = g2_daemon(tmp_path / "a"), g2_daemon(tmp_path / "b")
+    try:
+        daemon.start()
+        clean.start()
+        _stored, run = run_vllm(tmp_path, "short", tiny_model, daemon,
+                               [{"settle": True}, {"batch": texts_in, "max_tokens": 4, "poison": True}],
+                               prompt=prefix, evict_before_load=1)
+        assert run["layouts"], run
+        texts = [p + out for p, out in zip(texts_in, run["batch_tokens"], strict=True)]
+        run_vllm(tmp_path, "clean", tiny_model, clean, [{"prompt": t, "max_tokens": 1, "settle": True} for t in texts])
+        layout = msgspec.json.decode(run["layouts"][0], type=KVLayout)
+        verdict = []
+        for r, t in enumerate(texts):
+            got, want = stored_blocks(daemon, layout, t), stored_blocks(clean, layout, t)
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert w is not None, f"the clean engine did not store request {r}'s block {i}"
+                verdict.append((r, i, None if g is None else relative_error(g, w, layout.dtype)))
+        print("per block (request, block, relative error vs the clean engine; None: not stored):", verdict)
+        wrong = [v for v in verdict if v[2] is not None and v[2] > 0.02]
+        assert not wrong, f"blocks stored with KV that never loaded: {wrong}"
+        assert not [v for v in verdict if v[2] is None], f"full blocks never stored: {verdict}"
+    finally:
+        daemon.stop()
+        clean.stop()

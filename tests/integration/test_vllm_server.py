@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,67 @@ def test_openai_server_second_request_from_kvbm(daemon: ServeProc, tmp_path: Pat
     # Stopped: nothing of the server's process group is left.
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)
+
+
+def _post(srv, path: str) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(srv.base_url + path, method="POST", data=b"")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_a_weight_update_through_the_server_never_loads_the_old_weights_kv(daemon: ServeProc,
+                                                                         tmp_path: Path) -> None:
+    """The RL weight-sync path through the OpenAI server: ``POST /pause`` (abort, clear the caches: vLLM resets
+    its connector too) right after a completion whose saves kvbm still runs, then ``/resume``. kvbm starts a
+    new weights epoch: the prompt is computed again (0 cached tokens, not the old weights' blocks), its blocks
+    are stored under the new epoch and the next request loads them. ``/reset_prefix_cache?reset_external=true``
+    does the same."""
+    from kvbm.bench.openai_server import ModelSpec, write_model
+
+    model = write_model(tmp_path / "model", ModelSpec())
+    cmd = as_test_command(readme_vllm_command(), model, free_port())
+    srv = VllmServer(cmd, tmp_path / "vllm.log", env={"KVBM_DAEMON": daemon.endpoint, "OMP_NUM_THREADS": "2"})
+    with srv:
+        bs = int(cmd[cmd.index("--block-size") + 1])
+        k = (128 << 10) // (bs * TINY_TOKEN_BYTES)
+        kvbm_tokens = (len(PROMPT) - 1) // bs // k * k * bs
+
+        async def one():
+            cli = client(srv, timeout_s=300)
+            try:
+                return await stream_completion(cli, srv.model, words(PROMPT), max_tokens=8)
+            finally:
+                await cli.close()
+
+        def complete():
+            return asyncio.run(one())
+
+        first = complete()
+        paused = _post(srv, "/pause?mode=abort")  # clear_cache defaults to true
+        resumed = _post(srv, "/resume")
+        assert paused == (200, {"status": "paused"}) and resumed[0] == 200, (paused, resumed, srv.log_tail())
+        second = complete()
+        srv.reset_prefix_cache()  # vLLM's own cache only: what comes next can only be kvbm's
+        third = complete()
+        status, body = 0, {}
+        for _ in range(300):  # vLLM refuses while blocks are still held for the last request's saves
+            status, body = _post(srv, "/reset_prefix_cache?reset_external=true")
+            if status == 200 and body.get("success", True):
+                break
+            time.sleep(0.2)
+        assert status == 200, (status, body)
+        fourth = complete()
+        for r in (first, second, third, fourth):
+            assert r.error is None, (r.error, srv.log_tail())
+        assert first.cached_tokens == 0
+        assert second.cached_tokens == 0, "after a weight update kvbm served blocks of the old weights"
+        assert third.cached_tokens == kvbm_tokens > 0, "the new epoch's blocks were not stored or not found"
+        assert fourth.cached_tokens == 0, "after reset_external kvbm served blocks of the previous epoch"
+        assert first.text == second.text == third.text == fourth.text

@@ -170,6 +170,38 @@ def settle(llm: Any) -> None:
         time.sleep(0.05)
 
 
+def stepped(llm: Any, plan: dict) -> dict:
+    """Requests stepped one engine step at a time, with ``reset_prefix_cache(reset_running_requests=True)``
+    (every running request preempted and admitted again in the next step, as an RL weight sync's
+    ``pause_generation(mode="keep")`` does) after ``reset_after`` steps; steps are capped, so a request that
+    never finishes shows as stuck instead of hanging the test."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=plan["max_tokens"], ignore_eos=True, temperature=0.0, detokenize=False)
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    ids = [f"stepped-{i}" for i in range(len(plan["batch"]))]
+    for rid, q in zip(ids, plan["batch"], strict=True):
+        engine.add_request(rid, {"prompt_token_ids": q}, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    steps = resets = 0
+    while engine.has_unfinished_requests() and steps < plan.get("max_steps", 2000):
+        # vLLM cannot reset while a request waits for its async load: the reset comes once none does.
+        if steps >= plan["reset_after"] >= 0 and not resets and not any(
+                r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in sched.requests.values()):
+            llm.reset_prefix_cache(reset_running_requests=True)
+            resets += 1
+        for out in engine.step():
+            if out.request_id in tokens and out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+    settle(llm)
+    return {"batch_tokens": [tokens[r] for r in ids], "steps": steps, "resets": resets,
+            "stuck": engine.has_unfinished_requests()}
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -230,6 +262,8 @@ def main(spec_path: str, out_path: str) -> None:
                 return inner(request, *a, **k)
 
             sched._preempt_request = preempt
+            if step.get("poison"):  # the blocks hold only what this step computes or loads
+                llm.collective_rpc("kvbm_test_poison")
             outs = llm.generate([{"prompt_token_ids": q} for q in step["batch"]], bp, use_tqdm=False)
             res = {"batch_tokens": [list(o.outputs[0].token_ids) for o in outs],
                    "kv_transfer_params": [o.kv_transfer_params for o in outs], "preempted": preempted}
@@ -238,6 +272,9 @@ def main(spec_path: str, out_path: str) -> None:
             res["layouts"] = [msgspec.json.encode(lay).decode() for lay in sched.connector.layouts()]
             settle(llm)
             results.append(res)
+            continue
+        if "stepped" in step:
+            results.append(stepped(llm, step["stepped"]))
             continue
         if evictor is not None:
             evictor.active = step.get("evict_before_load", True)

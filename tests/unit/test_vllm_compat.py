@@ -84,10 +84,10 @@ def test_a_drifted_hook_signature_is_reported():
     problems, _ = apicheck.compare_hooks(drifted, ours)
     assert any(p.startswith("get_num_new_matched_tokens:") and "num_local_computed_tokens" in p
                for p in problems), problems
-    abstract = base.replace("    def reset_cache(self)", "    @abstractmethod\n    def reset_cache(self)", 1)
+    abstract = base.replace("    def take_events(self)", "    @abstractmethod\n    def take_events(self)", 1)
     assert abstract != base
     problems, _ = apicheck.compare_hooks(abstract, ours)
-    assert "reset_cache: abstract in vLLM's KVConnectorBase_V1, not implemented by kvbm" in problems, problems
+    assert "take_events: abstract in vLLM's KVConnectorBase_V1, not implemented by kvbm" in problems, problems
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,10 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     curve_server_key_file: str | None = None  # ... or its .key file
     curve_client_key_file: str | None = None  # this engine's .key_secret file
     tenant_token_file: str | None = None  # a tenant's token (the daemon's daemon.tenants[].token_file, a copy)
+    # The model weights' version (an RL trainer's step, a checkpoint id): part of every namespace, so engines
+    # on the same weights share blocks and other weights never match. A reset of the connector's cache (a
+    # weight update) starts a new epoch on top of it (kvbm.integrations.vllm.epoch).
+    weights_version: str | None = None
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvbm.blocks.layout import KVLayout
 from kvbm.integrations.vllm.compat import check_vllm
 from kvbm.integrations.vllm.config import ConnectorConfig, curve_options
+from kvbm.integrations.vllm.epoch import WeightsEpoch
 from kvbm.integrations.vllm.fingerprint import layout_for, storing_ranks
 from kvbm.integrations.vllm.geometry import Geometry
 from kvbm.integrations.vllm.groups import kv_groups
@@ -72,7 +73,8 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         vblock = max(layout_for(vllm_config, r, bs, model_name).block_nbytes for r in ranks)
         geometry = Geometry(bs, vblock, cfg.vllm_blocks_per_kvbm_block)
         links = Links(cfg.endpoint(), geometry, str(ktc.engine_id or "vllm"), cfg.timeout_s,
-                      lambda rank, k: layout_for(vllm_config, rank, k * bs, model_name), curve_options(cfg))
+                      lambda rank, k: layout_for(vllm_config, rank, k * bs, model_name), curve_options(cfg),
+                      WeightsEpoch(cfg.weights_version))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -122,6 +124,21 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         with self.scheduler.hooks.time("update_connector_output"):
             self.scheduler.update_connector_output(connector_output)
+
+    def reset_cache(self) -> bool:
+        """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, a weight update): a new weights
+        epoch, so nothing stored before it is ever loaded again (:mod:`kvbm.integrations.vllm.epoch`)."""
+        self.scheduler.reset_cache()
+        return True
+
+    def has_pending_push_work(self) -> bool:
+        """Finished requests whose blocks kvbm still holds for a save or load: the engine keeps stepping until
+        the worker reports them (else an idle engine never frees them, and a cache reset fails)."""
+        return self._scheduler is not None and self._scheduler.holds_blocks()
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks held only for saves that are about to end: vLLM waits a step rather than preempting."""
+        return self._scheduler is not None and self._scheduler.frees_soon()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         with self.scheduler.hooks.time("request_finished"):

@@ -12,6 +12,7 @@ from typing import Any
 from kvbm.blocks.layout import KVLayout
 from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
 from kvbm.client.lease import BAD_REQUEST, is_load
+from kvbm.integrations.vllm.epoch import WeightsEpoch
 from kvbm.integrations.vllm.geometry import K_SETTING, Geometry, MisconfiguredError, daemon_block_bytes, warn_once
 
 log = logging.getLogger("kvbm.vllm")
@@ -27,10 +28,13 @@ LINK_ERRORS = (DaemonUnavailable, DaemonError, OSError)
 class Link:
     """A daemon client that degrades instead of failing: errors mark it down for a few seconds.
 
-    On connecting it resolves the block geometry against the daemon, then registers ``layout_of(k)``."""
+    On connecting it resolves the block geometry against the daemon, then registers ``layout_of(k)``, named for
+    the weights ``epoch`` when there is one: a link registered under an earlier epoch registers again before
+    it is used (on the thread that uses it)."""
 
     def __init__(self, endpoint: str, geometry: Geometry, layout_of: Callable[[int], KVLayout], engine_id: str,
-                 worker_id: str, timeout_s: float, client_kw: dict[str, Any] | None = None):
+                 worker_id: str, timeout_s: float, client_kw: dict[str, Any] | None = None,
+                 epoch: WeightsEpoch | None = None):
         self.endpoint, self.engine_id, self.worker_id = endpoint, engine_id, worker_id
         self.client_kw = client_kw or {}
         self.geometry, self.layout_of = geometry, layout_of
@@ -42,6 +46,8 @@ class Link:
         self.misconfigured = False
         self.warned = False
         self.failures = 0
+        self.epoch = epoch
+        self.gen = -1  # the epoch generation the session registered under
 
     @property
     def degraded(self) -> bool:
@@ -49,7 +55,9 @@ class Link:
 
     def get(self) -> WorkerClient | None:
         if self.client is not None:
-            return self.client
+            if self.epoch is None or self.gen == self.epoch.gen:
+                return self.client
+            self.close()  # a new weights epoch: a new session under its namespace
         if time.monotonic() < self.down_until:
             return None
         # fail_fast: a daemon that dies is noticed when its socket drops, not after timeout_s.
@@ -58,8 +66,11 @@ class Link:
         except Exception as e:  # a ZeroMQ error (EMFILE, a bad endpoint): this attempt fails, the link stays
             self.fail(e)
             return None
+        gen = self.epoch.gen if self.epoch is not None else -1  # read before the tag: a race re-registers
         try:
             layout = self.layout_of(self.geometry.resolve(daemon_block_bytes(client)))
+            if self.epoch is not None:
+                layout = self.epoch.apply(layout)
             try:
                 client.register(layout, worker_id=self.worker_id, engine_id=self.engine_id)
             except DaemonError as e:
@@ -77,7 +88,7 @@ class Link:
                 client.close()
             self.fail(e)
             return None
-        self.client, self.layout = client, layout
+        self.client, self.layout, self.gen = client, layout, gen
         if self.degraded_reason:
             log.warning("kvbm: daemon %s is back", self.endpoint)
         self.degraded_reason = ""
@@ -127,8 +138,9 @@ class Links:
     timeout_s: float
     layout_of: Callable[[int, int], KVLayout]  # (rank, k) -> that worker's layout for kvbm blocks of k
     client_kw: dict[str, Any] = field(default_factory=dict)
+    epoch: WeightsEpoch | None = None  # the process's weights epoch, shared by its links
 
     def open(self, rank: int, worker_id: str) -> Link:
         """The link of worker ``rank`` (``pp_rank * tp_size + tp_rank``)."""
         return Link(self.endpoint, self.geometry, lambda k: self.layout_of(rank, k), self.engine_id,
-                    f"{self.engine_id}-{worker_id}", self.timeout_s, self.client_kw)
+                    f"{self.engine_id}-{worker_id}", self.timeout_s, self.client_kw, self.epoch)

@@ -53,6 +53,7 @@ class Loader:
         self._errors: set[int] = set()  # vLLM block ids that did not load, until vLLM reads them
         self._failed: set[str] = set()  # requests whose load came up short, until vLLM reads them
         self.failed_now: set[str] = set()  # requests whose sync load of the current step came up short
+        self.failed_blocks_now: set[int] = set()  # and the vLLM block ids that did not load
 
     def fail_all(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
         """Loads never started, reported as failed (vLLM recomputes them, and never waits for them)."""
@@ -64,6 +65,7 @@ class Loader:
             else:
                 self._errors.update(bad)
                 self.failed_now.add(tr.req_id)
+                self.failed_blocks_now.update(bad)
 
     def start(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
         if asynchronous:
@@ -78,6 +80,11 @@ class Loader:
                     self._errors.update(bad)
                     self._failed.add(rid)
                     self.failed_now.add(rid)
+                    self.failed_blocks_now.update(bad)
+
+    def busy(self, req_id: str) -> bool:
+        """Whether an async load of ``req_id`` is still to be reported (it may be writing its blocks)."""
+        return req_id in self._loading
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(requests whose async load is over, requests whose load, sync or async, came up short)."""
@@ -116,7 +123,11 @@ class Loader:
     def _pipeline(self, trs: list[BlockTransfer], link: Link, report: Callable[[BlockTransfer, int], None]) -> None:
         client = link.get()
         window = pin_window(client.registered if client is not None else None)
-        inflight: deque[tuple[BlockTransfer, Onboarding | None]] = deque()
+        # Each request's blocks in pieces of at most the pin window (a long prompt's load is split as its save
+        # is, rather than refused whole); a request is reported when its last piece settled.
+        pieces = [(tr, a, min(a + window, len(tr.hashes))) for tr in trs for a in range(0, len(tr.hashes), window)]
+        loaded: dict[str, int] = {tr.req_id: 0 for tr in trs}
+        inflight: deque[tuple[BlockTransfer, int, int, Onboarding | None]] = deque()
         settled: list[Onboarding] = []
         held = 0
 
@@ -124,22 +135,23 @@ class Loader:
             return client is not None and link.client is client
 
         def settle() -> None:
-            tr, job = inflight.popleft()
-            loaded = 0
+            tr, a, b, job = inflight.popleft()
+            got_all = loaded[tr.req_id] == a  # every earlier piece came in whole: this one continues the run
             if job is not None and live():
                 try:
                     with job.loaded() as got:
-                        for i in range(got.count):
+                        for i in range(got.count if got_all else 0):
                             if got.nbytes[i] != self._block_bytes():
                                 break
-                            self._copy(got.view(i), tr.block_ids[i])
-                            loaded += 1
+                            self._copy(got.view(i), tr.block_ids[a + i])
+                            loaded[tr.req_id] += 1
                     settled.append(job)
                 except LINK_ERRORS as e:
                     link.error(e)
                 except Exception as e:  # a load must never take the engine down: the request is recomputed
                     log.warning("kvbm: load for request %s failed: %s", tr.req_id, e)
-            report(tr, loaded)
+            if b == len(tr.hashes):
+                report(tr, loaded[tr.req_id])
 
         def released() -> None:
             for job in settled:
@@ -151,19 +163,19 @@ class Loader:
                     link.error(e)
             settled.clear()
 
-        for tr in trs:
-            while inflight and held + len(tr.hashes) > window:
-                held -= len(inflight[0][0].hashes)
+        for tr, a, b in pieces:
+            while inflight and held + (b - a) > window:
+                held -= inflight[0][2] - inflight[0][1]
                 settle()
                 released()  # unpinned in the daemon before the next Onboard
             job = None
-            if live():
+            if live() and loaded[tr.req_id] >= 0:
                 try:
-                    job = Onboarding(client, tr.hashes)
+                    job = Onboarding(client, tr.hashes[a:b])
                 except LINK_ERRORS as e:
                     link.error(e)
-            inflight.append((tr, job))
-            held += len(tr.hashes)
+            inflight.append((tr, a, b, job))
+            held += b - a
         while inflight:
             settle()
         released()

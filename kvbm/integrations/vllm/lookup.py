@@ -100,6 +100,10 @@ class Lookups:
     def forget(self, req_id: str) -> None:
         self._jobs.pop(req_id, None)
 
+    def reset(self) -> None:
+        """Forget every answer (a new weights epoch: they were for the old namespace); asks are sent again."""
+        self._jobs.clear()
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)

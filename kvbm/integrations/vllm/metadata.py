@@ -14,6 +14,11 @@ class BlockTransfer:
     req_id: str
     hashes: list[bytes]
     block_ids: list[list[int]]
+    final: bool = False  # a finished request's last save: vLLM keeps its blocks until the worker reports it
+
+    def head(self, n: int) -> BlockTransfer:
+        """The first ``n`` blocks of this transfer."""
+        return BlockTransfer(self.req_id, self.hashes[:n], self.block_ids[:n], self.final)
 
 
 @dataclass
@@ -22,3 +27,7 @@ class KvbmConnectorMetadata(KVConnectorMetadata):
     saves: list[BlockTransfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # requests vLLM preempted: their blocks may be reused now
     k: int = 0  # the scheduler's vLLM blocks per kvbm block; workers refuse transfers planned with another
+    weights: str = ""  # the scheduler's weights epoch tag: workers follow it before this step's transfers
+    # Saves planned before a weight reset (their KV is the old weights'): never stored, reported finished so
+    # vLLM frees the blocks it kept for them.
+    dropped: list[BlockTransfer] = field(default_factory=list)

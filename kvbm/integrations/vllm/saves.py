@@ -35,8 +35,9 @@ LOAD_RETRIES = 2  # a reservation refused as load is asked again this many times
 class SaveJob:
     """One request's save and the state the fence and the saver thread agree on."""
 
-    def __init__(self, tr: BlockTransfer) -> None:
+    def __init__(self, tr: BlockTransfer, gen: int = -1) -> None:
         self.tr = tr
+        self.gen = gen  # the weights epoch it was planned in: stored only under that epoch
         self.state = QUEUED
         self.poisoned = False  # the fence stopped waiting for the copy: its bytes may be the next user's
         self.lock = threading.Lock()
@@ -92,6 +93,14 @@ class Saver:
     def pending(self) -> bool:
         return any(not j.future.done() for jobs in self._jobs.values() for j in jobs)
 
+    def busy(self, req_id: str) -> bool:
+        """Whether ``req_id`` has saves not reported finished yet."""
+        return req_id in self._jobs
+
+    def _gen(self) -> int:
+        epoch = self._link.epoch
+        return epoch.gen if epoch is not None else -1
+
     def report_done(self, trs: Iterable[BlockTransfer]) -> None:
         """Saves dropped before they started, reported finished like any (vLLM keeps their blocks until then)."""
         for tr in trs:
@@ -106,8 +115,9 @@ class Saver:
         if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record()
+        gen = self._gen()
         for tr in trs:
-            job = SaveJob(tr)
+            job = SaveJob(tr, gen)
             self._jobs.setdefault(tr.req_id, []).append(job)
             self._pool.submit(self._run, job, ready)
 
@@ -150,6 +160,10 @@ class Saver:
                 return
             client = self._link.get()
             if client is None:
+                return
+            if self._link.epoch is not None and self._link.gen != job.gen:
+                # Planned before a weight reset: the old weights' KV is never stored under the new epoch.
+                self.stats["saves_dropped_epoch"] = self.stats.get("saves_dropped_epoch", 0) + len(job.tr.hashes)
                 return
             try:
                 if self.stream is not None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbm.blocks.layout import KVLayout
 from kvbm.integrations.vllm.config import ConnectorConfig
+from kvbm.integrations.vllm.epoch import WeightsEpoch
 from kvbm.integrations.vllm.geometry import K_SETTING
 from kvbm.integrations.vllm.groups import NULL_BLOCK, SINGLE, KVGroups
 from kvbm.integrations.vllm.hooks import HookTimes
@@ -29,6 +31,8 @@ class ReqState:
     load: BlockTransfer | None = None
     load_from: int = -1  # the first kvbm block of its load (-1: none); a failed load re-saves from here
     saved_blocks: int = 0  # kvbm blocks of this request already handed to the worker to save
+    step: int = 0  # the scheduler step the state was made in (a preemption of that step is an earlier state's)
+    stale: bool = False  # computed under weights before a cache reset: never saved
 
     def full_blocks(self, k: int) -> int:
         """kvbm blocks whose every token is known (prompt and output alike)."""
@@ -50,6 +54,8 @@ class SchedulerSide:
 
     def __init__(self, cfg: ConnectorConfig, links: Links, ranks: list[int], groups: KVGroups = SINGLE) -> None:
         self.cfg, self.endpoint, self.geometry, self.groups = cfg, links.endpoint, links.geometry, groups
+        self.epoch = links.epoch or WeightsEpoch(cfg.weights_version)
+        self._step = 0  # build_connector_meta calls so far
         # One scheduler serves every worker (TP rank x PP stage): a prefix counts only if each stored it.
         self._links = [links.open(r, f"scheduler-r{r}") for r in ranks]
         self._reqs: dict[str, ReqState] = {}
@@ -66,6 +72,10 @@ class SchedulerSide:
         # Saves of requests that finished with full blocks not yet saved (completed in their last steps): sent
         # with the next step's metadata, the blocks held until the worker reports them saved.
         self._final_saves: list[BlockTransfer] = []
+        # Finished requests whose blocks vLLM keeps for the worker (delay_free), and when they finished: the
+        # engine keeps stepping until the worker reports them (has_pending_push_work).
+        self._held: dict[str, float] = {}
+        self._dropped: list[BlockTransfer] = []  # final saves planned before a weight reset
         # At startup, before any step: a configuration error shows now, not at the first request. From
         # then on only the lookup thread talks to the daemon (and reconnects it).
         for link in self._links:
@@ -109,7 +119,7 @@ class SchedulerSide:
             self._stats["hit_blocks"] += matched
         # A new state, also for a preempted request coming back: its saves cut short by the preemption are
         # planned again (the daemon answers those already stored with no slot, so nothing is copied twice).
-        self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens)
+        self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens, step=self._step)
         ext = matched * block_tokens - num_computed_tokens
         if ext <= 0:
             return 0, False
@@ -131,16 +141,20 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmConnectorMetadata:
         self._lookups.new_step()  # the end of this step's scheduling: the next one may wait again
-        meta = KvbmConnectorMetadata(k=self.geometry.known_k)
+        meta = KvbmConnectorMetadata(k=self.geometry.known_k, weights=self.epoch.tag)
+        meta.dropped, self._dropped = self._dropped, []
+        step, self._step = self._step, self._step + 1
         for rid in scheduler_output.preempted_req_ids or ():
             # vLLM freed its blocks (this step may reuse them): the worker finishes or drops the copies out of
             # them before the forward, and the stale ids are forgotten (they would match another request's).
             meta.preempted.append(rid)
             self._stats["preempted"] += 1
             st = self._reqs.get(rid)
-            if st is not None:
+            if st is not None and st.step < step:
                 st.block_ids = []
                 st.load = None
+            # else: preempted and admitted again in this same step (a reset with reset_running_requests,
+            # pause "keep"): the state is the new admission's, its blocks and load are live.
         for st in self._reqs.values():
             if st.load is not None:
                 meta.loads.append(st.load)
@@ -178,13 +192,14 @@ class SchedulerSide:
                 ids.extend(new or ())
         self._queue_saves(meta, st, computed + scheduled, computed)
 
-    def _queue_saves(self, meta: KvbmConnectorMetadata, st: ReqState, ready_tokens: int, computed: int) -> bool:
+    def _queue_saves(self, meta: KvbmConnectorMetadata, st: ReqState, ready_tokens: int, computed: int,
+                     final: bool = False) -> bool:
         """Hand the worker the request's kvbm blocks whose KV exists once ``ready_tokens`` are computed;
         whether any were."""
         req_id = st.request.request_id
         k = self.geometry.known_k
-        if not k or meta.k != k:
-            return False  # geometry unknown (daemon never reached): no saves
+        if not k or meta.k != k or st.stale:
+            return False  # geometry unknown (daemon never reached), or KV of weights before a reset: no saves
         # Blocks whose every token is known and computed by the end of this step, prompt and output alike.
         done = min(st.full_blocks(k), ready_tokens // self.geometry.block_tokens, st.held_vblocks() // k)
         while self.groups.sliding and st.saved_blocks < done and not self._intact(st, st.saved_blocks, computed):
@@ -195,7 +210,7 @@ class SchedulerSide:
             meta.saves.append(st.transfer(range(st.saved_blocks, done), k))
             self._stats["saves"] += done - st.saved_blocks
             st.saved_blocks = done
-            if self.cfg.async_save:
+            if self.cfg.async_save or final:
                 self._save_pending.add(req_id)
             return True
         return False
@@ -210,11 +225,22 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():
             self._load_pending.discard(rid)
+            self._held.pop(rid, None)
+        for rid in connector_output.finished_sending or ():
+            self._held.pop(rid, None)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         bad = getattr(connector_output, "invalid_block_ids", None)
         if bad:
             failed.update(rid for rid, st in self._reqs.items()
                           if st.load_from >= 0 and any(not bad.isdisjoint(ids) for ids in st.block_ids))
+            k = self.geometry.known_k
+            for st in self._reqs.values():
+                # Any request holding a block that did not load (another's sync load vLLM cached at allocation
+                # and this one hit) computed on top of it: its saves from there on were dropped by the worker
+                # and are planned again once vLLM recomputed them.
+                first = min((i for ids in st.block_ids for i, b in enumerate(ids) if b in bad), default=None)
+                if first is not None and k:
+                    st.saved_blocks = min(st.saved_blocks, first // k)
         self._load_failed.update(failed)
         for rid in failed:
             st = self._reqs.get(rid)
@@ -227,17 +253,21 @@ class SchedulerSide:
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._lookups.forget(rid)
-        if st is not None and self.cfg.save and self.cfg.async_save and st.block_ids:
+        if st is not None and self.cfg.save and st.block_ids:
             # Blocks completed in the request's last steps (and, with async scheduling, the step whose token
-            # was not appended yet when it was planned): every token but the last sampled one has KV. Only
-            # with async saves, whose blocks vLLM keeps until the worker reports them (delay_free below).
+            # was not appended yet when it was planned): every token but the last sampled one has KV. Saved in
+            # the next step, sync saves too: vLLM keeps the blocks until the worker reports them (delay_free).
             meta = KvbmConnectorMetadata(k=self.geometry.known_k)
             computed = request.num_computed_tokens
-            if self._queue_saves(meta, st, computed, computed):
+            if self._queue_saves(meta, st, computed, computed, final=True):
+                for tr in meta.saves:
+                    tr.final = True
                 self._final_saves.extend(meta.saves)
         # Blocks the worker may still be copying stay allocated until it reports the request: as finished
         # sending (async saves) or finished receiving (an async load of a request aborted while waiting).
         delay_free = rid in self._save_pending or rid in self._load_pending
+        if delay_free:
+            self._held[rid] = time.monotonic()
         self._save_pending.discard(rid)
         self._load_failed.discard(rid)
         degraded = [link for link in self._links if link.degraded]
@@ -247,6 +277,26 @@ class SchedulerSide:
         if degraded:
             params["kvbm"]["reason"] = degraded[0].degraded_reason
         return delay_free, params
+
+    def reset_cache(self) -> None:
+        """A new weights epoch: lookups, plans and saves made before it are never used under it."""
+        self.epoch.reset()
+        self._lookups.reset()
+        self._load_failed.clear()
+        for st in self._reqs.values():
+            st.stale = True  # running requests' KV is the old weights': never saved under the new epoch
+        self._dropped.extend(self._final_saves)
+        self._final_saves = []
+
+    def holds_blocks(self) -> bool:
+        """Whether vLLM keeps blocks of finished requests for the worker (reported once their copies end)."""
+        return bool(self._held)
+
+    def frees_soon(self) -> bool:
+        """Whether blocks held for kvbm are about to be freed: a request finished less than a fence wait ago
+        (a save's copy is memory speed); a stuck save (a stopped daemon) is not waited for, vLLM preempts."""
+        horizon = time.monotonic() - max(self.cfg.fence_wait_ms, 1.0) / 1000
+        return any(t >= horizon for t in self._held.values())
 
     def shutdown(self) -> None:
         self._lookups.close()

@@ -12,7 +12,7 @@ from kvbm.integrations.vllm.groups import SINGLE, KVGroups
 from kvbm.integrations.vllm.hooks import HookTimes
 from kvbm.integrations.vllm.link import LINK_ERRORS, Links
 from kvbm.integrations.vllm.loads import Loader
-from kvbm.integrations.vllm.metadata import KvbmConnectorMetadata
+from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
 from kvbm.integrations.vllm.paged import PagedCache
 from kvbm.integrations.vllm.saves import SaveJob, Saver
 
@@ -32,6 +32,10 @@ class WorkerSide:
         # whose TP group stores one copy from another rank (MLA); it still loads, and reports its saves
         # done so vLLM frees the blocks as on any rank.
         self.cfg, self.geometry, self.num_blocks, self.groups = cfg, links.geometry, num_blocks, groups
+        self.epoch = links.epoch
+        # Finished requests vLLM keeps the blocks of for this worker, until reported once (finished sending or
+        # receiving): reporting one twice kills vLLM's scheduler, reporting it early frees blocks in use.
+        self._finished: set[str] = set()
         pid = os.getpid()
         self._link = links.open(tp_rank, f"worker-r{tp_rank}-{pid}")
         self._cache = PagedCache({}, None)  # until register_kv_caches
@@ -77,19 +81,28 @@ class WorkerSide:
                   f"transfers skipped (vLLM recomputes); restart the engine")
         return False
 
+    def _follow(self, meta: Any) -> None:
+        """Take the scheduler's weights epoch before any transfer of this step (links re-register under it)."""
+        if isinstance(meta, KvbmConnectorMetadata) and self.epoch is not None and self.epoch.follow(meta.weights):
+            log.info("kvbm: new weights epoch %r: blocks stored before it are not loaded again", meta.weights)
+
     def handle_preemptions(self, meta: Any) -> None:
-        """Before this step's forward: no save reads blocks vLLM freed (a preempted request's) from now on."""
+        """Before this step's forward (vLLM calls it first in every step, sync or async loads): no save reads
+        blocks vLLM freed from now on: a preempted request's, and under a sliding window those the window
+        dropped or a finished request's skipped blocks (any request's: waited for up to fence_wait_ms, then
+        dropped)."""
         with self.hooks.time("handle_preemptions"):
-            if isinstance(meta, KvbmConnectorMetadata) and meta.preempted:
+            self._follow(meta)
+            if self.groups.sliding:
+                self.saver.fence(None, self.cfg.fence_wait_ms / 1000)
+            elif isinstance(meta, KvbmConnectorMetadata) and meta.preempted:
                 self.saver.fence(meta.preempted, self.cfg.fence_wait_ms / 1000)
 
     def start_load_kv(self, meta: Any) -> None:
         with self.hooks.time("start_load_kv"):
+            self._follow(meta)
             self.loader.failed_now = set()
-            if self.groups.sliding:
-                # A sliding-window group frees blocks mid-request and this step may reuse them: no earlier
-                # save reads them from now on (waited for up to fence_wait_ms, then dropped).
-                self.saver.fence(None, self.cfg.fence_wait_ms / 1000)
+            self.loader.failed_blocks_now = set()
             if not isinstance(meta, KvbmConnectorMetadata) or not meta.loads:
                 return
             if not self._same_k(meta):
@@ -101,12 +114,13 @@ class WorkerSide:
 
     def wait_for_save(self, meta: Any) -> None:
         with self.hooks.time("wait_for_save"):
-            if not isinstance(meta, KvbmConnectorMetadata) or not meta.saves:
+            if not isinstance(meta, KvbmConnectorMetadata):
                 return
-            # A request whose load came up short in this step ran its forward on top of the missing blocks:
-            # what it computed is not its KV (vLLM recomputes it, and the scheduler plans those saves again).
-            bad = [tr for tr in meta.saves if tr.req_id in self.loader.failed_now]
-            trs = [tr for tr in meta.saves if tr.req_id not in self.loader.failed_now]
+            self._follow(meta)
+            self.saver.report_done(meta.dropped)
+            if not meta.saves:
+                return
+            bad, trs = self._intact_saves(meta.saves)
             if not self._same_k(meta):
                 bad, trs = meta.saves, []
             if self.cfg.async_save:
@@ -115,6 +129,8 @@ class WorkerSide:
                 self.saver.report_done(bad)
                 self.saver.submit(trs)
                 return
+            # A finished request's last saves are reported like async ones: vLLM keeps their blocks till then.
+            self.saver.report_done([tr for tr in (*bad, *trs) if tr.final])
             client = self._link.get()
             for tr in trs:
                 if client is None or self._link.client is not client:
@@ -126,11 +142,35 @@ class WorkerSide:
                 except Exception as e:  # a save must never take the engine down
                     log.warning("kvbm: save for request %s failed: %s", tr.req_id, e)
 
+    def _intact_saves(self, saves: list[BlockTransfer]) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
+        """(saves dropped, saves to run) after this step's sync loads. A block that did not load holds no KV,
+        and whatever attended to it is not KV either: every save stops before the first such block, whichever
+        request it is (vLLM caches a sync load's blocks at allocation, so a request admitted in the same step
+        with the same prefix hit them). The scheduler plans them again once vLLM recomputed them."""
+        failed = self.loader.failed_blocks_now
+        if not failed:
+            return [], saves
+        bad: list[BlockTransfer] = []
+        trs: list[BlockTransfer] = []
+        for tr in saves:
+            n = next((i for i, ids in enumerate(tr.block_ids) if not failed.isdisjoint(ids)), len(tr.hashes))
+            if n < len(tr.hashes):
+                log.info("kvbm: request %s: %d block(s) not saved, they hold or follow KV that did not load",
+                         tr.req_id, len(tr.hashes) - n)
+            (trs if n else bad).append(tr.head(n) if n else tr)
+        return bad, trs
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) for vLLM's transfer results."""
         with self.hooks.time("get_finished"):
+            self._finished.update(r for r in finished_req_ids if self.saver.busy(r) or self.loader.busy(r))
             sending = self.saver.finished(finished_req_ids)
             recving, failed = self.loader.finished()
+            # A finished request is reported once, when neither its saves nor its load use its blocks any more
+            # (one preempted with saves, resumed through an async load and aborted while loading has both).
+            recving = {r for r in recving if r not in self._finished or not self.saver.busy(r)}
+            sending = {r for r in sending if not self.loader.busy(r) and r not in recving}
+            self._finished -= sending | recving
             if self.groups.count == 1:
                 failed = set()  # one group: block ids say exactly what to recompute (get_load_errors)
             return sending, recving, failed  # a failed async load is in both (vLLM's rule)

@@ -1,0 +1,114 @@
+"""The connector's worker side reports each finished request vLLM kept blocks for exactly once, when nothing
+of kvbm uses those blocks any more: vLLM frees the blocks on the report (``finished_sending`` or
+``finished_recving``) and asserts the request is still known on each one, so a second report kills EngineCore
+and an early one frees blocks a load is still writing. Real parts: the worker side against a real daemon."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from needs import needs
+from test_vllm_outage import _worker, daemon  # noqa: F401 (the daemon fixture)
+
+from kvbm.blocks import BlockKey
+
+pytestmark = [pytest.mark.slow, needs("vllm", importlib.util.find_spec("vllm") is not None,
+                                      "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")]
+
+
+def test_a_request_aborted_while_its_async_load_runs_is_reported_once_after_the_load(daemon):  # noqa: F811
+    """A request preempted with its saves, resumed through an async load and aborted while that load runs (a
+    stopped daemon holds it): its saves are over, its load is not. It used to be reported finished sending at
+    once (vLLM freed its blocks under the load) and finished receiving when the load ended (vLLM's
+    ``assert req_id in self.requests``: EngineCore dead)."""
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+
+    w = _worker(daemon.endpoint, 1, async_load=True, async_save=True)
+    loaded = b"l" * 32
+    try:
+        with daemon.client() as c:
+            c.register(w._link.layout, worker_id="filler")
+            assert c.store([BlockKey(w._link.layout.namespace, loaded)], [np.ones(4096, np.uint8)]).stored == 1
+        w.wait_for_save(KvbmConnectorMetadata(k=1, saves=[BlockTransfer("r1", [b"s" * 32], [[1]])]))
+        deadline = time.monotonic() + 30
+        while w.saver.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not w.saver.pending()
+        reports: list[tuple[str, set[str]]] = []
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            w.start_load_kv(KvbmConnectorMetadata(k=1, loads=[BlockTransfer("r1", [loaded], [[2]])]))
+            sending, recving, _ = w.get_finished({"r1"})  # vLLM aborted r1 while it waited for its load
+            reports += [("sending", sending), ("recving", recving)]
+            assert "r1" not in sending | recving, "reported while its load may still write its blocks"
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any("r1" in ids for _, ids in reports):
+            sending, recving, _ = w.get_finished(set())
+            reports += [("sending", sending), ("recving", recving)]
+            time.sleep(0.01)
+        for _ in range(20):  # and never again
+            sending, recving, _ = w.get_finished(set())
+            reports += [("sending", sending), ("recving", recving)]
+            time.sleep(0.01)
+        said = [kind for kind, ids in reports if "r1" in ids]
+        assert len(said) == 1, f"r1 reported {len(said)} times: {said}"
+    finally:
+        w.shutdown()
+
+
+def test_a_sliding_window_models_queued_save_is_fenced_before_the_forward_reuses_its_blocks(daemon):  # noqa: F811
+    """A sliding-window group frees blocks mid-request and the next forward may write another request's KV
+    into them. The fence that stops earlier saves from reading such blocks ran in ``start_load_kv``, which
+    vLLM calls *after* the forward unless the step has sync loads (a model with several groups never does):
+    a save still queued behind a slow daemon then copied the next request's KV under this one's hash. It
+    runs in ``handle_preemptions`` now, which vLLM calls before every forward."""
+    import torch
+
+    from kvbm.blocks.layout import KVLayout
+    from kvbm.integrations.vllm import (
+        BlockTransfer,
+        ConnectorConfig,
+        Geometry,
+        KvbmConnectorMetadata,
+        Links,
+        WorkerSide,
+    )
+    from kvbm.integrations.vllm.groups import KVGroups
+
+    groups = KVGroups({"layer.0": 0, "layer.1": 1}, (0, 64))  # full attention + a 64-token window
+    links = Links(daemon.endpoint, Geometry(16, 2 * 2048, 1), "window-engine", 5.0,
+                  lambda rank, k: KVLayout(model="window", num_layers=2, num_kv_heads=1, head_size=32,
+                                           dtype="float16", tp_rank=rank, tokens_per_block=16 * k,
+                                           block_bytes=1 << 20))
+    w = WorkerSide(ConnectorConfig.parse({"async_save": True, "async_load": True}), links, 0, 8, groups=groups)
+    caches = {f"layer.{i}": torch.full((8, 2048), 1, dtype=torch.uint8) for i in range(2)}
+    w.register_kv_caches(caches)
+    victim = b"w" * 32
+    try:
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # the save waits for its PrepareStore: queued, not copying
+        try:
+            w.wait_for_save(KvbmConnectorMetadata(k=1, saves=[BlockTransfer("r1", [victim], [[3, 4]])]))
+            time.sleep(0.1)
+            w.handle_preemptions(KvbmConnectorMetadata(k=1))  # the next step, before its forward
+            for cache in caches.values():  # the forward: another request's KV in the freed blocks
+                cache[3:5].fill_(9)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)  # the daemon answers while the step is still running
+        deadline = time.monotonic() + 30
+        while w.saver.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        w.start_load_kv(KvbmConnectorMetadata(k=1))  # after the forward, as vLLM calls it for async loads
+        with daemon.client() as c:
+            c.register(w._link.layout, worker_id="reader")
+            buf = np.zeros(c.registered.slot_bytes, np.uint8)
+            got = c.load([BlockKey(w._link.layout.namespace, victim)], [buf])
+        assert got == 0 or not (buf[:4096] == 9).any(), "a save copied the KV the next forward wrote"
+    finally:
+        w.shutdown()

@@ -1,0 +1,86 @@
+"""Loads through a real vLLM (CPU build) and a real daemon, in the shapes that used to lose their hit."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from needs import needs
+from serve_proc import ServeProc
+from test_vllm_e2e import run_vllm
+from test_vllm_layouts import free_port, g2_daemon
+from test_vllm_preemption import BLOCK_TOKENS, K
+
+pytestmark = [pytest.mark.slow, needs("vllm", importlib.util.find_spec("vllm") is not None,
+                                      "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")]
+
+
+def test_a_load_longer_than_the_sessions_slot_budget_is_loaded_in_pieces(tmp_path, tiny_model):
+    """A daemon that lets a session hold 2 G2 slots at once, a prompt of 4 stored kvbm blocks: the load is
+    onboarded 2 blocks at a time (it used to be one Onboard of 4, refused ``full``: a whole miss). The load is
+    the only source (the engine's KV caches poisoned first) and brings the bytes the first step computed."""
+    prompt = [(i * 31 + 7) % 971 + 3 for i in range(1100)]
+    full = (len(prompt) - 1) // BLOCK_TOKENS
+    assert full == 4
+    daemon = ServeProc(tmp_path, {
+        "block_bytes": "128KiB", "device": {"enabled": False}, "host": {"capacity": "8MiB"},
+        "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
+        "daemon": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "events_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                   "metrics_port": -1, "max_session_slots": 2},
+    })
+    try:
+        daemon.start()
+        first, second = run_vllm(tmp_path, "split", tiny_model, daemon, [{"settle": True}, {"poison": True}],
+                                 prompt=prompt, digest_blocks=full * K)
+        with daemon.client(timeout_s=5) as c:
+            m = c.stats()["manager"]
+        assert second["num_cached_tokens"] == full * BLOCK_TOKENS, (second["num_cached_tokens"], m)
+        assert m["onboards"] >= 2 and m["onboard_blocks"] == full, m
+        assert second["kv_digests"] == first["kv_digests"]
+        assert second["tokens"] == first["tokens"]
+    finally:
+        daemon.stop()
+
+
+def test_with_sync_saves_the_blocks_a_request_completes_in_its_last_step_are_saved(tmp_path, tiny_model):
+    """``async_save: false``: the blocks completed in a request's last step (with async scheduling, the step
+    whose token was not appended yet when its saves were planned) used to be saved only with async saves, so
+    a sync-save engine never stored a request's last block. A prompt whose last kvbm block fills with the
+    answer's last computed token: the next request with those tokens loads every block."""
+    bs = BLOCK_TOKENS
+    prompt = [(i * 37 + 11) % 967 + 3 for i in range(4 * bs - 4)]
+    daemon = g2_daemon(tmp_path)
+    try:
+        daemon.start()
+        first, second = run_vllm(tmp_path, "sync", tiny_model, daemon,
+                                 [{"settle": True, "max_tokens": 5},
+                                  {"poison": True, "follow_up": [5, 6, 7], "max_tokens": 2}],
+                                 prompt=prompt, extra={"async_save": False}, engine={"async_scheduling": True})
+        assert first["prompt_tokens"] + len(first["tokens"]) == 4 * bs + 1
+        assert second["num_cached_tokens"] == 4 * bs, (second["num_cached_tokens"], 4 * bs)
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize("async_load", [True, False], ids=["async-load", "sync-load"])
+def test_requests_preempted_and_admitted_again_in_one_step_load_and_finish(tmp_path, tiny_model, async_load):
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts every running request and the next step
+    admits them again, with a kvbm hit each. The connector took the preemption for the new admission's and
+    dropped its planned load: an async load was never started (the request waited for ever), a sync one left
+    its blocks unloaded. Every request finishes, with the tokens it gets with no reset at all."""
+    prefix = [(i * 41 + 13) % 959 + 3 for i in range(4 * BLOCK_TOKENS)]
+    batch = [prefix + [(i * 7 + r) % 900 + 3 for i in range(20)] for r in range(2)]
+    plan = {"batch": batch, "max_tokens": 12, "reset_after": 3}
+    daemon = g2_daemon(tmp_path)
+    try:
+        daemon.start()
+        extra = {"async_load": async_load}
+        _, reset, again = run_vllm(tmp_path, "reset", tiny_model, daemon,
+                                   [{"settle": True, "max_tokens": 1}, {"stepped": plan},
+                                    {"stepped": {**plan, "reset_after": -1}}], prompt=prefix, extra=extra)
+        assert not reset["stuck"], f"requests never finished after {reset['steps']} steps"
+        assert reset["resets"] == 1
+        assert reset["batch_tokens"] == again["batch_tokens"]
+        assert all(len(t) == 12 for t in reset["batch_tokens"])
+    finally:
+        daemon.stop()
