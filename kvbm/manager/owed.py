@@ -61,6 +61,7 @@ class OwedWrites:
         self._lines: list[str] = []  # journal lines not written yet
         self._journal_lines = 0  # lines in the journal file
         self._dropped_logged = 0.0
+        self._journal_logged = -1e9
         self._task: asyncio.Task[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()  # one flush at a time: an append must not land in a file being replaced
@@ -102,8 +103,11 @@ class OwedWrites:
         try:
             await asyncio.sleep(delay)
             while any(self._owed.values()):
-                await self.flush()
                 paid = 0
+                try:
+                    await self.flush()
+                except Exception as e:  # a full or failing disk: the lines stay pending, the blocks still owed
+                    self._journal_failed(e)
                 for name in [n for n, keys in self._owed.items() if keys]:
                     if self.s.by_name[name].writable():
                         paid += await self.drain_batch(name)
@@ -111,7 +115,8 @@ class OwedWrites:
                     await asyncio.sleep(self.every_s)
         finally:
             if self._lines:
-                await asyncio.shield(self.flush())
+                with contextlib.suppress(Exception):  # logged by the flusher; the next start reconciles
+                    await asyncio.shield(self.flush())
 
     async def drain_batch(self, tier: str) -> int:
         """Cascade the oldest ``batch`` blocks owed to ``tier``; returns how many are paid."""
@@ -160,8 +165,18 @@ class OwedWrites:
             try:
                 await self.flush()
             except Exception as e:  # a full or failing disk: the lines stay pending, tried again
-                log.warning("owed-write journal %s not written: %s", self.journal, e)
+                self._journal_failed(e)
                 await asyncio.sleep(max(self.every_s, self.journal_delay_s))
+
+    def _journal_failed(self, e: BaseException) -> None:
+        """Log a failed journal write, once a minute at most: what is owed is still paid (the journal only lets a
+        restart know it), and a start reconciles the disk against the bucket whatever the journal missed."""
+        self.s.stats.errors["owed_journal"] = self.s.stats.errors.get("owed_journal", 0) + 1
+        now = time.monotonic()
+        if now - self._journal_logged > 60:
+            self._journal_logged = now
+            log.warning("owed-write journal %s not written (%d lines pending, retried): %s", self.journal,
+                        len(self._lines), e)
 
     async def flush(self) -> None:
         """Write the pending journal lines (in a thread); rewrite the file compactly when it is mostly paid.
@@ -199,7 +214,11 @@ class OwedWrites:
         """Use ``journal`` from now on and owe again what it holds unpaid (a restart after an outage); returns how
         many blocks that is. Blocks no tier holds any more are left out."""
         self.journal = journal
-        owed = await asyncio.to_thread(_replay, journal)
+        try:
+            owed = await asyncio.to_thread(_replay, journal)
+        except OSError as e:  # unreadable: the start-up reconcile owes what the disk holds and the bucket lacks
+            self._journal_failed(e)
+            owed = {}
         n = 0
         for (tier, key) in owed:
             if tier in self.s.by_name and self.s.registry.where(key) and not self.s.registry.holds(tier, key):
@@ -209,8 +228,12 @@ class OwedWrites:
                 self._owed.setdefault(tier, {})[key] = None
                 n += 1
         current = [f"+ {t} {k.hash.hex()} {k.namespace}\n" for t, keys in self._owed.items() for k in keys]
-        await asyncio.to_thread(_rewrite, journal, current)
-        self._journal_lines = len(current)
+        try:
+            await asyncio.to_thread(_rewrite, journal, current)
+            self._journal_lines = len(current)
+        except OSError as e:  # a full disk: the old journal stays (it replays to the same set), compacted later
+            self._journal_failed(e)
+            self._journal_lines = 2 * len(current) + 10_000  # unknown: the next flush rewrites it
         self.s.stats.owed_resumed += n
         if n:
             log.info("%d write-throughs owed before the restart resumed", n)
@@ -248,7 +271,10 @@ class OwedWrites:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):  # the cascades logged their failures
                     await task
-        await self.flush()
+        try:
+            await self.flush()
+        except Exception as e:  # the tiers must still close; the next start reconciles what was not journaled
+            self._journal_failed(e)
 
     def cancel(self) -> None:
         for task in (self._task, self._flusher):

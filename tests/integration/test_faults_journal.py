@@ -1,0 +1,161 @@
+"""The owed-write journal on a full disk (issue 37, D2): a journal write that fails (ENOSPC on a real tmpfs) never
+stops the drain of what is owed to S3, never stops the daemon from starting, and never stops it closing cleanly.
+
+Real parts: ``kvbm serve`` in a subprocess, its G3 and journal on a 16 MiB tmpfs that the test fills, and a
+SeaweedFS of the test's own that it stops and brings back on the same port."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from needs import skip
+from serve_proc import ServeProc, wait_until
+
+from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
+from kvbm.config import S3Config
+from kvbm.manager.owed import JOURNAL_NAME
+from kvbm.s3server import EmbeddedS3
+from kvbm.tiers.s3 import make_s3_tier
+
+pytestmark = pytest.mark.s3
+
+LAYOUT = KVLayout(model="journal", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)
+NB = LAYOUT.block_nbytes
+FAST = dict(max_retries=0, connect_timeout_s=0.5, read_timeout_s=5.0, breaker_failures=2, breaker_reset_s=1.0)
+N = 100  # more than one drain batch (64): the journal write after the first batch is the one that fails
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        skip("tmpfs", f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    for _ in range(20):
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def srv(weed_binary: str, tmp_path: Path) -> Iterator[EmbeddedS3]:
+    s = EmbeddedS3(tmp_path / "sw", weed=weed_binary, bucket="kvbm-journal", stop_timeout_s=1.0, reuse=False)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop(force=True)
+
+
+def daemon_cfg(tmp: Path, disk: Path, s: EmbeddedS3, prefix: str) -> dict:
+    return {
+        "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
+        "disk": {"dir": str(disk), "capacity": "10MiB", "fsync": False, "o_direct": False},
+        "s3": {"endpoint": s.endpoint, "bucket": s.bucket, "prefix": prefix, "access_key": s.access_key,
+               "secret_key": s.secret_key, **FAST},
+        "embedded_s3": {"enabled": False},
+        "daemon": {"endpoint": f"ipc://{tmp}/d.sock", "events_endpoint": "", "metrics_port": 0},
+    }
+
+
+def payload(k: BlockKey) -> np.ndarray:
+    return np.frombuffer((k.hash * (NB // 16 + 1))[:NB], dtype=np.uint8).copy()
+
+
+def missing_from_bucket(s: EmbeddedS3, prefix: str, ks: list[BlockKey]) -> int:
+    """How many of ``ks`` a fresh S3 client cannot read back as stored (no shared index or cache)."""
+
+    async def go() -> int:
+        t = make_s3_tier(S3Config(bucket=s.bucket, prefix=prefix, **FAST), s.endpoint, (s.access_key, s.secret_key))
+        await t.start()
+        try:
+            bad = 0
+            for k in ks:
+                out = bytearray(NB)
+                n = await t.get_into(k, memoryview(out))
+                bad += n is None or bytes(out[:n]) != payload(k).tobytes()
+            return bad
+        finally:
+            await t.close()
+
+    return asyncio.run(go())
+
+
+def fill(fs: Path) -> Path:
+    """Fill ``fs`` to the last page: every later write needing a new page fails ENOSPC."""
+    filler = fs / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    return filler
+
+
+def store_owed(d: ServeProc, s: EmbeddedS3, disk: Path) -> list[BlockKey]:
+    """With S3 down, ``N`` durable stores (durable on G3), each owed to G4 and journaled."""
+    s.stop(force=True)
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(N)]
+    with d.client() as c:
+        c.register(LAYOUT, worker_id="w")
+        for i in range(0, N, 10):
+            ack = c.store(ks[i:i + 10], [payload(k) for k in ks[i:i + 10]], durable=True)
+            assert ack.durable == 10
+        assert wait_until(lambda: c.stats()["manager"]["owed"].get("G4", 0) == N), c.stats()["manager"]
+    journal = disk / JOURNAL_NAME
+    assert wait_until(lambda: journal.exists() and journal.read_text().count("+ G4 ") >= N)
+    return ks
+
+
+def test_a_journal_write_failing_enospc_does_not_stop_the_drain(small_fs: Path, srv: EmbeddedS3,
+                                                                tmp_path: Path) -> None:
+    """S3 down, 100 blocks owed, then G3's filesystem fills; S3 comes back: the first batch is paid, its journal
+    lines cannot be written, and the rest are paid all the same, the failure logged."""
+    disk = small_fs / "disk"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, disk, srv, "drain")).start()
+    try:
+        ks = store_owed(d, srv, disk)
+        fill(small_fs)
+        port = srv.port
+        srv.start()
+        assert srv.port == port
+        assert wait_until(lambda: missing_from_bucket(srv, "drain", ks) == 0, timeout=60, step=1.0), \
+            f"{missing_from_bucket(srv, 'drain', ks)} of {N} owed blocks never reached S3"
+        assert "journal" in d.log_path.read_text() and "No space left" in d.log_path.read_text()
+    finally:
+        d.stop()
+
+
+def test_a_full_disk_neither_stops_the_daemon_starting_nor_closing(small_fs: Path, srv: EmbeddedS3,
+                                                                   tmp_path: Path) -> None:
+    """Blocks owed when the daemon stops; G3's filesystem is full when it starts again (the journal cannot be
+    rewritten): it starts, pays what the journal owed once S3 is back, and stops cleanly (exit 0, no traceback)
+    though the paid lines cannot be journaled."""
+    disk = small_fs / "disk"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, disk, srv, "restart")).start()
+    try:
+        ks = store_owed(d, srv, disk)
+        d.stop()
+        assert d.proc is not None and d.proc.returncode == 0
+        fill(small_fs)
+        d.start()
+        port = srv.port
+        srv.start()
+        assert srv.port == port
+        assert wait_until(lambda: missing_from_bucket(srv, "restart", ks) == 0, timeout=60, step=1.0), \
+            f"{missing_from_bucket(srv, 'restart', ks)} of {N} owed blocks never reached S3"
+    finally:
+        d.stop()
+    assert d.proc.returncode == 0 and "Traceback" not in d.log_path.read_text(), d.log_path.read_text()[-3000:]
