@@ -86,10 +86,14 @@ class PeerFollower:
             sock.plain_username = self._plain[0].encode()
             sock.plain_password = self._plain[1].encode()
         sock.setsockopt(zmq.SUBSCRIBE, p.EVENTS_TOPIC)
-        self._mon = sock.get_monitor_socket(_UP_EVENT | zmq.EVENT_DISCONNECTED | _FAILED_AUTH | _FAILED_PROTOCOL
-                                            | _FAILED_NO_DETAIL)
-        sock.connect(self.endpoint)
         self._sock = sock
+        try:
+            self._mon = sock.get_monitor_socket(_UP_EVENT | zmq.EVENT_DISCONNECTED | _FAILED_AUTH | _FAILED_PROTOCOL
+                                                | _FAILED_NO_DETAIL)
+            sock.connect(self.endpoint)
+        except zmq.ZMQError:
+            self.close()  # an endpoint ZeroMQ refuses: no socket left open behind the error
+            raise
 
     def close(self) -> None:
         if self._sock is not None:
