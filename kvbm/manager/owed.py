@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import logging
 import os
 import time
@@ -214,6 +215,9 @@ class OwedWrites:
         """Use ``journal`` from now on and owe again what it holds unpaid (a restart after an outage); returns how
         many blocks that is. Blocks no tier holds any more are left out."""
         self.journal = journal
+        stale = await asyncio.to_thread(_remove_stale_temps, journal)
+        if stale:
+            log.info("removed %d temporary journal files a stopped run left (killed while compacting)", stale)
         try:
             owed = await asyncio.to_thread(_replay, journal)
         except OSError as e:  # unreadable: the start-up reconcile owes what the disk holds and the bucket lacks
@@ -300,6 +304,17 @@ def _rewrite(path: Path, lines: list[str]) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def _remove_stale_temps(path: Path) -> int:
+    """Remove the temporary files of :func:`_rewrite` a killed run left next to ``path``; at start only, when the
+    directory is this daemon's alone (the disk tier's lock), so none is another writer's. Returns how many."""
+    n = 0
+    for tmp in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
+        with contextlib.suppress(OSError):  # gone already, or not removable: tried again at the next start
+            tmp.unlink()
+            n += 1
+    return n
 
 
 def _replay(path: Path) -> dict[tuple[str, BlockKey], None]:

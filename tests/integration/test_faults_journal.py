@@ -58,12 +58,13 @@ def srv(weed_binary: str, tmp_path: Path) -> Iterator[EmbeddedS3]:
         s.stop(force=True)
 
 
-def daemon_cfg(tmp: Path, disk: Path, s: EmbeddedS3, prefix: str) -> dict:
+def daemon_cfg(tmp: Path, disk: Path, s: EmbeddedS3 | None, prefix: str = "") -> dict:
     return {
         "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
         "disk": {"dir": str(disk), "capacity": "10MiB", "fsync": False, "o_direct": False},
-        "s3": {"endpoint": s.endpoint, "bucket": s.bucket, "prefix": prefix, "access_key": s.access_key,
-               "secret_key": s.secret_key, **FAST},
+        "s3": {"enabled": False} if s is None else {
+            "endpoint": s.endpoint, "bucket": s.bucket, "prefix": prefix, "access_key": s.access_key,
+            "secret_key": s.secret_key, **FAST},
         "embedded_s3": {"enabled": False},
         "daemon": {"endpoint": f"ipc://{tmp}/d.sock", "events_endpoint": "", "metrics_port": 0},
     }
@@ -159,3 +160,24 @@ def test_a_full_disk_neither_stops_the_daemon_starting_nor_closing(small_fs: Pat
     finally:
         d.stop()
     assert d.proc.returncode == 0 and "Traceback" not in d.log_path.read_text(), d.log_path.read_text()[-3000:]
+
+
+def test_temporary_journal_files_of_a_killed_compaction_are_removed_at_start(tmp_path: Path) -> None:
+    """A run killed while compacting the journal leaves its unique temporary file; each kill one more. The next
+    start removes them (and leaves the journal and the block files alone)."""
+    disk = tmp_path / "disk"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, disk, None)).start()
+    d.stop()
+    journal = disk / JOURNAL_NAME
+    journal.write_text("")
+    left = [disk / f"{JOURNAL_NAME}.{pid}.{uuid.uuid4().hex[:8]}.tmp" for pid in (4242, 4243, 4244)]
+    for f in left:
+        f.write_text("+ G4 00 x-0000000000000000\n" * 1000)  # as a killed compaction leaves it
+    other = disk / "keep.tmp"
+    other.write_text("not the journal's")
+    d.start()
+    try:
+        assert not [f for f in left if f.exists()], sorted(p.name for p in disk.iterdir())
+        assert journal.exists() and other.exists()
+    finally:
+        d.stop()
