@@ -102,9 +102,18 @@ class FleetMember:
             return
         assert self._ctx is not None and self._spawn is not None
         curve = self._peer_curve(self._curve_keys, m.curve_public_key) if m.curve_public_key else None
-        plain = (EVENTS_USER, self._peer_token) if m.events_auth == "plain" and self._peer_token else None
+        plain, withheld = None, ""
+        if m.events_auth == "plain" and self._peer_token:
+            # Only to an endpoint the operator named: a forged membership must not be sent the token in clear.
+            if m.events_endpoint in self.dc.peer_token_endpoints:
+                plain = (EVENTS_USER, self._peer_token)
+            else:
+                withheld = (f"it asks for the peer token (PLAIN, sent in clear) and its endpoint is not in "
+                            f"daemon.peer_token_endpoints: not sent (list {m.events_endpoint} there to follow it)")
+                logj("fleet.token_withheld", level=logging.WARNING, node=m.node_id, endpoint=m.events_endpoint,
+                     message=f"member {m.node_id}: {withheld}")
         peer = PeerFollower(m.events_endpoint, self._ctx, self._apply_peer, self._peer_gap, curve=curve,
-                            plain=plain, node_id=m.node_id)
+                            plain=plain, node_id=m.node_id, withheld=withheld)
         peer.open()
         self.peers.append(peer)
         self._found[m.node_id] = (peer, self._spawn(peer.run()))

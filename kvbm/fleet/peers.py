@@ -59,8 +59,9 @@ class PeerFollower:
 
     def __init__(self, endpoint: str, ctx: zmq.asyncio.Context, apply: Callable[[PeerFollower, p.EventBatch], None],
                  on_gap: Callable[[PeerFollower], None], *, curve: tuple[str, str, str] | None = None,
-                 plain: tuple[str, str] | None = None, node_id: str = "") -> None:
+                 plain: tuple[str, str] | None = None, node_id: str = "", withheld: str = "") -> None:
         self.endpoint = endpoint
+        self._withheld = withheld  # why no credential is presented though the peer may ask for one
         self.stats = PeerStats(endpoint=endpoint, node_id=node_id)
         self._ctx = ctx
         self._apply = apply
@@ -146,6 +147,8 @@ class PeerFollower:
                 return (f"the peer refused the token (ZAP {value}): daemon.peer_token_file must hold the peer's "
                         "admin token")
             return f"the peer refused this daemon's CURVE key (ZAP {value}): add it to the peer's curve_clients_dir"
+        if self._withheld and self._curve is None and self._plain is None:
+            return self._withheld
         if event == _FAILED_PROTOCOL and value == _MECHANISM_MISMATCH:
             if self._curve is None and self._plain is None:
                 return ("the peer's events socket needs a credential (a daemon with tenants and no CURVE): set "

@@ -7,10 +7,14 @@ a plain S3 client."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
-from test_discovery import FAST, connected_to
+import pytest
+import zmq
+from test_discovery import FAST, connected_to, followed
 from test_fleet import Node, poll
 
 from kvbm.config import S3Config
@@ -65,3 +69,69 @@ def test_hostile_members_neither_stop_announcing_nor_following(tmp_path, s3_serv
         assert poll(lambda: disc()["announces"] >= announces + 2), disc()  # TTL 3 s: refreshed every second
         assert disc()["members"] == ["b"], disc()
     assert "Traceback" not in a.proc.log_path.read_text()
+
+
+class PlainListener:
+    """A ZeroMQ PUB socket asking for PLAIN (as a daemon with tenants and no CURVE does), its ZAP handler recording
+    every password a subscriber presents: what a forged membership's endpoint would harvest."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.zap = self.ctx.socket(zmq.REP)
+        self.zap.bind("inproc://zeromq.zap.01")
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.plain_server = True
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.passwords: list[bytes] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.zap.poll(100):
+                continue
+            version, rid, _domain, _addr, _ident, mechanism, *creds = self.zap.recv_multipart()
+            if mechanism == b"PLAIN":
+                self.passwords.append(creds[1])
+            self.zap.send_multipart([version, rid, b"400", b"no", b"", b""])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.pub.close(0)
+        self.zap.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def listeners() -> Iterator[list[PlainListener]]:
+    made: list[PlainListener] = []
+    yield made
+    for one in made:
+        one.close()
+
+
+def test_a_forged_plain_member_is_not_sent_the_peer_token(tmp_path, s3_server, s3_prefix, nodes, listeners):
+    """Two memberships announce ``events_auth: plain``: ``listed`` at an endpoint in A's daemon.peer_token_endpoints,
+    ``forged`` at one that is not. A sends its peer token to the listed one only; its status says why it withheld
+    it from the other."""
+    token_file = tmp_path / "peer.token"
+    token_file.write_text("fleet-secret-token\n")
+    forged, listed = PlainListener(), PlainListener()
+    listeners.extend([forged, listed])
+    a = Node(tmp_path, "a", s3_server, s3_prefix, node_id="a", peer_token_file=str(token_file),
+             peer_token_endpoints=[listed.endpoint], **FAST)
+    nodes.append(a.start())
+    put_members(s3_server, s3_prefix, {
+        "forged": member("forged", events_endpoint=forged.endpoint, events_auth="plain"),
+        "listed": member("listed", events_endpoint=listed.endpoint, events_auth="plain"),
+    })
+    with a.client() as ca:
+        assert poll(lambda: listed.passwords and (followed(a, ca).get("forged") or {}).get("error")), \
+            followed(a, ca)
+        assert listed.passwords[0] == b"fleet-secret-token"
+        assert forged.passwords == [], "the forged member harvested the peer token"
+        assert "daemon.peer_token_endpoints" in followed(a, ca)["forged"]["error"], followed(a, ca)["forged"]
