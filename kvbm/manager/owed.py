@@ -187,7 +187,13 @@ class OwedWrites:
             if self.journal is None or not self._lines:
                 return
             lines, self._lines = self._lines, []
-            if self._journal_lines + len(lines) > 2 * self.total() + 10_000:
+            # Deleted under us (an operator, a cleanup script): appending would leave only the new lines, and a
+            # restart would forget everything owed before. Written whole again instead.
+            gone = self._journal_lines > 0 and not await asyncio.to_thread(self.journal.exists)
+            if gone:
+                log.warning("owed-write journal %s was deleted: written again with the %d blocks owed", self.journal,
+                            self.total())
+            if gone or self._journal_lines + len(lines) > 2 * self.total() + 10_000:
                 body = [f"+ {t} {k.hash.hex()} {k.namespace}\n" for t, keys in self._owed.items() for k in keys]
                 fn, after = _rewrite, len(body)
             else:

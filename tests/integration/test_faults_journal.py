@@ -181,3 +181,34 @@ def test_temporary_journal_files_of_a_killed_compaction_are_removed_at_start(tmp
         assert journal.exists() and other.exists()
     finally:
         d.stop()
+
+
+def journal_owed(journal: Path) -> set[str]:
+    """The block hashes a journal holds owed to G4 and not paid (as a restart replays it)."""
+    owed: set[str] = set()
+    for line in journal.read_text().splitlines():
+        op, tier, h, _ns = line.split(" ", 3)
+        if tier == "G4":
+            (owed.add if op == "+" else owed.discard)(h)
+    return owed
+
+
+def test_a_journal_deleted_under_the_daemon_is_written_again_whole(srv: EmbeddedS3, tmp_path: Path) -> None:
+    """S3 down, 10 blocks owed and journaled; the journal is deleted; 5 more are owed. The journal the daemon
+    writes then holds all 15 (before: the 5 new ones only, and a restart forgot the first 10)."""
+    disk = tmp_path / "disk"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, disk, srv, "deleted")).start()
+    journal = disk / JOURNAL_NAME
+    try:
+        srv.stop(force=True)
+        ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(15)]
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            assert c.store(ks[:10], [payload(k) for k in ks[:10]], durable=True).durable == 10
+            assert wait_until(lambda: journal.exists() and len(journal_owed(journal)) == 10)
+            journal.unlink()
+            assert c.store(ks[10:], [payload(k) for k in ks[10:]], durable=True).durable == 5
+            assert wait_until(lambda: journal.exists() and len(journal_owed(journal)) >= 5)
+            assert journal_owed(journal) == {k.hash.hex() for k in ks}
+    finally:
+        d.stop()
