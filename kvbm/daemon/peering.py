@@ -68,9 +68,11 @@ class FleetMember:
         (:func:`read_peer_token`) is what a follower presents to a peer with tenants and no CURVE."""
         self._ctx, self._curve_keys, self._spawn = ctx, curve_keys, spawn
         self._peer_token = peer_token
-        # Only with daemon.peer_token_file: a configured peer whose socket is plain would refuse PLAIN.
-        static_plain = (EVENTS_USER, peer_token) if peer_token else None
+        # Only with daemon.peer_token_file, and, once daemon.peer_token_endpoints lists any, only to those: a
+        # configured peer without tenants (a NULL socket) refuses PLAIN.
+        listed = self.dc.peer_token_endpoints
         for ep in self.dc.peers:
+            static_plain = (EVENTS_USER, peer_token) if peer_token and (not listed or ep in listed) else None
             peer = PeerFollower(ep, ctx, self._apply_peer, self._peer_gap, curve=self._peer_curve(curve_keys),
                                 plain=static_plain)
             peer.open()

@@ -153,6 +153,10 @@ class PeerFollower:
             if self._curve is None and self._plain is None:
                 return ("the peer's events socket needs a credential (a daemon with tenants and no CURVE): set "
                         "daemon.peer_token_file to a file holding its admin token")
+            if self._plain is not None:
+                return ("this daemon presents the peer token (PLAIN) but the peer's events socket does not ask for "
+                        "it (a daemon without tenants?): list only the peers that do in daemon.peer_token_endpoints "
+                        "(static peers get the token when that list is empty)")
             return "the peer's events socket uses another security mechanism (CURVE on one side only?)"
         if event == _FAILED_PROTOCOL:
             return f"handshake failed: ZMTP protocol error {value:#x}"
@@ -160,6 +164,10 @@ class PeerFollower:
             # Seen for a daemon with tenants and no CURVE too (its PLAIN socket drops a NULL peer without a word).
             return ("handshake failed (no detail): the peer's events socket may need a credential (daemon."
                     "peer_token_file, for a daemon with tenants and no CURVE) or CURVE (daemon.peer_curve_server_key)")
+        if self._plain is not None:  # a NULL socket answers PLAIN with a mismatch or, as often, no detail
+            return ("handshake failed (no detail) presenting the peer token (PLAIN): a peer without tenants does not "
+                    "ask for it: list only the peers that do in daemon.peer_token_endpoints (static peers get the "
+                    "token when that list is empty)")
         return "handshake failed (no detail: a wrong CURVE server key, daemon.peer_curve_server_key?)"
 
     def handle(self, frames: list[bytes]) -> None:

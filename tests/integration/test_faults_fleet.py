@@ -135,3 +135,27 @@ def test_a_forged_plain_member_is_not_sent_the_peer_token(tmp_path, s3_server, s
         assert listed.passwords[0] == b"fleet-secret-token"
         assert forged.passwords == [], "the forged member harvested the peer token"
         assert "daemon.peer_token_endpoints" in followed(a, ca)["forged"]["error"], followed(a, ca)["forged"]
+
+
+def test_a_static_peer_without_tenants_is_followed_beside_one_with(tmp_path, s3_server, s3_prefix, nodes):
+    """A follows B (tenants, no CURVE: PLAIN) and C (no tenants: NULL) as configured peers, with B's admin token in
+    daemon.peer_token_file. Sent to both, C refuses it and A's status says to list only B in
+    daemon.peer_token_endpoints (was: 'another security mechanism (CURVE on one side only?)'); listed so, A follows
+    both."""
+    tenant = [{"name": "team", "token_file": str(tmp_path / "team.token"), "models": ["other/*"]}]
+    b = Node(tmp_path, "b", s3_server, s3_prefix, node_id="b", tenants=tenant, probe=False, prefetch=False)
+    c = Node(tmp_path, "c", s3_server, s3_prefix, node_id="c", probe=False, prefetch=False)
+    nodes.extend([b.start(), c.start()])
+    token = str(b.proc.admin_token_path)
+    a = Node(tmp_path, "a", s3_server, s3_prefix, node_id="a", peers=[b.events, c.events], peer_token_file=token,
+             probe=False, prefetch=False)
+    nodes.append(a.start())
+    with a.client() as ca:
+        peer = poll(lambda: followed(a, ca)[c.events].get("error") and followed(a, ca)[c.events])
+        assert peer and "daemon.peer_token_endpoints" in peer["error"], followed(a, ca)
+    a.stop()
+    a2 = Node(tmp_path, "a2", s3_server, s3_prefix, node_id="a2", peers=[b.events, c.events], peer_token_file=token,
+              peer_token_endpoints=[b.events], probe=False, prefetch=False)
+    nodes.append(a2.start())
+    with a2.client() as ca:
+        assert poll(lambda: all(followed(a2, ca)[ep]["connected"] for ep in (b.events, c.events))), followed(a2, ca)
