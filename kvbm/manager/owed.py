@@ -12,7 +12,9 @@ on every tier below it.
   temporary file of a unique name) once it is mostly paid lines.
 * **Reconciled**: even an owed write the journal never got (a crash inside the debounce, a cascade still in flight,
   a deleted journal) is repaid: at start, once the bucket is listed, :meth:`reconcile` owes it every block the disk
-  holds that the listing lacks.
+  holds that the listing lacks. Not after a clean stop (its mark, ``.kvbm-owed.clean``, next to the journal): it
+  drained every cascade and journaled what failed, so what the bucket lacks then it dropped on purpose (lifecycle
+  expiry, another node's purge) and is not uploaded again.
 * **Drained in batches**: once the tier takes writes, the oldest ``batch`` owed blocks are cascaded, awaited, then
   the next ones; nothing walks the whole set on the event loop, and the journal is written off it.
 """
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 
 CATCH_UP_EVERY_S = 2.0  # how often owed write-throughs check whether their tier takes writes again
 JOURNAL_NAME = ".kvbm-owed.journal"  # in the disk tier's directory (a dot-file: never taken for a block)
+# Next to the journal, written by a clean stop once the journal holds everything owed; taken (removed) at start.
+CLEAN_NAME = ".kvbm-owed.clean"
 JOURNAL_DELAY_S = 0.05  # an owed or paid block reaches the journal file within this (batched, one fsync)
 RECONCILE_YIELD = 4096  # blocks compared per event-loop turn when reconciling a big disk
 DEFAULT_MAX_OWED = 1_000_000
@@ -63,6 +67,8 @@ class OwedWrites:
         self._journal_lines = 0  # lines in the journal file
         self._dropped_logged = 0.0
         self._journal_logged = -1e9
+        self._clean_start = False  # the last run stopped cleanly: its journal holds all it owed
+        self._settled = False  # nothing unjournaled is left from a crash: a clean start, or a whole reconcile done
         self._task: asyncio.Task[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()  # one flush at a time: an append must not land in a file being replaced
@@ -221,6 +227,9 @@ class OwedWrites:
         """Use ``journal`` from now on and owe again what it holds unpaid (a restart after an outage); returns how
         many blocks that is. Blocks no tier holds any more are left out."""
         self.journal = journal
+        clean = await asyncio.to_thread(_take_clean_mark, journal.with_name(CLEAN_NAME))
+        # A journal deleted while the daemon was stopped took what it owed along: then reconcile after all.
+        self._clean_start = self._settled = clean and await asyncio.to_thread(journal.exists)
         stale = await asyncio.to_thread(_remove_stale_temps, journal)
         if stale:
             log.info("removed %d temporary journal files a stopped run left (killed while compacting)", stale)
@@ -254,6 +263,12 @@ class OwedWrites:
         """Owe ``dst`` every block (of ``namespace``, default all) tier ``src`` holds and ``dst`` lacks, as far as
         the index knows just after ``dst`` was listed; returns how many were newly owed. What a lost journal
         entry (or a crash mid-cascade) left on disk only is repaid this way."""
+        if self._clean_start:
+            # A clean stop drained every cascade and journaled what failed: a block the disk holds and the bucket
+            # lacks reached it and was dropped there on purpose (lifecycle expiry, another node's purge).
+            log.info("the last run stopped cleanly: %s not reconciled against %s (its journal holds what is owed)",
+                     namespace or "the bucket", src)
+            return 0
         reg = self.s.registry
         owed = self._owed.setdefault(dst, {})
         n = 0
@@ -268,6 +283,8 @@ class OwedWrites:
             owed[key] = None
             self._note("+", dst, key)
             n += 1
+        if namespace is None:
+            self._settled = True  # (what a lazy start reconciles namespace by namespace never settles a crash)
         if n:
             self.s.stats.owed_reconciled += n
             log.info("%d blocks on %s missing from %s after a restart: owed to it", n, src, dst)
@@ -285,6 +302,9 @@ class OwedWrites:
             await self.flush()
         except Exception as e:  # the tiers must still close; the next start reconciles what was not journaled
             self._journal_failed(e)
+            return
+        if self.journal is not None and not self._lines and self._settled:
+            await asyncio.to_thread(_mark_clean, self.journal.with_name(CLEAN_NAME))
 
     def cancel(self) -> None:
         for task in (self._task, self._flusher):
@@ -310,6 +330,25 @@ def _rewrite(path: Path, lines: list[str]) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def _mark_clean(path: Path) -> None:
+    """Say the journal next to ``path`` holds all this run owed; a mark that cannot be written only costs the next
+    start a reconcile."""
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+        f.write("the last run stopped cleanly\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _take_clean_mark(path: Path) -> bool:
+    """Whether the last run stopped cleanly; the mark is removed (a crash of this run must not inherit it), and a
+    mark that cannot be removed is not trusted."""
+    try:
+        path.unlink()
+    except OSError:
+        return False
+    return True
 
 
 def _remove_stale_temps(path: Path) -> int:

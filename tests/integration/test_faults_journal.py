@@ -212,3 +212,46 @@ def test_a_journal_deleted_under_the_daemon_is_written_again_whole(srv: Embedded
             assert journal_owed(journal) == {k.hash.hex() for k in ks}
     finally:
         d.stop()
+
+
+def drop_from_bucket(s: EmbeddedS3, prefix: str, ks: list[BlockKey]) -> None:
+    """Delete ``ks`` from the bucket behind the daemon's back (a lifecycle rule, another node's purge)."""
+
+    async def go() -> None:
+        t = make_s3_tier(S3Config(bucket=s.bucket, prefix=prefix, **FAST), s.endpoint, (s.access_key, s.secret_key))
+        await t.start()
+        try:
+            await t.delete_blocks(ks)
+        finally:
+            await t.close()
+
+    asyncio.run(go())
+
+
+def test_a_clean_restart_does_not_upload_again_what_the_bucket_dropped(srv: EmbeddedS3, tmp_path: Path) -> None:
+    """Five blocks reach the bucket, which then drops them (expiry); after a clean stop the restart owes nothing
+    (before: it re-uploaded all five, at every restart). After a SIGKILL, when a cascade may have been cut short,
+    the start reconciles the disk against the bucket as before."""
+    disk = tmp_path / "disk"
+    cfg = daemon_cfg(tmp_path, disk, srv, "dropped")
+    cfg["daemon"]["index_bucket"] = "start"
+    d = ServeProc(tmp_path, cfg).start()
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(5)]
+    try:
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            assert c.store(ks, [payload(k) for k in ks], durable=True).durable == 5
+        assert missing_from_bucket(srv, "dropped", ks) == 0
+        drop_from_bucket(srv, "dropped", ks)
+        d.stop()
+        d.start()  # index_bucket: start: the bucket is listed (and reconciled) before it serves
+        with d.client() as c:
+            m = c.stats()["manager"]
+            assert m["owed_reconciled"] == 0 and not m["owed"], m
+        assert missing_from_bucket(srv, "dropped", ks) == 5
+        d.kill9()
+        d.start()
+        with d.client() as c:
+            assert c.stats()["manager"]["owed_reconciled"] == 5
+    finally:
+        d.stop()
