@@ -123,25 +123,58 @@ def write_keypair(directory: Path, name: str) -> tuple[Path, Path]:
 
 def load_keypair(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
     """(public, secret) Z85 keys from a ``.key_secret`` file (which must be private)."""
-    import zmq.auth
 
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"{p}: no such CURVE key file (kvbm keys generate writes one)")
     _check_private(p)
-    pub, sec = zmq.auth.load_certificate(str(p))
+    pub, sec = _certificate(p)
     if not sec:
         raise ConfigError(f"{p} holds no secret key (give the .key_secret file)")
     return pub, sec
 
 
 def load_public_key(path: str | os.PathLike[str]) -> bytes:
-    import zmq.auth
 
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"{p}: no such CURVE key file")
-    return zmq.auth.load_certificate(str(p))[0]
+    return _certificate(p)[0]
+
+
+def _certificate(path: Path, field: str = "") -> tuple[bytes, bytes | None]:
+    """(public, secret or None) of a ZeroMQ certificate file; ConfigError (naming ``field``) for anything that is
+    not one, or whose keys are not 32-byte Z85."""
+    import zmq.auth
+    from zmq.utils import z85
+
+    at = f"{field}: " if field else ""
+    try:
+        pub, sec = zmq.auth.load_certificate(str(path))
+        for key in (pub, sec):
+            if key is not None and len(z85.decode(key)) != 32:
+                raise ValueError("a key is not 40 Z85 characters (32 bytes)")
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"{at}{path} is not a CURVE certificate (kvbm keys generate writes them; move any other "
+                          f"file out): {e}") from None
+    return pub, sec
+
+
+def read_public_keys(directory: str, field: str) -> set[bytes]:
+    """The Z85 public keys of the ``<name>.key`` files in ``directory`` (a CURVE allow-list); ConfigError naming
+    ``field`` and the file for a missing directory or a file that is not a certificate."""
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"{field}: {directory}: no such directory of CURVE public keys")
+    return {_certificate(f, field)[0] for f in sorted(path.glob("*.key")) if f.is_file()}
+
+
+def check_key_dirs(dc: DaemonConfig) -> None:
+    """Read every allow-list now (``daemon.curve_clients_dir``, ``curve_admin_clients_dir``), so a bad file is a
+    start-up error naming it, before any tier is indexed."""
+    for field in ("curve_clients_dir", "curve_admin_clients_dir"):
+        if directory := getattr(dc, field):
+            read_public_keys(directory, f"daemon.{field}")
 
 
 def server_keys(dc: DaemonConfig) -> tuple[str, str]:

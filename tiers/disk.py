@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from kvbm.blocks import ALIGNED_HEADER_LEN, BlockKey, pack_header, unpack_header, verify
 from kvbm.blocks.keys import DISK_SUFFIX, check_namespace, disk_relpath, parse_disk_relpath
-from kvbm.errors import CorruptBlockError, TierFullError
+from kvbm.errors import CorruptBlockError, TierFullError, TierUnavailableError
 from kvbm.tiers.base import StoredBlock, Tier
 from kvbm.tiers.dirlock import LOCK_FILE, DirLock, DiskDirBusy  # noqa: F401  (LOCK_FILE, DiskDirBusy: re-exported)
 from kvbm.transfer import FileIO, PlainFileIO, round_up
@@ -239,19 +239,27 @@ class DiskTier(Tier):
         return len(payload)
 
     async def delete(self, key: BlockKey) -> bool:
-        if not self._forget(key):
-            return False
-        await self._io(_unlink, str(self.path_for(key)))
-        self.stats.deletes += 1
-        return True
+        return bool(await self.delete_blocks([key]))
 
     async def delete_blocks(self, keys: Sequence[BlockKey], *, gone: bool = False) -> int:
-        """:meth:`delete` of many: the files unlinked in one job of the I/O pool (none when ``gone``)."""
-        held = [k for k in keys if self._forget(k)]
+        """:meth:`delete` of many: the files unlinked in one job of the I/O pool (none when ``gone``). A block
+        leaves the index only once its file is gone: a file that could not be unlinked (EROFS, EACCES) stays
+        indexed, and :class:`TierUnavailableError` names how many and why (a restart would index it again)."""
+        held = [k for k in dict.fromkeys(keys) if k in self._index]
         if held and not gone:
             paths = [str(self.path_for(k)) for k in held]
-            await self._io(lambda: sum(map(_unlink, paths)))
-            self.stats.deletes += len(held)
+            errors = await self._io(_unlink_each, paths)
+            failed = {k: e for k, e in zip(held, errors, strict=True) if e is not None}
+            held = [k for k in held if k not in failed]
+        else:
+            failed = {}
+        for k in held:
+            self._forget(k)
+        self.stats.deletes += len(held)
+        if failed:
+            first = next(iter(failed.values()))
+            raise TierUnavailableError(f"{self.name}: {len(failed)} of {len(failed) + len(held)} block files could "
+                                       f"not be removed ({first.strerror}: {first.filename}); they stay indexed")
         return len(held)
 
     # -- index -------------------------------------------------------------------------------------
@@ -318,6 +326,20 @@ def walk_blocks(
                 log.warning("G3: dropping %s: %s", path, e)
                 corrupt += _unlink(path)
     return found, corrupt, tmp
+
+
+def _unlink_each(paths: list[str]) -> list[OSError | None]:
+    """Unlink each path (one already gone counts as removed); the error of each that failed, else None."""
+    out: list[OSError | None] = []
+    for path in paths:
+        try:
+            os.unlink(path)
+            out.append(None)
+        except FileNotFoundError:
+            out.append(None)
+        except OSError as e:
+            out.append(e)
+    return out
 
 
 def _unlink(path: str) -> int:

@@ -85,3 +85,50 @@ def overlap(x: str, y: str) -> bool:
         if ta is not False and tb is not False and _meet(ANY if ta is STAR else ta, ANY if tb is STAR else tb):
             todo.append((i if ta is STAR else i + 1, j if tb is STAR else j + 1))  # one character, both sides
     return False
+
+
+def may_name_slug(pattern: str, slug: str, truncated: bool = False) -> bool:
+    """Whether a model name matching fnmatch ``pattern`` may have the namespace slug ``slug``
+    (:func:`kvbm.blocks.keys.model_slug`); ``truncated``: ``slug`` is at the slug's length limit, so the name's
+    slug may go on. Errs towards yes: a non-ASCII character or a negated class may fold to anything or nothing."""
+    return overlap(_slug_pattern(pattern), slug + "*" if truncated else slug)
+
+
+_SLUG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def _slug_char(c: str) -> str | None:
+    """What one model-name character becomes in a slug (``None``: unknown, it may fold or vanish)."""
+    if not c.isascii():
+        return None
+    c = c.lower()
+    return c if c in _SLUG_CHARS else "-"
+
+
+def _slug_pattern(pattern: str) -> str:
+    """``pattern`` mapped into slug space: an fnmatch pattern every slug of a matching name matches."""
+    out: list[str] = []
+    replaced = False  # the last token was a character outside the slug's: a run of them becomes one "-"
+    for tok in tokens(pattern):
+        if tok is STAR:
+            out.append("*")
+            replaced = False
+            continue
+        negated, members = tok
+        mapped = {_slug_char(c) for c in members}
+        was, replaced = replaced, len(members) == 1 and not negated and mapped == {"-"} and members != {"-"}
+        if replaced and was:
+            continue
+        if negated or tok == ANY or None in mapped:
+            out.append("*")
+        elif len(mapped) == 1:
+            out.append(next(iter(mapped)))  # type: ignore[arg-type]
+        else:
+            chars = sorted(m for m in mapped if m is not None and m != "-")
+            out.append("[" + "".join(chars) + ("-" if "-" in mapped else "") + "]")
+    # A slug is trimmed of "._-" at both ends (runs of other characters became one "-" first).
+    while out and out[0] in ("-", ".", "_"):
+        out.pop(0)
+    while out and out[-1] in ("-", ".", "_"):
+        out.pop()
+    return "".join(out)

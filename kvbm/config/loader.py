@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 import yaml
 
-from kvbm.config.globs import overlap
+from kvbm.blocks.keys import SLUG_MAX, is_namespace
+from kvbm.config.globs import may_name_slug, overlap
 from kvbm.config.schema import Config, TenantConfig
 from kvbm.errors import ConfigError
 
@@ -206,6 +207,28 @@ def _refuse_shared_namespaces(tenants: list[TenantConfig]) -> None:
             for ns in set(tj.namespaces) & set(ti.namespaces):
                 raise ConfigError(f"daemon.tenants[{j}].namespaces: {ns!r} of tenant {tj.name!r} is also tenant "
                                   f"{ti.name!r}'s (daemon.tenants[{i}].namespaces): a namespace has one tenant")
+    for j, tj in enumerate(tenants):
+        for i, ti in enumerate(tenants):
+            if i != j:
+                _refuse_listed_in_glob(tj, j, ti, i)
+
+
+def _refuse_listed_in_glob(owner: TenantConfig, j: int, other: TenantConfig, i: int) -> None:
+    """A namespace ``owner`` lists whose model slug one of ``other``'s ``models`` may produce: ``other`` could
+    register that model and land in ``owner``'s namespace. The slug is lossy (case, truncation), so this
+    catches what it can show; Register refuses every such namespace whatever this misses."""
+    for ns in owner.namespaces:
+        if not is_namespace(ns):
+            raise ConfigError(f"daemon.tenants[{j}].namespaces: {ns!r} is not a kvbm namespace "
+                              f"(<model-slug>-<16 hex fingerprint>, as Registered and kvbm status name it)")
+        slug = ns.rsplit("-", 1)[0]
+        for pattern in other.models:
+            if may_name_slug(pattern, slug, truncated=len(slug) >= SLUG_MAX):
+                raise ConfigError(
+                    f"daemon.tenants[{j}].namespaces: {ns!r} of tenant {owner.name!r} may be the namespace of a "
+                    f"model matching {pattern!r} of tenant {other.name!r} (daemon.tenants[{i}].models): "
+                    f"{other.name!r} could register it and read and overwrite {owner.name!r}'s blocks; make the "
+                    f"pattern exclude that model")
 
 
 def _validate_discovery(cfg: Config) -> None:

@@ -266,6 +266,10 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     # A peer with tenants and no CURVE lets only its admin token subscribe to its events (ZeroMQ PLAIN, sent in
     # clear): the file holding that token. Empty: such peers cannot be followed (their status says so).
     peer_token_file: str = ""
+    # Where the token goes: a member discovery found only when its announced events endpoint is listed here (anyone
+    # who can write the bucket prefix can announce an endpoint asking for PLAIN); a daemon.peers entry when listed
+    # here, or every one while this list is empty.
+    peer_token_endpoints: list[str] = []
     probe: bool = True  # a lookup that misses probes the bucket (HEAD) for the next blocks of its prefix
     probe_budget_ms: float = 30.0  # how long a lookup waits for its probe; the rest is learned for the next lookup
     probe_concurrency: int = 8  # HEADs in flight per probe (blocks are probed in windows of this many)

@@ -65,9 +65,14 @@ class Credentials:
         if tenant is None:
             raise Handled(p.E_FORBIDDEN, "unknown tenant token")
         layout = msg.layout
-        if layout.namespace not in tenant.namespaces and not any(fnmatchcase(layout.model, m) for m in tenant.models):
+        ns = layout.namespace
+        if ns not in tenant.namespaces and not any(fnmatchcase(layout.model, m) for m in tenant.models):
             raise Handled(p.E_FORBIDDEN, f"tenant {tenant.name!r} may not register model {layout.model!r} "
-                                         f"(namespace {layout.namespace!r}): not in its models/namespaces")
+                                         f"(namespace {ns!r}): not in its models/namespaces")
+        # A namespace another tenant lists is that tenant's alone, whatever model glob would also reach it.
+        if owner := next((t for t, _tok in self.tenants if t is not tenant and ns in t.namespaces), None):
+            raise Handled(p.E_FORBIDDEN, f"tenant {tenant.name!r} may not register model {layout.model!r}: its "
+                                         f"namespace {ns!r} is tenant {owner.name!r}'s (daemon.tenants namespaces)")
         return Principal(f"tenant:{tenant.name}", tenant)
 
 

@@ -28,9 +28,9 @@ from kvbm.daemon.sessions import Sessions, WorkerSession
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import Transport
 from kvbm.daemon.warmth import Warmth
-from kvbm.daemon.zap import Zap, public_keys
+from kvbm.daemon.zap import Zap
 from kvbm.manager.core import BlockManager
-from kvbm.security import admin_token_path, check_binds, exposure, server_keys
+from kvbm.security import admin_token_path, check_binds, check_key_dirs, exposure, read_public_keys, server_keys
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
 
@@ -100,17 +100,24 @@ class Daemon:
         """Start the manager (re-indexing persistent tiers), bind, and serve until :meth:`stop`."""
         _ = self.g2
         # Refuse an unsafe socket set-up before touching any tier (a disk index can take a while).
+        # Every credential file and the metrics port too: a bad one is an error naming its field now, not minutes in.
         self._curve_keys = server_keys(self.dc)
         check_binds(self.dc, curve=bool(self._curve_keys[1]))
+        await asyncio.to_thread(check_key_dirs, self.dc)
+        peer_token = await asyncio.to_thread(read_peer_token, self.dc)
         token_path = admin_token_path(self.dc)
         self.service.creds = await asyncio.to_thread(load_credentials, self.dc, token_path)
+        if self.dc.metrics_port:
+            self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
+            self.metrics_port = await self._metrics.bind()
         # The bucket is listed apart from the other tiers: S3 being down must not stop G2/G3 serving.
         await self.manager.start(index=("device", "host", "disk"))
         await self.indexer.start()
         self.transport.bind(*self._curve_keys)
         if self.dc.events_endpoint:
             # With tenants, a tenant's process may reach the events socket: only the operator subscribes.
-            admin_keys = public_keys(self.dc.curve_admin_clients_dir) if self.dc.curve_admin_clients_dir else set()
+            admin_keys = (read_public_keys(self.dc.curve_admin_clients_dir, "daemon.curve_admin_clients_dir")
+                          if self.dc.curve_admin_clients_dir else set())
             self.publisher.bind(self._ctx, self.dc.events_endpoint, *self._curve_keys, zap=self.zap,
                                 admin_token=self.service.creds.admin_token if self.dc.tenants else "",
                                 admin_keys=admin_keys)
@@ -120,11 +127,9 @@ class Daemon:
             sub.open()
             self._subs.append(sub)
             self._spawn(sub.run())
-        peer_token = await asyncio.to_thread(read_peer_token, self.dc)
         self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn, self.publisher.endpoint, peer_token)
-        if self.dc.metrics_port:
-            self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
-            self.metrics_port = await self._metrics.start()
+        if self._metrics is not None:
+            await self._metrics.start()
         self._spawn(self._reaper())
         self.warmth.start()
         self.indexer.serve()

@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, P
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvbm.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -285,9 +287,23 @@ class MetricsServer:
         self.port = port
         self._server: asyncio.base_events.Server | None = None
 
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+    async def bind(self) -> int:
+        """Listen (not serving yet: :meth:`start`); the port, or ConfigError naming ``daemon.metrics_port`` when it
+        cannot be had (a second daemon on one host, say)."""
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port, start_serving=False)
+        except OSError as e:
+            raise ConfigError(f"daemon.metrics_port: cannot listen on {self.host}:{self.port} ({e.strerror or e}); "
+                              f"another process holds it (a second daemon?): give this one another port, -1 for a "
+                              f"free one, or 0 to disable metrics") from None
         self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def start(self) -> int:
+        if self._server is None:
+            await self.bind()
+        assert self._server is not None
+        await self._server.start_serving()
         return self.port
 
     async def close(self) -> None:

@@ -68,9 +68,11 @@ class FleetMember:
         (:func:`read_peer_token`) is what a follower presents to a peer with tenants and no CURVE."""
         self._ctx, self._curve_keys, self._spawn = ctx, curve_keys, spawn
         self._peer_token = peer_token
-        # Only with daemon.peer_token_file: a configured peer whose socket is plain would refuse PLAIN.
-        static_plain = (EVENTS_USER, peer_token) if peer_token else None
+        # Only with daemon.peer_token_file, and, once daemon.peer_token_endpoints lists any, only to those: a
+        # configured peer without tenants (a NULL socket) refuses PLAIN.
+        listed = self.dc.peer_token_endpoints
         for ep in self.dc.peers:
+            static_plain = (EVENTS_USER, peer_token) if peer_token and (not listed or ep in listed) else None
             peer = PeerFollower(ep, ctx, self._apply_peer, self._peer_gap, curve=self._peer_curve(curve_keys),
                                 plain=static_plain)
             peer.open()
@@ -102,9 +104,18 @@ class FleetMember:
             return
         assert self._ctx is not None and self._spawn is not None
         curve = self._peer_curve(self._curve_keys, m.curve_public_key) if m.curve_public_key else None
-        plain = (EVENTS_USER, self._peer_token) if m.events_auth == "plain" and self._peer_token else None
+        plain, withheld = None, ""
+        if m.events_auth == "plain" and self._peer_token:
+            # Only to an endpoint the operator named: a forged membership must not be sent the token in clear.
+            if m.events_endpoint in self.dc.peer_token_endpoints:
+                plain = (EVENTS_USER, self._peer_token)
+            else:
+                withheld = (f"it asks for the peer token (PLAIN, sent in clear) and its endpoint is not in "
+                            f"daemon.peer_token_endpoints: not sent (list {m.events_endpoint} there to follow it)")
+                logj("fleet.token_withheld", level=logging.WARNING, node=m.node_id, endpoint=m.events_endpoint,
+                     message=f"member {m.node_id}: {withheld}")
         peer = PeerFollower(m.events_endpoint, self._ctx, self._apply_peer, self._peer_gap, curve=curve,
-                            plain=plain, node_id=m.node_id)
+                            plain=plain, node_id=m.node_id, withheld=withheld)
         peer.open()
         self.peers.append(peer)
         self._found[m.node_id] = (peer, self._spawn(peer.run()))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import socket
 import time
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from zmq.utils import z85
 
 from kvbm.errors import TierUnavailableError
 from kvbm.fleet.recency import node_name
@@ -42,6 +44,8 @@ MEMBERS_DIR = "_members"
 MEMBER_SUFFIX = ".json"
 MEMBERSHIP_VERSION = 1
 MAX_MEMBER_BYTES = 4096  # a membership object is ~300 bytes; anything larger is not one
+MAX_IPC_PATH = 107  # sun_path holds 108 bytes with its NUL: ZeroMQ refuses a longer ipc:// path
+_TCP = re.compile(r"^tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
 
 
 class Membership(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
@@ -96,14 +100,42 @@ def is_member_key(prefix: str, okey: str) -> bool:
 
 
 def decode_member(body: bytes) -> Membership | None:
-    """The membership in ``body``, or None when it is not a readable one of this version."""
+    """The membership in ``body``, or None when it is not a readable one of this version that a follower could
+    use (:func:`member_problem`): anyone who can write the bucket prefix writes these, so nothing is trusted."""
     if len(body) > MAX_MEMBER_BYTES:
         return None
     try:
         m = msgspec.json.decode(body, type=Membership)
     except msgspec.DecodeError:
         return None
-    return m if m.v == MEMBERSHIP_VERSION and m.events_endpoint and m.node_id else None
+    return m if m.v == MEMBERSHIP_VERSION and not member_problem(m) else None
+
+
+def member_problem(m: Membership) -> str:
+    """Why ``m`` cannot be followed ("" when it can): an endpoint ZeroMQ would refuse or could not reach, a
+    CURVE key that is not one, a TTL that is not a duration, an unknown ``events_auth``."""
+    if not m.node_id or node_name(m.node_id) != m.node_id:
+        return f"node_id {m.node_id!r} is not a node name"
+    ep = m.events_endpoint
+    if match := _TCP.match(ep):
+        if not 0 < int(match.group(1)) < 65536:
+            return f"events_endpoint {ep!r}: port out of range"
+    elif ep.startswith("ipc://"):
+        if not 0 < len(ep[len("ipc://"):].encode()) <= MAX_IPC_PATH:
+            return f"events_endpoint {ep!r}: an ipc path of 1 to {MAX_IPC_PATH} bytes (a Unix socket's limit)"
+    else:
+        return f"events_endpoint {ep!r} is not tcp://host:port or ipc://path"
+    if m.curve_public_key:
+        try:
+            if len(z85.decode(m.curve_public_key.encode("ascii"))) != 32:
+                return "curve_public_key is not a 32-byte key"
+        except (ValueError, KeyError, UnicodeEncodeError):
+            return "curve_public_key is not Z85"
+    if not (0 < m.ttl_s < 1e9):
+        return f"ttl_s {m.ttl_s!r} is not a positive duration"
+    if m.events_auth not in ("", "plain"):
+        return f"events_auth {m.events_auth!r} is neither '' nor 'plain'"
+    return ""
 
 
 class _Seen(msgspec.Struct):
@@ -165,8 +197,14 @@ class Discovery:
         self.stats = DiscoveryStats()
 
     async def run(self) -> None:
+        """Step every ``interval_s``: whatever one step meets (a member that cannot be followed, a bug), the next
+        still announces this node and scans, so the fleet neither drops it nor stops finding new members."""
         while True:
-            await self.step()
+            try:
+                await self.step()
+            except Exception:
+                self.stats.failed += 1
+                log.exception("discovery: step failed (retried in %.1f s)", self.interval_s)
             await asyncio.sleep(self.interval_s)
 
     async def step(self) -> None:
@@ -229,6 +267,7 @@ class Discovery:
         m = decode_member(body)
         if m is None or member_key(self.tier.prefix, m.node_id) != okey:
             self.stats.bad += 1
+            log.debug("discovery: %s is not a membership to follow", okey)
             return None
         return m
 
@@ -300,7 +339,11 @@ class Discovery:
             if old is None or (old.events_endpoint, old.curve_public_key, old.instance) != (
                     m.events_endpoint, m.curve_public_key, m.instance):
                 self.stats.joined += 1
-                self._join(m)
+                try:
+                    self._join(m)
+                except Exception as e:  # one member that cannot be followed must not stop following the others
+                    self.stats.bad += 1
+                    log.warning("discovery: member %s (events %s) not followed: %s", node, m.events_endpoint, e)
         return True
 
     def describe(self) -> dict[str, object]:

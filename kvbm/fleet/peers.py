@@ -59,8 +59,9 @@ class PeerFollower:
 
     def __init__(self, endpoint: str, ctx: zmq.asyncio.Context, apply: Callable[[PeerFollower, p.EventBatch], None],
                  on_gap: Callable[[PeerFollower], None], *, curve: tuple[str, str, str] | None = None,
-                 plain: tuple[str, str] | None = None, node_id: str = "") -> None:
+                 plain: tuple[str, str] | None = None, node_id: str = "", withheld: str = "") -> None:
         self.endpoint = endpoint
+        self._withheld = withheld  # why no credential is presented though the peer may ask for one
         self.stats = PeerStats(endpoint=endpoint, node_id=node_id)
         self._ctx = ctx
         self._apply = apply
@@ -86,10 +87,14 @@ class PeerFollower:
             sock.plain_username = self._plain[0].encode()
             sock.plain_password = self._plain[1].encode()
         sock.setsockopt(zmq.SUBSCRIBE, p.EVENTS_TOPIC)
-        self._mon = sock.get_monitor_socket(_UP_EVENT | zmq.EVENT_DISCONNECTED | _FAILED_AUTH | _FAILED_PROTOCOL
-                                            | _FAILED_NO_DETAIL)
-        sock.connect(self.endpoint)
         self._sock = sock
+        try:
+            self._mon = sock.get_monitor_socket(_UP_EVENT | zmq.EVENT_DISCONNECTED | _FAILED_AUTH | _FAILED_PROTOCOL
+                                                | _FAILED_NO_DETAIL)
+            sock.connect(self.endpoint)
+        except zmq.ZMQError:
+            self.close()  # an endpoint ZeroMQ refuses: no socket left open behind the error
+            raise
 
     def close(self) -> None:
         if self._sock is not None:
@@ -142,10 +147,16 @@ class PeerFollower:
                 return (f"the peer refused the token (ZAP {value}): daemon.peer_token_file must hold the peer's "
                         "admin token")
             return f"the peer refused this daemon's CURVE key (ZAP {value}): add it to the peer's curve_clients_dir"
+        if self._withheld and self._curve is None and self._plain is None:
+            return self._withheld
         if event == _FAILED_PROTOCOL and value == _MECHANISM_MISMATCH:
             if self._curve is None and self._plain is None:
                 return ("the peer's events socket needs a credential (a daemon with tenants and no CURVE): set "
                         "daemon.peer_token_file to a file holding its admin token")
+            if self._plain is not None:
+                return ("this daemon presents the peer token (PLAIN) but the peer's events socket does not ask for "
+                        "it (a daemon without tenants?): list only the peers that do in daemon.peer_token_endpoints "
+                        "(static peers get the token when that list is empty)")
             return "the peer's events socket uses another security mechanism (CURVE on one side only?)"
         if event == _FAILED_PROTOCOL:
             return f"handshake failed: ZMTP protocol error {value:#x}"
@@ -153,6 +164,10 @@ class PeerFollower:
             # Seen for a daemon with tenants and no CURVE too (its PLAIN socket drops a NULL peer without a word).
             return ("handshake failed (no detail): the peer's events socket may need a credential (daemon."
                     "peer_token_file, for a daemon with tenants and no CURVE) or CURVE (daemon.peer_curve_server_key)")
+        if self._plain is not None:  # a NULL socket answers PLAIN with a mismatch or, as often, no detail
+            return ("handshake failed (no detail) presenting the peer token (PLAIN): a peer without tenants does not "
+                    "ask for it: list only the peers that do in daemon.peer_token_endpoints (static peers get the "
+                    "token when that list is empty)")
         return "handshake failed (no detail: a wrong CURVE server key, daemon.peer_curve_server_key?)"
 
     def handle(self, frames: list[bytes]) -> None:

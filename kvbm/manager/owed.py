@@ -12,7 +12,9 @@ on every tier below it.
   temporary file of a unique name) once it is mostly paid lines.
 * **Reconciled**: even an owed write the journal never got (a crash inside the debounce, a cascade still in flight,
   a deleted journal) is repaid: at start, once the bucket is listed, :meth:`reconcile` owes it every block the disk
-  holds that the listing lacks.
+  holds that the listing lacks. Not after a clean stop (its mark, ``.kvbm-owed.clean``, next to the journal): it
+  drained every cascade and journaled what failed, so what the bucket lacks then it dropped on purpose (lifecycle
+  expiry, another node's purge) and is not uploaded again.
 * **Drained in batches**: once the tier takes writes, the oldest ``batch`` owed blocks are cascaded, awaited, then
   the next ones; nothing walks the whole set on the event loop, and the journal is written off it.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import logging
 import os
 import time
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 
 CATCH_UP_EVERY_S = 2.0  # how often owed write-throughs check whether their tier takes writes again
 JOURNAL_NAME = ".kvbm-owed.journal"  # in the disk tier's directory (a dot-file: never taken for a block)
+# Next to the journal, written by a clean stop once the journal holds everything owed; taken (removed) at start.
+CLEAN_NAME = ".kvbm-owed.clean"
 JOURNAL_DELAY_S = 0.05  # an owed or paid block reaches the journal file within this (batched, one fsync)
 RECONCILE_YIELD = 4096  # blocks compared per event-loop turn when reconciling a big disk
 DEFAULT_MAX_OWED = 1_000_000
@@ -61,6 +66,9 @@ class OwedWrites:
         self._lines: list[str] = []  # journal lines not written yet
         self._journal_lines = 0  # lines in the journal file
         self._dropped_logged = 0.0
+        self._journal_logged = -1e9
+        self._clean_start = False  # the last run stopped cleanly: its journal holds all it owed
+        self._settled = False  # nothing unjournaled is left from a crash: a clean start, or a whole reconcile done
         self._task: asyncio.Task[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()  # one flush at a time: an append must not land in a file being replaced
@@ -102,8 +110,11 @@ class OwedWrites:
         try:
             await asyncio.sleep(delay)
             while any(self._owed.values()):
-                await self.flush()
                 paid = 0
+                try:
+                    await self.flush()
+                except Exception as e:  # a full or failing disk: the lines stay pending, the blocks still owed
+                    self._journal_failed(e)
                 for name in [n for n, keys in self._owed.items() if keys]:
                     if self.s.by_name[name].writable():
                         paid += await self.drain_batch(name)
@@ -111,7 +122,8 @@ class OwedWrites:
                     await asyncio.sleep(self.every_s)
         finally:
             if self._lines:
-                await asyncio.shield(self.flush())
+                with contextlib.suppress(Exception):  # logged by the flusher; the next start reconciles
+                    await asyncio.shield(self.flush())
 
     async def drain_batch(self, tier: str) -> int:
         """Cascade the oldest ``batch`` blocks owed to ``tier``; returns how many are paid."""
@@ -160,8 +172,18 @@ class OwedWrites:
             try:
                 await self.flush()
             except Exception as e:  # a full or failing disk: the lines stay pending, tried again
-                log.warning("owed-write journal %s not written: %s", self.journal, e)
+                self._journal_failed(e)
                 await asyncio.sleep(max(self.every_s, self.journal_delay_s))
+
+    def _journal_failed(self, e: BaseException) -> None:
+        """Log a failed journal write, once a minute at most: what is owed is still paid (the journal only lets a
+        restart know it), and a start reconciles the disk against the bucket whatever the journal missed."""
+        self.s.stats.errors["owed_journal"] = self.s.stats.errors.get("owed_journal", 0) + 1
+        now = time.monotonic()
+        if now - self._journal_logged > 60:
+            self._journal_logged = now
+            log.warning("owed-write journal %s not written (%d lines pending, retried): %s", self.journal,
+                        len(self._lines), e)
 
     async def flush(self) -> None:
         """Write the pending journal lines (in a thread); rewrite the file compactly when it is mostly paid.
@@ -171,7 +193,13 @@ class OwedWrites:
             if self.journal is None or not self._lines:
                 return
             lines, self._lines = self._lines, []
-            if self._journal_lines + len(lines) > 2 * self.total() + 10_000:
+            # Deleted under us (an operator, a cleanup script): appending would leave only the new lines, and a
+            # restart would forget everything owed before. Written whole again instead.
+            gone = self._journal_lines > 0 and not await asyncio.to_thread(self.journal.exists)
+            if gone:
+                log.warning("owed-write journal %s was deleted: written again with the %d blocks owed", self.journal,
+                            self.total())
+            if gone or self._journal_lines + len(lines) > 2 * self.total() + 10_000:
                 body = [f"+ {t} {k.hash.hex()} {k.namespace}\n" for t, keys in self._owed.items() for k in keys]
                 fn, after = _rewrite, len(body)
             else:
@@ -199,7 +227,17 @@ class OwedWrites:
         """Use ``journal`` from now on and owe again what it holds unpaid (a restart after an outage); returns how
         many blocks that is. Blocks no tier holds any more are left out."""
         self.journal = journal
-        owed = await asyncio.to_thread(_replay, journal)
+        clean = await asyncio.to_thread(_take_clean_mark, journal.with_name(CLEAN_NAME))
+        # A journal deleted while the daemon was stopped took what it owed along: then reconcile after all.
+        self._clean_start = self._settled = clean and await asyncio.to_thread(journal.exists)
+        stale = await asyncio.to_thread(_remove_stale_temps, journal)
+        if stale:
+            log.info("removed %d temporary journal files a stopped run left (killed while compacting)", stale)
+        try:
+            owed = await asyncio.to_thread(_replay, journal)
+        except OSError as e:  # unreadable: the start-up reconcile owes what the disk holds and the bucket lacks
+            self._journal_failed(e)
+            owed = {}
         n = 0
         for (tier, key) in owed:
             if tier in self.s.by_name and self.s.registry.where(key) and not self.s.registry.holds(tier, key):
@@ -209,8 +247,12 @@ class OwedWrites:
                 self._owed.setdefault(tier, {})[key] = None
                 n += 1
         current = [f"+ {t} {k.hash.hex()} {k.namespace}\n" for t, keys in self._owed.items() for k in keys]
-        await asyncio.to_thread(_rewrite, journal, current)
-        self._journal_lines = len(current)
+        try:
+            await asyncio.to_thread(_rewrite, journal, current)
+            self._journal_lines = len(current)
+        except OSError as e:  # a full disk: the old journal stays (it replays to the same set), compacted later
+            self._journal_failed(e)
+            self._journal_lines = 2 * len(current) + 10_000  # unknown: the next flush rewrites it
         self.s.stats.owed_resumed += n
         if n:
             log.info("%d write-throughs owed before the restart resumed", n)
@@ -221,6 +263,12 @@ class OwedWrites:
         """Owe ``dst`` every block (of ``namespace``, default all) tier ``src`` holds and ``dst`` lacks, as far as
         the index knows just after ``dst`` was listed; returns how many were newly owed. What a lost journal
         entry (or a crash mid-cascade) left on disk only is repaid this way."""
+        if self._clean_start:
+            # A clean stop drained every cascade and journaled what failed: a block the disk holds and the bucket
+            # lacks reached it and was dropped there on purpose (lifecycle expiry, another node's purge).
+            log.info("the last run stopped cleanly: %s not reconciled against %s (its journal holds what is owed)",
+                     namespace or "the bucket", src)
+            return 0
         reg = self.s.registry
         owed = self._owed.setdefault(dst, {})
         n = 0
@@ -235,6 +283,8 @@ class OwedWrites:
             owed[key] = None
             self._note("+", dst, key)
             n += 1
+        if namespace is None:
+            self._settled = True  # (what a lazy start reconciles namespace by namespace never settles a crash)
         if n:
             self.s.stats.owed_reconciled += n
             log.info("%d blocks on %s missing from %s after a restart: owed to it", n, src, dst)
@@ -248,7 +298,13 @@ class OwedWrites:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):  # the cascades logged their failures
                     await task
-        await self.flush()
+        try:
+            await self.flush()
+        except Exception as e:  # the tiers must still close; the next start reconciles what was not journaled
+            self._journal_failed(e)
+            return
+        if self.journal is not None and not self._lines and self._settled:
+            await asyncio.to_thread(_mark_clean, self.journal.with_name(CLEAN_NAME))
 
     def cancel(self) -> None:
         for task in (self._task, self._flusher):
@@ -274,6 +330,36 @@ def _rewrite(path: Path, lines: list[str]) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def _mark_clean(path: Path) -> None:
+    """Say the journal next to ``path`` holds all this run owed; a mark that cannot be written only costs the next
+    start a reconcile."""
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+        f.write("the last run stopped cleanly\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _take_clean_mark(path: Path) -> bool:
+    """Whether the last run stopped cleanly; the mark is removed (a crash of this run must not inherit it), and a
+    mark that cannot be removed is not trusted."""
+    try:
+        path.unlink()
+    except OSError:
+        return False
+    return True
+
+
+def _remove_stale_temps(path: Path) -> int:
+    """Remove the temporary files of :func:`_rewrite` a killed run left next to ``path``; at start only, when the
+    directory is this daemon's alone (the disk tier's lock), so none is another writer's. Returns how many."""
+    n = 0
+    for tmp in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
+        with contextlib.suppress(OSError):  # gone already, or not removable: tried again at the next start
+            tmp.unlink()
+            n += 1
+    return n
 
 
 def _replay(path: Path) -> dict[tuple[str, BlockKey], None]:

@@ -197,7 +197,8 @@ def test_peers_authenticate_to_a_daemon_with_tenants_and_no_curve(tmp_path, s3_s
     token = str(b.proc.admin_token_path)
     c = Node(tmp_path, "c", s3_server, s3_prefix, node_id="c", peers=[b.events], peer_token_file=token,
              probe=False, prefetch=False)
-    d = Node(tmp_path, "d", s3_server, s3_prefix, node_id="d", peer_token_file=token, **FAST)
+    d = Node(tmp_path, "d", s3_server, s3_prefix, node_id="d", peer_token_file=token, peer_token_endpoints=[b.events],
+             **FAST)
     nodes.extend([c.start(), d.start()])
     keys = prompt(3)
     with c.client() as cc, d.client() as cd:
