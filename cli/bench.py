@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from kvbm.bench.trace_sim import SHIPPED_TRACE
 from kvbm.cli.common import SIZE
 
 
@@ -418,8 +419,9 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
 
 
 @bench.command("trace")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, exists=True), required=True,
-              help="A Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, exists=True), default=str(SHIPPED_TRACE),
+              show_default="the shipped Mooncake conversation trace",
+              help="A Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids), .gz or not.")
 @click.option("--limit", default=0, show_default=True, help="Replay only the first N requests (0: all).")
 @click.option("--speedup", default=20.0, show_default=True, help="Timestamps are divided by this.")
 @click.option("--block-size", type=SIZE, default="32KiB", show_default=True, help="Bytes per trace block (a hash_id).")
@@ -464,8 +466,8 @@ def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capa
 
 
 @bench.command("trace-serve")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, exists=True), required=True,
-              help="A Mooncake-format JSONL trace.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, exists=True), default=str(SHIPPED_TRACE),
+              show_default="the shipped Mooncake conversation trace", help="A Mooncake-format JSONL trace, .gz or not.")
 @click.option("--conversations", default=12, show_default=True, help="Conversations (2+ turns) in the slice.")
 @click.option("--turns", default=4, show_default=True, help="Requests kept per conversation.")
 @click.option("--max-blocks", default=48, show_default=True, help="Hash ids kept per request (its prefix).")

@@ -13,6 +13,7 @@ parents). Hit ratio = hit blocks / all block references. Simulated caches, each 
 
 from __future__ import annotations
 
+import gzip
 import heapq
 import json
 from collections import OrderedDict
@@ -20,6 +21,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# The conversation workload of the Mooncake FAST'25 trace release, gzipped (data/README.md: source, licence, figures).
+SHIPPED_TRACE = Path(__file__).resolve().parent / "data" / "mooncake-conversation.jsonl.gz"
 
 
 @dataclass(frozen=True)
@@ -31,12 +35,14 @@ class TraceRequest:
 
 
 def load_trace(path: str | Path, limit: int = 0) -> list[TraceRequest]:
-    """Parse a Mooncake-format JSONL trace (first ``limit`` requests when > 0), sorted by timestamp.
+    """Parse a Mooncake-format JSONL trace, gzipped when its name ends in ``.gz`` (first ``limit`` requests when
+    > 0), sorted by timestamp.
 
     A line that is not an object with an integer ``timestamp`` and a list of integer ``hash_ids`` raises
     ValueError naming the line and the field."""
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
