@@ -10,7 +10,8 @@ import pytest
 import kvbm
 from kvbm.bench.trace_sim import SHIPPED_TRACE, TraceRequest, bounds, load_trace
 from kvbm.cli.bench import bench
-from kvbm.manager.placement import FrequencyClasses, simulate
+from kvbm.manager.placement import FrequencyClasses
+from kvbm.manager.policy_sim import simulate
 
 
 @pytest.fixture(scope="module")
