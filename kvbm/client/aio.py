@@ -14,7 +14,8 @@ import zmq.asyncio
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
-from kvbm.client.core import Buffer, DaemonError, DaemonUnavailable, R, _Core
+from kvbm.client.core import Buffer, R, _Core
+from kvbm.client.errors import DaemonError, DaemonUnavailable
 from kvbm.client.lease import SlotGate, aonboarded, areserving
 
 

@@ -22,13 +22,8 @@ from zmq.utils.monitor import parse_monitor_message
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
-from kvbm.client.core import (
-    Buffer,
-    DaemonError,
-    DaemonUnavailable,
-    R,
-    _Core,
-)
+from kvbm.client.core import Buffer, R, _Core
+from kvbm.client.errors import DaemonError, DaemonUnavailable
 from kvbm.client.lease import onboarded, reserving
 
 __all__ = ["WorkerClient"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvbm import protocol as p
-from kvbm.client.core import DaemonError
+from kvbm.client.errors import DaemonError
 
 # Answers that mean the daemon is loaded (no free slot or over a budget, shedding offloads, a lower tier out
 # for now, too many requests in flight): this transfer is skipped or recomputed, the session stays up.
