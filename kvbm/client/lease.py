@@ -68,7 +68,7 @@ class SlotGate:
             return
         n = min(n, self.cap)
         async with self._cond:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):  # distinct classes on Python 3.10
                 await asyncio.wait_for(self._cond.wait_for(lambda: self.held + n <= self.cap), timeout_s)
             self.held += n
         try:
