@@ -83,7 +83,7 @@ async def put_s3(srv, prefix: str, keys, n: int = PAYLOAD, foreign: list[str] = 
         await asyncio.gather(*(t.put(k, data_for(k, n)) for k in keys))
         assert t.stats.errors == 0 and t.stats.shed == 0
         for fk in foreign:
-            await t._s3.put_object(Bucket=srv.bucket, Key=fk, Body=b"not a kvbm block")
+            await t.session.client.put_object(Bucket=srv.bucket, Key=fk, Body=b"not a kvbm block")
     finally:
         await t.close()
 
@@ -98,7 +98,7 @@ async def list_s3(srv, prefix: str) -> list[str]:
             kw = {"Bucket": srv.bucket, "Prefix": prefix.split("/")[0]}
             if token:
                 kw["ContinuationToken"] = token
-            r = await t._s3.list_objects_v2(**kw)
+            r = await t.session.client.list_objects_v2(**kw)
             out += [o["Key"] for o in r.get("Contents", [])]
             token = r.get("NextContinuationToken")
             if not r.get("IsTruncated"):

@@ -127,16 +127,16 @@ def test_corrupt_object_is_a_counted_miss(s3_server, s3_prefix, client):
             await t.put(k, os.urandom(4096))
             await t.put(k2, os.urandom(4096))
             okey = t.object_key(k)
-            body = bytearray(await (await t._s3.get_object(Bucket=t.bucket, Key=okey))["Body"].read())
+            body = bytearray(await (await t.session.client.get_object(Bucket=t.bucket, Key=okey))["Body"].read())
             body[HEADER_LEN + 100] ^= 0xFF  # one flipped payload byte, same size
-            await t._s3.put_object(Bucket=t.bucket, Key=okey, Body=bytes(body))
+            await t.session.client.put_object(Bucket=t.bucket, Key=okey, Body=bytes(body))
             out = bytearray(4096)
             assert await t.get_into(k, memoryview(out)) is None
             assert t.stats.corrupt == 1 and not t.contains(k)
             assert (await t.head_many([k]))[k] is None  # deleted
             # A body that is another block's (header names a different hash) is corrupt too.
-            other = await (await t._s3.get_object(Bucket=t.bucket, Key=t.object_key(k2)))["Body"].read()
-            await t._s3.put_object(Bucket=t.bucket, Key=okey, Body=other)
+            other = await (await t.session.client.get_object(Bucket=t.bucket, Key=t.object_key(k2)))["Body"].read()
+            await t.session.client.put_object(Bucket=t.bucket, Key=okey, Body=other)
             assert await t.get_into(k, memoryview(out)) is None and t.stats.corrupt == 2
         finally:
             await t.close()
@@ -189,7 +189,7 @@ def test_listing_paging_batch_delete_usage(s3_server, s3_prefix):
             k2 = [key(i, NS2) for i in range(n2)]
             await asyncio.gather(*(t.put(k, blob) for k in k1 + k2))
             assert t.stats.puts == n1 + n2 and t.stats.shed == 0
-            await t._s3.put_object(Bucket=t.bucket, Key=f"{s3_prefix}/README", Body=b"foreign")
+            await t.session.client.put_object(Bucket=t.bucket, Key=f"{s3_prefix}/README", Body=b"foreign")
             listed = [x async for x in t.list_objects()]
             assert len(listed) == n1 + n2 + 1
             assert sum(1 for bk, *_ in listed if bk is None) == 1
@@ -315,7 +315,7 @@ def test_put_bodies_are_unsigned_unless_asked(s3_server, s3_prefix, sign_payload
             body = bytes(request.body) if isinstance(request.body, (bytes, bytearray, memoryview)) else b""
             sent.append((request.headers["X-Amz-Content-SHA256"], hashlib.sha256(body).hexdigest()))
 
-        t._s3.meta.events.register("before-send.s3.PutObject", capture)
+        t.session.client.meta.events.register("before-send.s3.PutObject", capture)
         data = os.urandom(256 * 1024)
         k = key(1)
         await t.put(k, data)

@@ -8,55 +8,27 @@ import contextlib
 import itertools
 import os
 import time
-import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvbm.blocks import MIN_HEADER_LEN, BlockKey
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.tiers.s3.bodies import OFFLOOP_BYTES, BodyBuffers, copy_payload
-from kvbm.tiers.s3.codes import one_line, probe_failure
+from kvbm.tiers.s3.codes import one_line
 from kvbm.transfer.nixl_agent import nixl_api
-
-if TYPE_CHECKING:
-    from kvbm.tiers.s3.session import S3Session
-    from kvbm.tiers.s3.tier import S3Tier
-
-
-async def start_nixl(tier: S3Session, session: Any) -> NixlObj:
-    """The NIXL OBJ backend for ``tier``, started and its credentials proven with a real write + read."""
-    frozen = await (await tier.credential_source(session, f"the NIXL OBJ backend ({tier.endpoint_name})"))()
-    obj = NixlObj(tier.cfg, tier.endpoint, tier.bucket, frozen.access_key, frozen.secret_key, frozen.token)
-    await obj.start()
-    # create_backend accepts any secret; prove the credentials with a real write + read.
-    probe = f"{tier._base()}.kvbm-probe/{uuid.uuid4().hex}"
-    body = b"kvbm-nixl-probe"
-    try:
-        await obj.write(probe, body)
-        back = bytearray(len(body))
-        await obj.read(probe, memoryview(back))
-        if bytes(back) != body:
-            raise TierUnavailableError("NIXL OBJ probe read back different bytes")
-    except TierUnavailableError as e:
-        obj.close()
-        raise probe_failure(tier.endpoint_name, "NIXL OBJ backend", await tier._diagnose(), e) from None
-    except BaseException:
-        obj.close()
-        raise
-    finally:
-        with contextlib.suppress(Exception):
-            await tier._s3.delete_object(Bucket=tier.bucket, Key=probe)
-    return obj
 
 
 class NixlBody:
     """:class:`BodyBackend` over NIXL OBJ: bodies are staged in a buffer (NIXL registers whole regions)."""
 
-    def __init__(self, tier: S3Tier, obj: NixlObj) -> None:
-        self.tier = tier  # for its index (object sizes) and HEAD
+    def __init__(self, obj: NixlObj, nbytes: Callable[[BlockKey], int | None],
+                 head_size: Callable[[str], Awaitable[int | None]]) -> None:
         self.obj = obj
-        self._buffers = BodyBuffers(tier.cfg.max_concurrency)
+        self._nbytes = nbytes  # the index's payload size of a block (None: not indexed)
+        self._head_size = head_size  # an object's size by HEAD (None: no such object)
+        self._buffers = BodyBuffers(obj.cfg.max_concurrency)
 
     async def put(self, okey: str, key: BlockKey, payload: memoryview, meta: dict[str, str]) -> None:
         buf = await self._buffers.encode(key, payload)
@@ -83,10 +55,9 @@ class NixlBody:
 
     async def _fetch(self, key: BlockKey, okey: str) -> bytes | bytearray | None:
         """The object body, or None if there is no such object (NIXL reads need the size up front)."""
-        t = self.tier
-        n = t.nbytes(key)
+        n = self._nbytes(key)
         if n is None:
-            size = await t._head_size(okey)
+            size = await self._head_size(okey)
             if size is None:
                 return None
         else:
@@ -96,7 +67,7 @@ class NixlBody:
             await self.obj.read(okey, memoryview(buf))
         except TierUnavailableError:
             # Gone (deleted by another node, or a different size now) or a real failure: ask HEAD.
-            real = await t._head_size(okey)
+            real = await self._head_size(okey)
             if real is None:
                 return None
             if real != size:
