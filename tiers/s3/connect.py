@@ -104,8 +104,8 @@ async def start_http(s: S3Endpoint, session: Any) -> HttpBodyClient:
 
 async def start_nixl(s: S3Endpoint, session: Any) -> NixlObj:
     """The NIXL OBJ backend for ``s``, started and its credentials proven with a real write + read."""
-    frozen = await (await s.credential_source(session, f"the NIXL OBJ backend ({s.endpoint_name})"))()
-    obj = NixlObj(s.cfg, s.endpoint, s.bucket, frozen.access_key, frozen.secret_key, frozen.token)
+    source = await s.credential_source(session, f"the NIXL OBJ backend ({s.endpoint_name})")
+    obj = NixlObj(s.cfg, s.endpoint, s.bucket, source)  # asks the source again before each transfer
     await obj.start()
     # create_backend accepts any secret; prove the credentials with a real write + read.
     probe = f"{s.base}.kvbm-probe/{uuid.uuid4().hex}"

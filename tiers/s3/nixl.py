@@ -86,35 +86,47 @@ class NixlObj:
 
     _agent_ids = itertools.count()
 
-    def __init__(self, cfg: S3Config, endpoint: str | None, bucket: str, ak: str, sk: str, tok: str | None):
+    def __init__(self, cfg: S3Config, endpoint: str | None, bucket: str,
+                 credentials: Callable[[], Awaitable[Any]]) -> None:
         self.cfg = cfg
         self.endpoint = endpoint
         self.bucket = bucket
-        self._ak, self._sk, self._tok = ak, sk, tok
+        # The credential source (access_key, secret_key, token), asked before each transfer as the http client
+        # does: botocore refreshes expiring ones, and an agent is made anew when they changed (aws-sdk-cpp holds
+        # the ones its backend was created with).
+        self._credentials = credentials
+        self._creds: tuple[str, str, str | None] = ("", "", None)
         self._agent: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._dev_ids = itertools.count(1)
+        self._renewing = asyncio.Lock()
 
-    def _params(self) -> dict[str, str]:
+    def _params(self, creds: tuple[str, str, str | None]) -> dict[str, str]:
+        ak, sk, tok = creds
         p = {
             "bucket": self.bucket,
             "create_bucket": "false",
             "region": self.cfg.region,
-            "access_key": self._ak,
-            "secret_key": self._sk,
+            "access_key": ak,
+            "secret_key": sk,
             "use_virtual_addressing": "true" if self.cfg.addressing == "virtual" else "false",
             "req_checksum": "supported",
             "num_threads": str(max(2, self.cfg.max_concurrency)),
         }
-        if self._tok:
-            p["session_token"] = self._tok
+        if tok:
+            p["session_token"] = tok
         if self.endpoint:
             scheme, _, host = self.endpoint.partition("://")
             p["scheme"] = scheme or "http"
             p["endpoint_override"] = host.rstrip("/")
         return p
 
-    async def start(self) -> None:
+    async def _current(self) -> tuple[str, str, str | None]:
+        c = await self._credentials()
+        return c.access_key, c.secret_key, c.token
+
+    async def _make_agent(self, creds: tuple[str, str, str | None]) -> Any:
+        """A new agent with an OBJ backend for ``creds`` (in the pool: creating one blocks)."""
         try:
             api = nixl_api()
         except ImportError as e:
@@ -123,16 +135,36 @@ class NixlObj:
         def make() -> Any:
             conf = api.nixl_agent_config(backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
             agent = api.nixl_agent(f"kvbm-s3-{os.getpid()}-{next(self._agent_ids)}", conf)
-            agent.create_backend("OBJ", self._params())
+            agent.create_backend("OBJ", self._params(creds))
             return agent
 
-        self._pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.max_concurrency), thread_name_prefix="kvbm-nixl")
+        assert self._pool is not None
         try:
-            self._agent = await asyncio.get_running_loop().run_in_executor(self._pool, make)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, make)
         except Exception as e:
-            self.close()
             # Never echo the parameters: they hold the secret.
             raise TierUnavailableError(f"NIXL OBJ backend did not start: {type(e).__name__}") from None
+
+    async def start(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.max_concurrency), thread_name_prefix="kvbm-nixl")
+        try:
+            creds = await self._current()
+            self._agent = await self._make_agent(creds)
+            self._creds = creds
+        except BaseException:
+            self.close()
+            raise
+
+    async def _agent_for_now(self) -> Any:
+        """The agent for the source's current credentials: the same one until they change (rotated, or refreshed
+        by botocore before they expire); then a new one, which transfers already running do not use."""
+        creds = await self._current()
+        if creds != self._creds:
+            async with self._renewing:
+                if creds != self._creds:
+                    self._agent = await self._make_agent(creds)
+                    self._creds = creds
+        return self._agent
 
     def close(self) -> None:
         if self._pool is not None:
@@ -142,10 +174,9 @@ class NixlObj:
             self._pool = None
         self._agent = None
 
-    def _xfer(self, op: str, okey: str, buf: memoryview) -> None:
+    def _xfer(self, agent: Any, op: str, okey: str, buf: memoryview) -> None:
         import numpy as np
 
-        agent = self._agent
         arr = np.frombuffer(buf, dtype=np.uint8)
         addr, n = int(arr.ctypes.data), int(arr.size)
         dev = next(self._dev_ids) % (1 << 30)
@@ -176,7 +207,16 @@ class NixlObj:
     async def _run(self, op: str, okey: str, buf: memoryview) -> None:
         if self._agent is None or self._pool is None:
             raise TierUnavailableError("NIXL OBJ backend is closed")
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._xfer, op, okey, buf)
+        try:
+            agent = await self._agent_for_now()
+        except TierUnavailableError:
+            raise
+        except Exception as e:  # the credential source failed (e.g. its process): this transfer fails
+            raise TierUnavailableError(
+                f"NIXL OBJ {op} {okey}: credentials: {type(e).__name__}: {one_line(e)}") from None
+        if self._pool is None:
+            raise TierUnavailableError("NIXL OBJ backend is closed")
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._xfer, agent, op, okey, buf)
         try:
             # On timeout the worker thread finishes on its own; it holds its own reference to ``buf``.
             await asyncio.wait_for(fut, self.cfg.nixl_timeout_s)
