@@ -40,6 +40,44 @@ class S3Stats(TierStats):
     stale: int = 0  # of them, blocks the bucket no longer held (deleted by another node): forgotten
 
 
+class S3Credentials:
+    """The tier's credentials: keys given (the arguments, else the config), else botocore's chain. Never logged."""
+
+    def __init__(self, cfg: S3Config, access_key: str | None, secret_key: str | None, token: str | None) -> None:
+        self._access_key = access_key if access_key is not None else (cfg.access_key or None)
+        self._secret_key = secret_key if secret_key is not None else (cfg.secret_key or None)
+        self._session_token = token if token is not None else (cfg.session_token or None)
+
+    def client_kwargs(self) -> dict[str, str]:
+        """The aiobotocore client's keyword arguments for the given keys ({}: the client resolves the chain)."""
+        if not (self._access_key and self._secret_key):
+            return {}
+        out = {"aws_access_key_id": self._access_key, "aws_secret_access_key": self._secret_key}
+        if self._session_token:
+            out["aws_session_token"] = self._session_token
+        return out
+
+    async def source(self, session: Any, what: str) -> Callable[[], Awaitable[Any]]:
+        """An async callable giving the current credentials (``access_key``, ``secret_key``, ``token``): the
+        configured keys, else the session's chain, refreshed by botocore when near expiry; ``what`` names the
+        client in the error when there are none."""
+        from botocore.credentials import ReadOnlyCredentials
+
+        if self._access_key and self._secret_key:
+            fixed = ReadOnlyCredentials(self._access_key, self._secret_key, self._session_token)
+
+            async def configured() -> Any:
+                return fixed
+            return configured
+        chain = await session.get_credentials()
+        if chain is None:
+            raise ConfigError(f"no S3 credentials for {what}")
+
+        async def refreshed() -> Any:
+            return await chain.get_frozen_credentials()
+        return refreshed
+
+
 class S3Session:
     """One bucket under one prefix at one endpoint: the client, the body backend, naming and health. The tier
     (:class:`~kvbm.tiers.s3.tier.S3Tier`) builds it and hands it the block index and counters it keeps."""
@@ -69,10 +107,7 @@ class S3Session:
         if len(self.bucket) < 3:
             raise ConfigError(f"s3.bucket: {self.bucket!r} is shorter than 3 characters")
         self.shard_chars = cfg.shard_chars
-        ak, sk, tok = credentials
-        self._access_key = ak if ak is not None else (cfg.access_key or None)
-        self._secret_key = sk if sk is not None else (cfg.secret_key or None)
-        self._session_token = tok if tok is not None else (cfg.session_token or None)
+        self.credentials = S3Credentials(cfg, *credentials)
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
         self.observe = no_observe  # (op, seconds) per successful request; see kvbm.daemon.metrics
         self._sem: asyncio.Semaphore | None = None
@@ -160,10 +195,7 @@ class S3Session:
             kwargs["endpoint_url"] = self.endpoint
         if not cfg.verify_tls:
             kwargs["verify"] = False
-        if self._access_key and self._secret_key:
-            kwargs.update(aws_access_key_id=self._access_key, aws_secret_access_key=self._secret_key)
-            if self._session_token:
-                kwargs["aws_session_token"] = self._session_token
+        kwargs.update(self.credentials.client_kwargs())
         try:
             self._s3 = await self._stack.enter_async_context(session.create_client("s3", **kwargs))
             # "Expect: 100-continue" costs a round trip per PUT to save a body the server would refuse;
@@ -200,24 +232,8 @@ class S3Session:
         self.last_error = ""
 
     async def credential_source(self, session: Any, what: str) -> Callable[[], Awaitable[Any]]:
-        """An async callable giving the current credentials (``access_key``, ``secret_key``, ``token``): the
-        configured keys, else the session's chain, refreshed by botocore when near expiry; ``what`` names the
-        client in the error when there are none."""
-        from botocore.credentials import ReadOnlyCredentials
-
-        if self._access_key and self._secret_key:
-            fixed = ReadOnlyCredentials(self._access_key, self._secret_key, self._session_token)
-
-            async def configured() -> Any:
-                return fixed
-            return configured
-        chain = await session.get_credentials()
-        if chain is None:
-            raise ConfigError(f"no S3 credentials for {what}")
-
-        async def refreshed() -> Any:
-            return await chain.get_frozen_credentials()
-        return refreshed
+        """See :meth:`S3Credentials.source`."""
+        return await self.credentials.source(session, what)
 
     async def _probe_until_online(self, session: Any) -> None:
         """Re-check the endpoint with backoff (0.5 s doubling up to ``breaker_reset_s``) until it answers."""

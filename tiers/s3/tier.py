@@ -51,18 +51,15 @@ never logged.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime as _dt
-import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
-from kvbm.blocks import FORMAT_VERSION, BlockKey
+from kvbm.blocks import BlockKey
 from kvbm.config import S3Config
-from kvbm.errors import CorruptBlockError, TierFullError, TierUnavailableError, WriteShedError
+from kvbm.errors import TierUnavailableError
 from kvbm.tiers.base import StoredBlock, Tier
+from kvbm.tiers.s3.blocks import S3Blocks
 from kvbm.tiers.s3.breaker import CircuitBreaker
 from kvbm.tiers.s3.bulk import S3Bulk
 from kvbm.tiers.s3.codes import one_line
@@ -70,17 +67,14 @@ from kvbm.tiers.s3.index import ObjectIndex
 from kvbm.tiers.s3.listing import S3Listing
 from kvbm.tiers.s3.session import HEADER_LEN, S3Session, S3Stats
 
-log = logging.getLogger("kvbm.tiers.s3")
-
-META_FORMAT = f"kvbm-block-v{FORMAT_VERSION}"
-
 
 class S3Tier(Tier):
     """Blocks as objects in one bucket; see the module docstring for keys, format and failure handling.
 
-    Composed of its parts, each owning its state: :attr:`session` (client, body backend, naming, health),
-    :attr:`listing` (LIST, scans, usage) and :attr:`bulk` (many-object requests, auxiliary objects); the tier
-    keeps the block data path, its index of the bucket (``objects``) and its counters (``stats``)."""
+    Composed of its parts, each owning its state: :attr:`session` (client, body backend, credentials, naming,
+    health), :attr:`blocks` (PUT/GET of a block, the writes in flight), :attr:`listing` (LIST, scans, usage) and
+    :attr:`bulk` (many-object requests, auxiliary objects); the tier keeps its index of the bucket (``objects``)
+    and its counters (``stats``), which it hands them, and the Tier interface over them."""
 
     name = "G4"
     kind = "s3"
@@ -112,7 +106,7 @@ class S3Tier(Tier):
         self.cfg, self.endpoint, self.bucket, self.prefix = cfg, s.endpoint, s.bucket, s.prefix
         self.client_kind, self.shard_chars = s.client_kind, s.shard_chars
         self.breaker: CircuitBreaker = s.breaker
-        self._pending_writes = 0
+        self.blocks = S3Blocks(self.session)
 
     # -- the session's state, read through ------------------------------------------------------
     @property
@@ -156,8 +150,7 @@ class S3Tier(Tier):
         await self.session.close()
 
     def writable(self) -> bool:
-        return (self.online and self._pending_writes < self.cfg.max_pending_writes
-                and self.breaker.would_allow())
+        return self.blocks.writable()
 
     # -- index (kvbm.tiers.s3.index) --------------------------------------------------------------
     def seen_within(self, key: BlockKey, max_age_s: float | None = None) -> bool:
@@ -207,102 +200,12 @@ class S3Tier(Tier):
     async def delete_many(self, s3_keys: Iterable[str]) -> tuple[int, list[tuple[str, str, str]]]:
         return await self.bulk.delete_many(s3_keys)
 
-    # -- data path -------------------------------------------------------------------------------
-    def _meta(self, key: BlockKey, nbytes: int) -> dict[str, str]:
-        return {
-            "kvbm-format": META_FORMAT,
-            "kvbm-namespace": key.namespace,
-            "kvbm-hash": key.hash.hex(),
-            "kvbm-nbytes": str(nbytes),
-            "kvbm-created": f"{time.time():.3f}",
-        }
-
-    def _shed(self, key: BlockKey, why: str) -> WriteShedError:
-        self.stats.shed += 1
-        return WriteShedError(f"G4 S3 {self.endpoint_name}: write of {key} shed ({why})")
-
+    # -- data path: the block mover's -------------------------------------------------------------
     async def put(self, key: BlockKey, data: memoryview | bytes) -> None:
-        self.session.require_started()
-        n = memoryview(data).nbytes
-        fp = self.footprint(n)
-        old = self.objects.sizes.get(key)
-        if old is None and self.capacity_bytes and self.objects.used + fp > self.capacity_bytes:
-            raise TierFullError(f"G4 S3: {self.objects.used + fp} bytes would exceed capacity {self.capacity_bytes}")
-        if not self.online:
-            raise self._shed(key, f"endpoint not reachable yet: {self.last_error}")
-        if self._pending_writes >= self.cfg.max_pending_writes:
-            raise self._shed(key, f"{self._pending_writes} writes in flight, s3.max_pending_writes")
-        if not self.breaker.allow():
-            raise self._shed(key, "circuit breaker open")
-        self._pending_writes += 1
-        try:
-            okey = self.object_key(key)
-            async with self.session.sem:
-                t0 = time.perf_counter()
-                await self.session.body.put(okey, key, memoryview(data), self._meta(key, n))
-                self.observe("put", time.perf_counter() - t0)
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            self.breaker.abandon()
-            raise
-        except Exception as e:
-            self.session.failed("PUT", key, e)
-            raise TierUnavailableError(f"S3 PUT of {key} at {self.endpoint_name} failed: {one_line(e)}") from None
-        finally:
-            self._pending_writes -= 1
-        self.breaker.success()
-        self.objects.set(key, n)
-        self.stats.puts += 1
-        self.stats.bytes_in += n
+        await self.blocks.put(key, data, self.capacity_bytes)
 
     async def get_into(self, key: BlockKey, out: memoryview) -> int | None:
-        self.session.require_started()
-        self.stats.gets += 1
-        if not self.online or not self.breaker.allow():
-            self.stats.misses += 1
-            return None
-        okey = self.object_key(key)
-        view = memoryview(out).cast("B")
-        expected = self.objects.sizes.get(key)  # the length the caller sized ``out`` (and a G2 slot) by
-        try:
-            async with self.session.sem:
-                t0 = time.perf_counter()
-                n = await self.session.body.get_into(okey, key, view)
-                self.observe("get", time.perf_counter() - t0)
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            self.breaker.abandon()
-            raise
-        except CorruptBlockError as e:
-            self.breaker.success()
-            log.warning("corrupt S3 object %s: %s (deleted)", okey, e)
-            self.stats.corrupt += 1
-            self.stats.misses += 1
-            self.objects.drop(key)
-            with contextlib.suppress(Exception):
-                await self.session.client.delete_object(Bucket=self.bucket, Key=okey)
-            return None
-        except ValueError:
-            raise
-        except Exception as e:
-            self.session.failed("GET", key, e)
-            self.stats.misses += 1
-            return None
-        self.breaker.success()
-        if n is None:
-            self.objects.drop(key)
-            self.stats.misses += 1
-            return None
-        if expected is not None and n != expected:
-            # A valid block of another length (overwritten since it was indexed): what the caller sized its
-            # buffer or slot by is not what is there, so nothing of it is served. Forgotten: a miss, recomputed.
-            log.warning("S3 object %s holds %d payload bytes, %d indexed: refused", okey, n, expected)
-            self.stats.short_reads += 1
-            self.stats.misses += 1
-            self.objects.drop(key)
-            return None
-        self.objects.set(key, n)
-        self.stats.hits += 1
-        self.stats.bytes_out += n
-        return n
+        return await self.blocks.get_into(key, out)
 
     async def delete(self, key: BlockKey) -> bool:
         self.session.require_online()
@@ -352,7 +255,7 @@ class S3Tier(Tier):
         d.update(
             endpoint=self.endpoint_name, bucket=self.bucket, prefix=self.prefix, client=self.client_kind,
             breaker=self.breaker.describe(), online=self.online, last_error=self.last_error,
-            pending_writes=self._pending_writes, indexed_blocks=len(self.objects.sizes),
+            pending_writes=self.blocks.pending_writes, indexed_blocks=len(self.objects.sizes),
         )
         return d
 
