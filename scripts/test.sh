@@ -7,4 +7,4 @@ if [[ "${CI:-}" == "true" ]]; then export KVBM_REQUIRE=${KVBM_REQUIRE-s3,nixl,od
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KVBM_EXTRAS=${KVBM_EXTRAS-vllm,bench} bash scripts/install.sh
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"  # the 15 slowest tests, so .ci/run shows them

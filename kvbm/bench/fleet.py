@@ -143,7 +143,7 @@ def _fleet(opts: FleetOptions, srv: dict[str, Any], root: Path, say: Callable[[s
 
 async def _put_tiny(tier: Any, sem: asyncio.Semaphore, key: str) -> None:
     async with sem:
-        await tier._s3.put_object(Bucket=tier.bucket, Key=key, Body=b"x")
+        await tier.session.client.put_object(Bucket=tier.bucket, Key=key, Body=b"x")
 
 
 def _list_key(i: int) -> str:

@@ -31,7 +31,7 @@ from kvbm.bench.common import (
     summary,
     temp_dir,
 )
-from kvbm.bench.trace_sim import TraceRequest, bounds, load_trace, purge_cost, trace_summary
+from kvbm.bench.trace_sim import SHIPPED_TRACE, TraceRequest, bounds, load_trace, purge_cost, trace_summary
 
 KiB = 1024
 FULL_RETRIES = 10
@@ -40,7 +40,7 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: distinct ids give distinct words at
 
 @dataclass
 class TraceOptions(BenchTarget):
-    trace: str = ""
+    trace: str = str(SHIPPED_TRACE)  # a Mooncake-format JSONL file, .gz or not
     limit: int = 0  # first N requests (0: all)
     speedup: float = 20.0  # timestamps divided by this
     block_bytes: int = 32 * KiB

@@ -42,7 +42,7 @@ from kvbm.bench.openai_server import (
     words,
     write_model,
 )
-from kvbm.bench.trace_sim import TraceRequest, load_trace
+from kvbm.bench.trace_sim import SHIPPED_TRACE, TraceRequest, load_trace
 
 MiB = 1 << 20
 SOURCES = ("vllm", "kvbm")
@@ -50,7 +50,7 @@ SOURCES = ("vllm", "kvbm")
 
 @dataclass
 class TraceServeOptions(BenchTarget, RandomModelOptions):
-    trace: str = ""
+    trace: str = str(SHIPPED_TRACE)  # a Mooncake-format JSONL file, .gz or not
     conversations: int = 12
     turns: int = 4  # requests kept per conversation
     max_blocks: int = 48  # hash ids kept per request (its prefix)

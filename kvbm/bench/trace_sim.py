@@ -13,13 +13,20 @@ parents). Hit ratio = hit blocks / all block references. Simulated caches, each 
 
 from __future__ import annotations
 
+import gzip
 import heapq
 import json
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvbm.manager import policy_sim
+from kvbm.manager.placement import DEFAULT_WEIGHTS
+from kvbm.manager.policy_sim import prefix_hit
+
+# The conversation workload of the Mooncake FAST'25 trace release, gzipped (data/README.md: source, licence, figures).
+SHIPPED_TRACE = Path(__file__).resolve().parent / "data" / "mooncake-conversation.jsonl.gz"
 
 
 @dataclass(frozen=True)
@@ -31,12 +38,14 @@ class TraceRequest:
 
 
 def load_trace(path: str | Path, limit: int = 0) -> list[TraceRequest]:
-    """Parse a Mooncake-format JSONL trace (first ``limit`` requests when > 0), sorted by timestamp.
+    """Parse a Mooncake-format JSONL trace, gzipped when its name ends in ``.gz`` (first ``limit`` requests when
+    > 0), sorted by timestamp.
 
     A line that is not an object with an integer ``timestamp`` and a list of integer ``hash_ids`` raises
     ValueError naming the line and the field."""
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -66,35 +75,15 @@ def trace_summary(reqs: Sequence[TraceRequest]) -> dict[str, Any]:
             "duration_s": (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1e3 if reqs else 0.0}
 
 
-def _hit(ids: Sequence[int], held: Any) -> int:
-    n = 0
-    for h in ids:
-        if h not in held:
-            break
-        n += 1
-    return n
-
-
 def lru_hits(reqs: Iterable[TraceRequest], capacity: int) -> int:
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = 0
-    for r in reqs:
-        hits += _hit(r.hash_ids, cache)
-        for h in r.hash_ids:
-            if h in cache:
-                cache.move_to_end(h)
-            else:
-                cache[h] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hits
+    return policy_sim.lru_hits((r.hash_ids for r in reqs), capacity)
 
 
 def infinite_hits(reqs: Iterable[TraceRequest]) -> int:
     seen: set[int] = set()
     hits = 0
     for r in reqs:
-        hits += _hit(r.hash_ids, seen)
+        hits += prefix_hit(r.hash_ids, seen)
         seen.update(r.hash_ids)
     return hits
 
@@ -119,7 +108,7 @@ def belady_hits(reqs: Sequence[TraceRequest], capacity: int, next_uses: list[lis
     heap: list[tuple[int, int]] = []  # (-next use, block), stale entries skipped
     hits = 0
     for i, r in enumerate(reqs):
-        hits += _hit(r.hash_ids, cache)
+        hits += prefix_hit(r.hash_ids, cache)
         for h, n in zip(r.hash_ids, nu[i], strict=True):
             if h in cache:
                 cache[h] = n
@@ -142,17 +131,7 @@ def belady_hits(reqs: Sequence[TraceRequest], capacity: int, next_uses: list[lis
 
 def policy_hits(reqs: Sequence[TraceRequest], capacity: int, **kw: Any) -> int:
     """The daemon's placement policy (:mod:`kvbm.manager.placement`) as a cache of ``capacity`` blocks."""
-    from kvbm.manager.placement import simulate
-
-    return simulate([r.hash_ids for r in reqs], capacity, times=[r.timestamp_ms / 1e3 for r in reqs], **kw)
-
-
-def _has_policy() -> bool:
-    try:
-        from kvbm.manager.placement import simulate  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return policy_sim.simulate([r.hash_ids for r in reqs], capacity, times=[r.timestamp_ms / 1e3 for r in reqs], **kw)
 
 
 def bounds(reqs: Sequence[TraceRequest], capacities: Sequence[int], with_policy: bool = True) -> dict[str, Any]:
@@ -163,7 +142,7 @@ def bounds(reqs: Sequence[TraceRequest], capacities: Sequence[int], with_policy:
     for c in capacities:
         row = {"capacity_blocks": int(c), "lru": round(lru_hits(reqs, c) / refs, 4),
                "belady": round(belady_hits(reqs, c, nu) / refs, 4)}
-        if with_policy and _has_policy():
+        if with_policy:
             row["policy"] = round(policy_hits(reqs, c) / refs, 4)
         out["by_capacity"].append(row)
     return out
@@ -176,8 +155,6 @@ def purge_cost(reqs: Sequence[TraceRequest], keep_share: float = 0.1, at: float 
     used first, ``kvbm purge --max-bytes --by access``), ``value`` (the policy's hit density from what the bucket's
     access logs tell, hit since written or not, then age: ``--by value``) and ``value_counts`` (the same density
     with the reference counts a daemon keeps)."""
-    from kvbm.manager.placement import DEFAULT_WEIGHTS
-
     split = int(len(reqs) * at)
     first, rest = reqs[:split], reqs[split:]
     last: dict[int, float] = {}
@@ -209,7 +186,7 @@ def purge_cost(reqs: Sequence[TraceRequest], keep_share: float = 0.1, at: float 
         held = set(kept)
         hits = 0
         for r in rest:
-            hits += _hit(r.hash_ids, held)
+            hits += prefix_hit(r.hash_ids, held)
             held.update(r.hash_ids)
         out[name] = round(hits / refs, 4)
     return out

@@ -21,6 +21,7 @@ one. :func:`client_options` reads all three from a config the way the CLI does.
 
 from kvbm.client.aio import AsyncWorkerClient
 from kvbm.client.blocking import WorkerClient
-from kvbm.client.core import DaemonError, DaemonUnavailable, Overloaded, client_options
+from kvbm.client.core import client_options
+from kvbm.client.errors import DaemonError, DaemonUnavailable, Overloaded
 
 __all__ = ["AsyncWorkerClient", "DaemonError", "DaemonUnavailable", "Overloaded", "WorkerClient", "client_options"]

@@ -14,7 +14,8 @@ import zmq.asyncio
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
-from kvbm.client.core import Buffer, DaemonError, DaemonUnavailable, R, _Core
+from kvbm.client.core import Buffer, R, _Core
+from kvbm.client.errors import DaemonError, DaemonUnavailable
 from kvbm.client.lease import SlotGate, aonboarded, areserving
 
 
@@ -96,7 +97,7 @@ class AsyncWorkerClient(_Core):
         try:
             await sock.send(buf)
             reply = await asyncio.wait_for(fut, self.timeout_s if timeout_s is None else timeout_s)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # distinct classes on Python 3.10
             self._reset()
             raise DaemonUnavailable(f"no reply from {self.endpoint} within {self.timeout_s:g}s") from None
         finally:

@@ -17,31 +17,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
-from kvbm.client.core import (
-    Buffer,
-    DaemonError,
-    DaemonUnavailable,
-    R,
-    _Core,
-)
+from kvbm.client.core import Buffer, R, _Core
+from kvbm.client.errors import DaemonError, DaemonUnavailable
 from kvbm.client.lease import onboarded, reserving
+from kvbm.client.wire import Wire
 
 __all__ = ["WorkerClient"]
-
-
-# Monitor events that end a fail-fast client's wait: the peer is gone, or it cannot be reached or admitted.
-_LOST = zmq.EVENT_DISCONNECTED
-_REFUSED = (zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-_UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
-# ZMTP ping interval of a fail-fast client; a peer silent for 4 of them is gone (a daemon killed on this host
-# closes its sockets, which is seen at once: heartbeats are for a host or network that vanished).
-HEARTBEAT_MS = 250
 
 
 class WorkerClient(_Core):
@@ -55,46 +40,11 @@ class WorkerClient(_Core):
         super().__init__(endpoint, **kw)
         self._ctx = ctx or zmq.Context.instance()
         self.fail_fast = fail_fast
-        self._sock: zmq.Socket[Any] | None = None
-        self._mon: zmq.Socket[Any] | None = None  # the socket's monitor events (fail_fast only)
-        self._up = False  # the connection's handshake succeeded and it has not dropped since
-        self._sent: set[int] = set()  # rids sent and not yet awaited
-        self._early: dict[int, Any] = {}  # their replies that arrived while another request's reply was awaited
-
-    def _socket(self) -> zmq.Socket[Any]:
-        if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            if self.fail_fast:
-                sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4 * HEARTBEAT_MS)
-                self._mon = sock.get_monitor_socket(_LOST | _REFUSED | _UP)
-            self._setup(sock)
-            self._sock, self._up = sock, False
-        return self._sock
+        self._wire = Wire(self.endpoint, self._ctx, self._setup, fail_fast)  # the socket and the requests in flight
+        self._sent = self._wire.sent  # rids sent and not yet awaited (the wire's set, read here)
 
     def _reset(self) -> None:
-        self._sent.clear()
-        self._early.clear()
-        if self._sock is not None:
-            if self._mon is not None:
-                self._sock.disable_monitor()
-                self._mon.close(0)
-                self._mon = None
-            self._sock.close(0)
-            self._sock = None
-
-    def _watch(self) -> None:
-        """Read the monitor's events; raise DaemonUnavailable when the connection dropped or cannot be made."""
-        mon = self._mon
-        while mon is not None and mon.poll(0):
-            event = parse_monitor_message(mon.recv_multipart())["event"]
-            if event & _UP:
-                self._up = True
-            elif event & _LOST or not self._up:
-                # Dropped (requests in flight are lost with it), or refused before it was ever up.
-                what = "lost" if event & _LOST else "refused"
-                self._reset()
-                raise DaemonUnavailable(f"connection to {self.endpoint} {what}")
+        self._wire.reset()
 
     def abandon(self) -> None:
         """Drop this session without waiting on the daemon: Unregister is sent (so a live daemon releases this
@@ -135,61 +85,13 @@ class WorkerClient(_Core):
 
     def _send(self, msg: Any) -> None:
         """Send ``msg`` (its rid set) without waiting: several requests may be in flight, see :meth:`_await`."""
-        buf = self._prep(msg)
-        sock = self._socket()
-        if self._mon is not None and not self._sent:
-            try:
-                self._watch()  # a connection that dropped while idle is replaced now, not at the next wait
-            except DaemonUnavailable:
-                sock = self._socket()
-        self._sent.add(msg.rid)
-        try:
-            sock.send(buf, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self._reset()
-            raise DaemonUnavailable(f"cannot send to {self.endpoint}") from None
+        buf = self._prep(msg)  # sets msg.rid
+        self._wire.send(msg.rid, buf)
 
     def _await(self, msg: Any, timeout_s: float | None = None) -> Any:
         """The reply to ``msg`` (sent by :meth:`_send`); replies to other requests in flight are kept."""
-        self._sent.discard(msg.rid)
-        early = self._early.pop(msg.rid, None)
-        if early is not None:
-            return early
-        sock = self._socket()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        if self._mon is not None:
-            poller.register(self._mon, zmq.POLLIN)
-        now = time.monotonic()
-        deadline = now + (self.timeout_s if timeout_s is None else timeout_s)
-        # A fail-fast connection not up within 4 heartbeats is not going to be (a host that drops the SYN, a
-        # stopped process whose kernel accepted it): heartbeats only watch a connection once it is up.
-        handshake_by = now + 4 * HEARTBEAT_MS / 1000 if self._mon is not None else deadline
-        while True:
-            now = time.monotonic()
-            if self._mon is not None and not self._up and now > handshake_by:
-                self._reset()
-                raise DaemonUnavailable(f"no handshake with {self.endpoint}")
-            left = (deadline if self._up else min(deadline, handshake_by)) - now
-            ready = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
-            if not ready and time.monotonic() >= deadline:
-                self._reset()
-                raise DaemonUnavailable(f"no reply from {self.endpoint} within {self.timeout_s:g}s")
-            if not ready:
-                continue
-            if sock not in ready:
-                self._watch()
-                continue
-            self._up = True  # a reply came: whatever the monitor has not said yet, the connection is up
-            frames = sock.recv_multipart()
-            try:
-                reply = p.decode_reply(frames[-1], self.max_message_bytes)
-            except p.ProtocolError:
-                continue
-            if reply.rid == msg.rid:
-                return reply
-            if reply.rid in self._sent:  # another request in flight: its reply is kept for its _await
-                self._early[reply.rid] = reply
+        return self._wire.wait(msg.rid, self.timeout_s if timeout_s is None else timeout_s, self.max_message_bytes,
+                               self.timeout_s)
 
     def register(self, layout: KVLayout, *, worker_id: str = "", engine_id: str = "", tp_rank: int | None = None,
                  tp_size: int | None = None, g1_capacity_blocks: int = 0) -> p.Registered:

@@ -1,4 +1,4 @@
-"""What both daemon clients share (:mod:`kvbm.client`): errors, the G2 mapping, message building, and the
+"""What both daemon clients share (:mod:`kvbm.client`): the G2 mapping, message building, and the
 copies between caller buffers and G2 slots."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import zmq
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
-from kvbm.errors import KvbmError
+from kvbm.client.errors import DaemonError, Overloaded
+from kvbm.client.lease import pin_window, session_budget
 from kvbm.tiers.host import HostTier
 
 R = TypeVar("R")
@@ -36,27 +37,6 @@ def client_options(dc: Any, *, admin: bool = False) -> dict[str, Any]:
     if admin:
         out["admin_token"] = read_admin_token(admin_token_path(dc))
     return out
-
-
-class DaemonUnavailable(KvbmError):
-    """The daemon did not answer in time (not running, overloaded, or unreachable)."""
-
-
-class DaemonError(KvbmError):
-    """The daemon answered with an Error reply."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class Overloaded(DaemonError):
-    """The daemon shed an offload; retry later (``retry_after_ms``)."""
-
-    def __init__(self, retry_after_ms: int) -> None:
-        super().__init__("shed", f"daemon overloaded, retry after {retry_after_ms} ms")
-        self.retry_after_ms = retry_after_ms
 
 
 def _flat_u8(buf: Buffer) -> torch.Tensor:
@@ -220,8 +200,6 @@ class _Core:
         session may hold at once (the slot budget the daemon states, else G2's slots) streams through G2, in
         batches whose ``in_flight`` reserved at once fit in :func:`kvbm.client.lease.pin_window` (a committed
         batch's slots are free again once written below), instead of failing whole with ``full``."""
-        from kvbm.client.lease import pin_window, session_budget  # lease builds on this module
-
         reg = self.registered
         if reg is None or not reg.num_slots:
             return batch

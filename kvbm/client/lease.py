@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvbm import protocol as p
-from kvbm.client.core import DaemonError
+from kvbm.client.errors import DaemonError
 
 # Answers that mean the daemon is loaded (no free slot or over a budget, shedding offloads, a lower tier out
 # for now, too many requests in flight): this transfer is skipped or recomputed, the session stays up.
@@ -68,7 +68,7 @@ class SlotGate:
             return
         n = min(n, self.cap)
         async with self._cond:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):  # distinct classes on Python 3.10
                 await asyncio.wait_for(self._cond.wait_for(lambda: self.held + n <= self.cap), timeout_s)
             self.held += n
         try:

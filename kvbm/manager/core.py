@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any
 
@@ -33,16 +32,17 @@ import msgspec
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError, TierFullError, TierUnavailableError
 from kvbm.index.registry import Registry
-from kvbm.manager import policy
 from kvbm.manager.cascade import WriteThrough
+from kvbm.manager.deletes import delete_copies
 from kvbm.manager.external import ExternalStores
 from kvbm.manager.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.manager.knowledge import IndexSync
 from kvbm.manager.leases import Lease, ReadLeases
-from kvbm.manager.moves import Moves, forget_if_gone
+from kvbm.manager.moves import Moves
 from kvbm.manager.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED, JOURNAL_NAME
 from kvbm.manager.placement import PlacementPolicy
 from kvbm.manager.policy import PERSISTENT
+from kvbm.manager.reads import Reads
 from kvbm.manager.room import Room
 from kvbm.manager.state import CopyObserver, ManagerState, ManagerStats, StateField
 from kvbm.tiers.base import Tier
@@ -85,6 +85,7 @@ class BlockManager:
                                           max_concurrent_cascades, max_owed_blocks)
         self.owed_writes = self.write_through.owed
         self.external = ExternalStores(self.state, self.room, self.write_through.schedule)  # worker-filled G2 slots
+        self.reads = Reads(self.state, self.moves, self.write_through)  # onboards and reads (kvbm.manager.reads)
         self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
         self._pools_registered = False
         self._reconciled: set[str | None] = set()  # bucket scopes (a namespace, None: all) reconciled with the disk
@@ -270,53 +271,11 @@ class BlockManager:
         the way ends the run there (it is a miss, never served). ``hit=False`` (a prefetch, which the request's
         own Onboard follows): not counted as a reference of the blocks, so the placement policy counts it once.
         """
-        target = self.by_name[to] if to else self.tiers[0]
-        t0 = time.perf_counter()
-        found = self.registry.match_prefix(keys)
-        run = list(keys[: len(found)])
-        if hit:
-            self.registry.record_hit(run)
-        staging = self.by_name.get(TierName.G2) if target.kind == "device" else None
-        done = 0
-        with self.registry.pinned(run):
-            results = await asyncio.gather(
-                *(self._bring_up(k, target, staging) for k in run), return_exceptions=True
-            )
-        for r in results:
-            if r is not True:
-                if isinstance(r, BaseException):
-                    log.warning("onboard stopped: %s", r)
-                break
-            done += 1
-        self.stats.onboards += 1
-        self.stats.onboard_blocks += done
-        self.stats.onboard_seconds += time.perf_counter() - t0
-        return done
-
-    async def _bring_up(self, key: BlockKey, target: Tier, staging: Tier | None) -> bool:
-        if self.registry.holds(target.name, key):
-            self.registry.touch(target.name, key)
-            return True
-        where = self.registry.where(key)
-        stage = staging.name if staging is not None and policy.needs_staging(where) else ""
-        if stage and stage not in where and not await self.moves.move(key, stage):
-            return False
-        if not await self.moves.move(key, target.name):
-            return False
-        pl = self.state.placement
-        if pl is not None and pl.promotes(self.state.tiers, where, target.name):
-            self.write_through.schedule(key)  # a G4 hit is written to G3 too: it returned, it is worth keeping there
-        return True
+        return await self.reads.onboard(keys, to, hit=hit)
 
     async def read(self, key: BlockKey) -> bytes | None:
         """The block's bytes from the fastest tier that has a good copy."""
-        for name in self.registry.where(key):
-            data = await self.by_name[name].get(key)
-            if data is not None:
-                self.registry.record_hit([key])
-                return data
-            forget_if_gone(self.registry, self.by_name[name], key)
-        return None
+        return await self.reads.read(key)
 
     def device_tensor(self, key: BlockKey) -> object | None:
         """The G1 view of an onboarded block (a CUDA tensor on a GPU host)."""
@@ -331,26 +290,7 @@ class BlockManager:
         Only what a tier really deleted leaves the index: a key whose delete failed (a failed DeleteObjects, a
         per-key error) is still held there and stays indexed. A tier that fails does not stop the others; the
         first failure is raised once every tier was tried (TierUnavailableError naming the tier)."""
-        by_tier: dict[str, list[BlockKey]] = {}
-        for key in keys:
-            for name in self.registry.where(key) if tiers is None else tiers:
-                by_tier.setdefault(name, []).append(key)
-        removed = 0
-        failed: list[tuple[str, Exception]] = []
-        for name, ks in by_tier.items():
-            tier = self.by_name[name]
-            try:
-                await tier.delete_blocks(ks, gone=gone)
-            except Exception as e:  # the other tiers still delete; raised below
-                failed.append((name, e))
-            removed += self.registry.remove_many(name, [k for k in ks if not tier.contains(k)])
-        if failed:
-            name, e = failed[0]
-            if isinstance(e, TierUnavailableError):
-                raise TierUnavailableError(f"{name} could not delete every block ({e}); {removed} copies removed, "
-                                           "the rest stay indexed") from e
-            raise e
-        return removed
+        return await delete_copies(self.state, keys, tiers, gone=gone)
 
     # -- reporting -------------------------------------------------------------------------------------
     def describe(self) -> dict[str, object]:

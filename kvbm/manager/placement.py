@@ -14,7 +14,8 @@ five times stays ~2.5x longer; nothing is refused outright (an admission filter 
 Promotion: a G4 hit onboards through G2 and writes through to G3 with its count, so a block worth keeping
 competes there by its history, not as a newcomer.
 
-:func:`simulate` runs the same eviction rule over a list of requests (prefix hits) for ``kvbm bench trace``.
+:func:`kvbm.manager.policy_sim.simulate` runs the same eviction rule over a list of requests (prefix hits) for
+``kvbm bench trace``.
 """
 
 from __future__ import annotations
@@ -191,37 +192,3 @@ class PlacementPolicy:
             raise LookupError(f"{tier}: not enough unpinned blocks to free {need} bytes")
         return out  # type: ignore[return-value]
 
-
-def simulate(requests: Sequence[Sequence[int]], capacity: int, *, eviction: str = "frequency",
-             times: Sequence[float] | None = None, **kw: Any) -> int:
-    """Prefix hits of one cache of ``capacity`` blocks running the policy over ``requests`` (each a list of block
-    ids, head first; ``times``: their arrival in seconds, else one a second). Every block of a request is referenced
-    (the hit prefix is hit, the rest stored); returns the hit blocks."""
-    if eviction == "lru":
-        from kvbm.bench.trace_sim import TraceRequest, lru_hits
-
-        return lru_hits([TraceRequest(0, 0, 0, tuple(r)) for r in requests], capacity)
-    t = [0.0]
-    freq = FrequencyClasses(["c"], clock=lambda: t[0], **kw)
-    held: set[int] = set()
-    hits = 0
-    for i, ids in enumerate(requests):
-        t[0] = times[i] if times is not None else float(i)
-        n = 0
-        for h in ids:
-            if h not in held:
-                break
-            n += 1
-        hits += n
-        freq.hit(ids[:n])
-        for h in ids[n:]:
-            if h in held:  # held, but after a missing parent: a reference all the same
-                freq.hit([h])
-                continue
-            held.add(h)
-            freq.stored("c", [h], True)
-            if len(held) > capacity:
-                (v,) = freq.order("c", lambda k: False, 1)
-                held.discard(v)
-                freq.removed("c", [v])
-    return hits

@@ -5,22 +5,19 @@ Not a benchmark: it asserts only that the figures are there, consistent, and tha
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
-import pytest
 from click.testing import CliRunner
 
+from kvbm.bench.trace_sim import SHIPPED_TRACE
 from kvbm.cli.bench import bench
-
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-conversation.jsonl"
 
 
 def _slice(tmp_path: Path, n: int) -> Path:
-    if not TRACE.exists():
-        pytest.fail(f"the shipped trace is missing: {TRACE}")
     out = tmp_path / "slice.jsonl"
-    with open(TRACE) as f:
+    with gzip.open(SHIPPED_TRACE, "rt") as f:
         out.write_text("".join(next(f) for _ in range(n)))
     return out
 

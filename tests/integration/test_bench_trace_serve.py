@@ -17,7 +17,6 @@ from kvbm.bench.trace_serve import IdTokens, conversation_slice
 from kvbm.bench.trace_sim import TraceRequest
 from kvbm.cli.bench import bench
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-conversation.jsonl"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 
@@ -36,10 +35,8 @@ def test_the_slice_keeps_whole_conversations_and_their_prefixes() -> None:
 @pytest.mark.s3
 @needs("vllm", HAVE_VLLM, "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")
 def test_bench_trace_serve_smoke(s3_server, tmp_path: Path) -> None:
-    if not TRACE.exists():
-        pytest.fail(f"the shipped trace is missing: {TRACE}")
     out = tmp_path / "ts.json"
-    args = ["trace-serve", "--trace", str(TRACE), "--conversations", "4", "--turns", "3", "--max-blocks", "16",
+    args = ["trace-serve", "--conversations", "4", "--turns", "3", "--max-blocks", "16",
             "--tokens-per-id", "32", "--concurrency", "1", "--max-tokens", "4", "--layers", "2", "--hidden", "128",
             "--heads", "4", "--kv-heads", "2", "--vocab", "1000",
             "--s3-endpoint", s3_server.endpoint, "--s3-access-key", s3_server.access_key,

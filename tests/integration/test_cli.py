@@ -83,7 +83,7 @@ async def put_s3(srv, prefix: str, keys, n: int = PAYLOAD, foreign: list[str] = 
         await asyncio.gather(*(t.put(k, data_for(k, n)) for k in keys))
         assert t.stats.errors == 0 and t.stats.shed == 0
         for fk in foreign:
-            await t._s3.put_object(Bucket=srv.bucket, Key=fk, Body=b"not a kvbm block")
+            await t.session.client.put_object(Bucket=srv.bucket, Key=fk, Body=b"not a kvbm block")
     finally:
         await t.close()
 
@@ -98,7 +98,7 @@ async def list_s3(srv, prefix: str) -> list[str]:
             kw = {"Bucket": srv.bucket, "Prefix": prefix.split("/")[0]}
             if token:
                 kw["ContinuationToken"] = token
-            r = await t._s3.list_objects_v2(**kw)
+            r = await t.session.client.list_objects_v2(**kw)
             out += [o["Key"] for o in r.get("Contents", [])]
             token = r.get("NextContinuationToken")
             if not r.get("IsTruncated"):
@@ -323,6 +323,28 @@ def test_purge_by_namespace_model_prefix_never_foreign(s3_server, s3_prefix, tmp
     assert (root / NS / a[0].hex[:2] / "notes.txt").exists()
     # Idempotent: nothing left to do.
     assert "nothing to delete" in run(env, "purge", "--all", "--yes").output
+
+
+def test_purge_as_a_library_call_asks_before_deleting(s3_server, s3_prefix, tmp_path):
+    """``kvbm.ops.run_purge`` is what a cron job imports: the same run as the command, its lines and its question
+    through a PurgeUI; without ``yes`` and a UI that answers, nothing is deleted."""
+    from kvbm.config import load_config
+    from kvbm.ops.purge_run import PurgeAborted, PurgeOptions, PurgeUI, PurgeUsageError, run_purge
+
+    a = [bkey(NS, i) for i in range(4)]
+    disk = put_disk(tmp_path / "disk", a)
+    cfg = load_config(environ={k: v for k, v in cli_env(s3_server, s3_prefix, tmp_path).items() if v is not None})
+    with pytest.raises(PurgeUsageError, match="nothing selected"):
+        run_purge(cfg, PurgeOptions(source="disk"))
+    with pytest.raises(PurgeAborted):
+        run_purge(cfg, PurgeOptions(all=True, source="disk"))  # the default UI answers no
+    assert all(disk.path_for(k).exists() for k in a)
+    lines: list[str] = []
+    asked: list[tuple[int, int, int]] = []
+    ui = PurgeUI(say=lines.append, confirm=lambda *q: asked.append(q) or True)
+    out = run_purge(cfg, PurgeOptions(all=True, source="disk"), ui)
+    assert asked == [(4, out["selected_bytes"], 0)] and out["deleted"] == 4 and out["errors"] == 0
+    assert lines[0].startswith("to delete: 4 blocks") and not any(disk.path_for(k).exists() for k in a)
 
 
 def test_purge_age_and_budget(s3_server, s3_prefix, tmp_path):

@@ -15,8 +15,8 @@ from serve_proc import ServeProc
 from test_cli import cli_env, data_for, put_s3, run, tier_for
 from test_ops import get
 
-import kvbm.tiers.s3.bulk as s3bulk
 import kvbm.tiers.s3.fastlist as s3fastlist
+import kvbm.tiers.s3.listing as s3listing
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
 from kvbm.fleet.recency import AccessRecorder, access_prefix, read_access_times
@@ -191,8 +191,8 @@ def test_prewarm_hottest_brings_the_most_recently_used_into_disk(s3_server, s3_p
 # -- parallel listing --------------------------------------------------------------------------------------
 def test_parallel_listing_returns_exactly_the_serial_set_and_indexes_by_shard(s3_server, s3_prefix, monkeypatch):
     # Small pages, so 300 blocks take the same path as a million: a few serial pages, then by shard.
-    monkeypatch.setattr(s3bulk, "LIST_PAGE", 20)
-    monkeypatch.setattr(s3bulk, "LIST_SERIAL_PAGES", 2)
+    monkeypatch.setattr(s3listing, "LIST_PAGE", 20)
+    monkeypatch.setattr(s3listing, "LIST_SERIAL_PAGES", 2)
     keys = [bkey(NS, i) for i in range(300)] + [bkey(NS2, i) for i in range(40)]
     foreign = [f"{s3_prefix}/README", f"{s3_prefix}/{NS}/stray", f"{s3_prefix}/{NS}/zz/x",
                f"{s3_prefix}/not-a-ns/ab/cd", f"{s3_prefix}/{NS2}/ab", f"{s3_prefix}/{NS}/a&b",
@@ -204,7 +204,7 @@ def test_parallel_listing_returns_exactly_the_serial_set_and_indexes_by_shard(s3
         t = tier_for(s3_server, s3_prefix)
         await t.start()
         prefixes: list[str] = []
-        t._s3.meta.events.register("provide-client-params.s3.ListObjectsV2",
+        t.session.client.meta.events.register("provide-client-params.s3.ListObjectsV2",
                                    lambda params, **_: prefixes.append(params["Prefix"]))
         try:
             rec = AccessRecorder(t, "n1", 60)
@@ -212,9 +212,9 @@ def test_parallel_listing_returns_exactly_the_serial_set_and_indexes_by_shard(s3
             await rec.flush()
             full = [e async for e in t.list_objects()]
             serial = [(b, k, s) for b, k, s, _m in full]
-            t._s3.meta.events.unregister("before-parse.s3.ListObjectsV2", s3fastlist.fast_list_contents)
+            t.session.client.meta.events.unregister("before-parse.s3.ListObjectsV2", s3fastlist.fast_list_contents)
             assert [e async for e in t.list_objects()] == full  # the fast page parser agrees with botocore's
-            t._s3.meta.events.register("before-parse.s3.ListObjectsV2", s3fastlist.fast_list_contents)
+            t.session.client.meta.events.register("before-parse.s3.ListObjectsV2", s3fastlist.fast_list_contents)
             par = [(b, k, s) async for b, k, s, _m in t.list_objects_parallel(concurrency=4)]
             one_ns = [(b, k, s) async for b, k, s, _m in t.list_objects_parallel(NS)]
             prefixes.clear()

@@ -127,7 +127,8 @@ def test_old_format_blocks_are_never_served(s3_server, s3_prefix, tmp_path):
                           (s3_server.access_key, s3_server.secret_key))
         await s3.start()
         try:
-            await s3._s3.put_object(Bucket=s3.bucket, Key=s3.object_key(k), Body=v1_block(k, payload(k), 128))
+            await s3.session.client.put_object(Bucket=s3.bucket, Key=s3.object_key(k),
+                                               Body=v1_block(k, payload(k), 128))
             _ = [b async for b in s3.scan()]
             for t in (disk, s3):
                 out = bytearray(PAYLOAD)

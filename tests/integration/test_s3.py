@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import sys
 import time
 
 import pytest
@@ -127,16 +129,16 @@ def test_corrupt_object_is_a_counted_miss(s3_server, s3_prefix, client):
             await t.put(k, os.urandom(4096))
             await t.put(k2, os.urandom(4096))
             okey = t.object_key(k)
-            body = bytearray(await (await t._s3.get_object(Bucket=t.bucket, Key=okey))["Body"].read())
+            body = bytearray(await (await t.session.client.get_object(Bucket=t.bucket, Key=okey))["Body"].read())
             body[HEADER_LEN + 100] ^= 0xFF  # one flipped payload byte, same size
-            await t._s3.put_object(Bucket=t.bucket, Key=okey, Body=bytes(body))
+            await t.session.client.put_object(Bucket=t.bucket, Key=okey, Body=bytes(body))
             out = bytearray(4096)
             assert await t.get_into(k, memoryview(out)) is None
             assert t.stats.corrupt == 1 and not t.contains(k)
             assert (await t.head_many([k]))[k] is None  # deleted
             # A body that is another block's (header names a different hash) is corrupt too.
-            other = await (await t._s3.get_object(Bucket=t.bucket, Key=t.object_key(k2)))["Body"].read()
-            await t._s3.put_object(Bucket=t.bucket, Key=okey, Body=other)
+            other = await (await t.session.client.get_object(Bucket=t.bucket, Key=t.object_key(k2)))["Body"].read()
+            await t.session.client.put_object(Bucket=t.bucket, Key=okey, Body=other)
             assert await t.get_into(k, memoryview(out)) is None and t.stats.corrupt == 2
         finally:
             await t.close()
@@ -189,7 +191,7 @@ def test_listing_paging_batch_delete_usage(s3_server, s3_prefix):
             k2 = [key(i, NS2) for i in range(n2)]
             await asyncio.gather(*(t.put(k, blob) for k in k1 + k2))
             assert t.stats.puts == n1 + n2 and t.stats.shed == 0
-            await t._s3.put_object(Bucket=t.bucket, Key=f"{s3_prefix}/README", Body=b"foreign")
+            await t.session.client.put_object(Bucket=t.bucket, Key=f"{s3_prefix}/README", Body=b"foreign")
             listed = [x async for x in t.list_objects()]
             assert len(listed) == n1 + n2 + 1
             assert sum(1 for bk, *_ in listed if bk is None) == 1
@@ -315,7 +317,7 @@ def test_put_bodies_are_unsigned_unless_asked(s3_server, s3_prefix, sign_payload
             body = bytes(request.body) if isinstance(request.body, (bytes, bytearray, memoryview)) else b""
             sent.append((request.headers["X-Amz-Content-SHA256"], hashlib.sha256(body).hexdigest()))
 
-        t._s3.meta.events.register("before-send.s3.PutObject", capture)
+        t.session.client.meta.events.register("before-send.s3.PutObject", capture)
         data = os.urandom(256 * 1024)
         k = key(1)
         await t.put(k, data)
@@ -348,6 +350,50 @@ def test_list_pages_is_the_shared_tier_interface(s3_server, s3_prefix):
             assert {(r[0], r[2]) for r in rows if r[0] is not None} == {(k, 100 + HEADER_LEN) for k in keys}
             assert [r[1] for r in rows if r[0] is None] == [f"{s3_prefix}/{NS}/zz/not-a-block"]
             assert all(r[3] is not None for r in rows)
+        finally:
+            await t.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("client", ["http", NIXL])
+def test_body_clients_re_read_rotated_credentials(s3_server, s3_prefix, tmp_path, monkeypatch, client):
+    """Credentials from botocore's chain that expire (a credential_process stating an Expiration) are re-read by the
+    body client before each transfer, NIXL's included (issue 37 D16: it kept the snapshot it started with). The
+    rotation goes to a wrong secret and back: each write uses what the source says at that moment."""
+    state = tmp_path / "current.json"
+    script = tmp_path / "creds.py"
+    script.write_text(
+        "import datetime, json, sys\n"
+        f"c = json.load(open({str(state)!r}))\n"
+        "exp = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=5)\n"
+        "json.dump({'Version': 1, 'AccessKeyId': c['ak'], 'SecretAccessKey': c['sk'],"
+        " 'Expiration': exp.isoformat()}, sys.stdout)\n")
+    (tmp_path / "config").write_text(f"[default]\ncredential_process = {sys.executable} {script}\n")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+
+    def rotate(secret: str) -> None:
+        state.write_text(json.dumps({"ak": s3_server.access_key, "sk": secret}))
+
+    async def run() -> None:
+        rotate(s3_server.secret_key)
+        # No credentials given: the tier resolves botocore's chain (5 minutes from expiry: refreshed on each use).
+        t = S3Tier(S3Config(bucket=s3_server.bucket, prefix=s3_prefix, client=client, nixl_timeout_s=10.0,
+                            max_retries=0), endpoint=s3_server.endpoint)
+        await t.start()
+        try:
+            k1, k2, k3 = key(1), key(2), key(3)
+            await t.put(k1, os.urandom(MiB))
+            rotate("not-the-secret")
+            with pytest.raises(TierUnavailableError):
+                await t.put(k2, os.urandom(MiB))
+            rotate(s3_server.secret_key)
+            data = os.urandom(MiB)
+            await t.put(k3, data)
+            assert await t.get(k3) == data
         finally:
             await t.close()
 

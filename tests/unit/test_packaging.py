@@ -27,3 +27,5 @@ def test_wheel_holds_every_source_module(tmp_path):
     assert top == {"kvbm"}, top
     yamls = {f"kvbm/configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")}
     assert yamls and not yamls - names, sorted(yamls - names)
+    data = {"kvbm/bench/data/mooncake-conversation.jsonl.gz", "kvbm/bench/data/README.md"}  # the shipped trace
+    assert not data - names, sorted(data - names)

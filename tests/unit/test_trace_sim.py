@@ -7,17 +7,24 @@ from pathlib import Path
 
 import pytest
 
-from kvbm.bench.trace_sim import TraceRequest, bounds, load_trace
-from kvbm.manager.placement import FrequencyClasses, simulate
-
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-conversation.jsonl"
+import kvbm
+from kvbm.bench.trace_sim import SHIPPED_TRACE, TraceRequest, bounds, load_trace
+from kvbm.cli.bench import bench
+from kvbm.manager.placement import FrequencyClasses
+from kvbm.manager.policy_sim import simulate
 
 
 @pytest.fixture(scope="module")
 def trace():
-    if not TRACE.exists():
-        pytest.fail(f"the shipped trace is missing: {TRACE}")
-    return load_trace(TRACE)
+    return load_trace(SHIPPED_TRACE)
+
+
+def test_the_trace_ships_inside_the_package_and_the_commands_default_to_it() -> None:
+    assert SHIPPED_TRACE.is_file() and SHIPPED_TRACE.is_relative_to(Path(kvbm.__file__).resolve().parent)
+    assert (SHIPPED_TRACE.parent / "README.md").read_text().count("Apache License 2.0") == 1
+    for cmd in ("trace", "trace-serve"):
+        (opt,) = [p for p in bench.commands[cmd].params if p.name == "trace_path"]
+        assert opt.default == str(SHIPPED_TRACE) and not opt.required
 
 
 def test_bounds_match_the_trace_readme(trace):

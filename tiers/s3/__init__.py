@@ -2,9 +2,13 @@
 
 Modules, each with one job:
 
-* :mod:`.tier`: :class:`S3Tier`, the Tier data path (put, get_into, delete) and the key/format scheme.
-* :mod:`.session`: client set-up, credentials, unsigned-payload signer, bucket check, offline -> online.
-* :mod:`.bulk`: LIST (paged, parallel), usage, HEAD/exists of many blocks, batch deletes, auxiliary objects.
+* :mod:`.tier`: :class:`S3Tier`, the Tier data path (put, get_into, delete) and the key/format scheme; it holds a
+  session, a block mover, a listing and a bulk mover (below) and hands them its index and counters.
+* :mod:`.blocks`: :class:`S3Blocks`, PUT and GET of one block (shedding, breaker, index bookkeeping).
+* :mod:`.session`: :class:`S3Session`, client set-up, credentials, naming, health, offline -> online.
+* :mod:`.connect`: the bucket check and the http / NIXL body clients' start, each proven by a write + read.
+* :mod:`.listing`: LIST (paged, parallel), the index-rebuilding scan, usage per namespace.
+* :mod:`.bulk`: HEAD/exists of many blocks, batch deletes, auxiliary objects.
 * :mod:`.fastlist`: the fast LIST reply parser (timestamps, ``<Contents>``).
 * :mod:`.breaker`: :class:`CircuitBreaker`.
 * :mod:`.codes`: S3 error codes (miss, bad credentials) and one-line error text.
@@ -12,13 +16,15 @@ Modules, each with one job:
 * :mod:`.factory`: :func:`make_s3_tier` (credentials from arguments, config or environment).
 """
 
+from kvbm.tiers.s3.blocks import META_FORMAT
 from kvbm.tiers.s3.bodies import BodyBackend
 from kvbm.tiers.s3.breaker import CircuitBreaker
-from kvbm.tiers.s3.bulk import DELETE_CHUNK, LIST_PAGE, LIST_SERIAL_PAGES
+from kvbm.tiers.s3.bulk import DELETE_CHUNK
 from kvbm.tiers.s3.factory import make_s3_tier
 from kvbm.tiers.s3.http import HttpBodyClient, S3HttpError
+from kvbm.tiers.s3.listing import LIST_PAGE, LIST_SERIAL_PAGES
 from kvbm.tiers.s3.session import HEADER_LEN, UNSIGNED_SIGV4, S3Stats
-from kvbm.tiers.s3.tier import META_FORMAT, S3Tier
+from kvbm.tiers.s3.tier import S3Tier
 
 __all__ = [
     "DELETE_CHUNK",

@@ -8,55 +8,27 @@ import contextlib
 import itertools
 import os
 import time
-import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvbm.blocks import MIN_HEADER_LEN, BlockKey
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
 from kvbm.tiers.s3.bodies import OFFLOOP_BYTES, BodyBuffers, copy_payload
-from kvbm.tiers.s3.codes import one_line, probe_failure
+from kvbm.tiers.s3.codes import one_line
 from kvbm.transfer.nixl_agent import nixl_api
-
-if TYPE_CHECKING:
-    from kvbm.tiers.s3.session import S3Session
-    from kvbm.tiers.s3.tier import S3Tier
-
-
-async def start_nixl(tier: S3Session, session: Any) -> NixlObj:
-    """The NIXL OBJ backend for ``tier``, started and its credentials proven with a real write + read."""
-    frozen = await (await tier.credential_source(session, f"the NIXL OBJ backend ({tier.endpoint_name})"))()
-    obj = NixlObj(tier.cfg, tier.endpoint, tier.bucket, frozen.access_key, frozen.secret_key, frozen.token)
-    await obj.start()
-    # create_backend accepts any secret; prove the credentials with a real write + read.
-    probe = f"{tier._base()}.kvbm-probe/{uuid.uuid4().hex}"
-    body = b"kvbm-nixl-probe"
-    try:
-        await obj.write(probe, body)
-        back = bytearray(len(body))
-        await obj.read(probe, memoryview(back))
-        if bytes(back) != body:
-            raise TierUnavailableError("NIXL OBJ probe read back different bytes")
-    except TierUnavailableError as e:
-        obj.close()
-        raise probe_failure(tier.endpoint_name, "NIXL OBJ backend", await tier._diagnose(), e) from None
-    except BaseException:
-        obj.close()
-        raise
-    finally:
-        with contextlib.suppress(Exception):
-            await tier._s3.delete_object(Bucket=tier.bucket, Key=probe)
-    return obj
 
 
 class NixlBody:
     """:class:`BodyBackend` over NIXL OBJ: bodies are staged in a buffer (NIXL registers whole regions)."""
 
-    def __init__(self, tier: S3Tier, obj: NixlObj) -> None:
-        self.tier = tier  # for its index (object sizes) and HEAD
+    def __init__(self, obj: NixlObj, nbytes: Callable[[BlockKey], int | None],
+                 head_size: Callable[[str], Awaitable[int | None]]) -> None:
         self.obj = obj
-        self._buffers = BodyBuffers(tier.cfg.max_concurrency)
+        self._nbytes = nbytes  # the index's payload size of a block (None: not indexed)
+        self._head_size = head_size  # an object's size by HEAD (None: no such object)
+        self._buffers = BodyBuffers(obj.cfg.max_concurrency)
 
     async def put(self, okey: str, key: BlockKey, payload: memoryview, meta: dict[str, str]) -> None:
         buf = await self._buffers.encode(key, payload)
@@ -83,10 +55,9 @@ class NixlBody:
 
     async def _fetch(self, key: BlockKey, okey: str) -> bytes | bytearray | None:
         """The object body, or None if there is no such object (NIXL reads need the size up front)."""
-        t = self.tier
-        n = t.nbytes(key)
+        n = self._nbytes(key)
         if n is None:
-            size = await t._head_size(okey)
+            size = await self._head_size(okey)
             if size is None:
                 return None
         else:
@@ -96,7 +67,7 @@ class NixlBody:
             await self.obj.read(okey, memoryview(buf))
         except TierUnavailableError:
             # Gone (deleted by another node, or a different size now) or a real failure: ask HEAD.
-            real = await t._head_size(okey)
+            real = await self._head_size(okey)
             if real is None:
                 return None
             if real != size:
@@ -115,35 +86,47 @@ class NixlObj:
 
     _agent_ids = itertools.count()
 
-    def __init__(self, cfg: S3Config, endpoint: str | None, bucket: str, ak: str, sk: str, tok: str | None):
+    def __init__(self, cfg: S3Config, endpoint: str | None, bucket: str,
+                 credentials: Callable[[], Awaitable[Any]]) -> None:
         self.cfg = cfg
         self.endpoint = endpoint
         self.bucket = bucket
-        self._ak, self._sk, self._tok = ak, sk, tok
+        # The credential source (access_key, secret_key, token), asked before each transfer as the http client
+        # does: botocore refreshes expiring ones, and an agent is made anew when they changed (aws-sdk-cpp holds
+        # the ones its backend was created with).
+        self._credentials = credentials
+        self._creds: tuple[str, str, str | None] = ("", "", None)
         self._agent: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._dev_ids = itertools.count(1)
+        self._renewing = asyncio.Lock()
 
-    def _params(self) -> dict[str, str]:
+    def _params(self, creds: tuple[str, str, str | None]) -> dict[str, str]:
+        ak, sk, tok = creds
         p = {
             "bucket": self.bucket,
             "create_bucket": "false",
             "region": self.cfg.region,
-            "access_key": self._ak,
-            "secret_key": self._sk,
+            "access_key": ak,
+            "secret_key": sk,
             "use_virtual_addressing": "true" if self.cfg.addressing == "virtual" else "false",
             "req_checksum": "supported",
             "num_threads": str(max(2, self.cfg.max_concurrency)),
         }
-        if self._tok:
-            p["session_token"] = self._tok
+        if tok:
+            p["session_token"] = tok
         if self.endpoint:
             scheme, _, host = self.endpoint.partition("://")
             p["scheme"] = scheme or "http"
             p["endpoint_override"] = host.rstrip("/")
         return p
 
-    async def start(self) -> None:
+    async def _current(self) -> tuple[str, str, str | None]:
+        c = await self._credentials()
+        return c.access_key, c.secret_key, c.token
+
+    async def _make_agent(self, creds: tuple[str, str, str | None]) -> Any:
+        """A new agent with an OBJ backend for ``creds`` (in the pool: creating one blocks)."""
         try:
             api = nixl_api()
         except ImportError as e:
@@ -152,16 +135,36 @@ class NixlObj:
         def make() -> Any:
             conf = api.nixl_agent_config(backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
             agent = api.nixl_agent(f"kvbm-s3-{os.getpid()}-{next(self._agent_ids)}", conf)
-            agent.create_backend("OBJ", self._params())
+            agent.create_backend("OBJ", self._params(creds))
             return agent
 
-        self._pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.max_concurrency), thread_name_prefix="kvbm-nixl")
+        assert self._pool is not None
         try:
-            self._agent = await asyncio.get_running_loop().run_in_executor(self._pool, make)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, make)
         except Exception as e:
-            self.close()
             # Never echo the parameters: they hold the secret.
             raise TierUnavailableError(f"NIXL OBJ backend did not start: {type(e).__name__}") from None
+
+    async def start(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.max_concurrency), thread_name_prefix="kvbm-nixl")
+        try:
+            creds = await self._current()
+            self._agent = await self._make_agent(creds)
+            self._creds = creds
+        except BaseException:
+            self.close()
+            raise
+
+    async def _agent_for_now(self) -> Any:
+        """The agent for the source's current credentials: the same one until they change (rotated, or refreshed
+        by botocore before they expire); then a new one, which transfers already running do not use."""
+        creds = await self._current()
+        if creds != self._creds:
+            async with self._renewing:
+                if creds != self._creds:
+                    self._agent = await self._make_agent(creds)
+                    self._creds = creds
+        return self._agent
 
     def close(self) -> None:
         if self._pool is not None:
@@ -171,10 +174,9 @@ class NixlObj:
             self._pool = None
         self._agent = None
 
-    def _xfer(self, op: str, okey: str, buf: memoryview) -> None:
+    def _xfer(self, agent: Any, op: str, okey: str, buf: memoryview) -> None:
         import numpy as np
 
-        agent = self._agent
         arr = np.frombuffer(buf, dtype=np.uint8)
         addr, n = int(arr.ctypes.data), int(arr.size)
         dev = next(self._dev_ids) % (1 << 30)
@@ -205,7 +207,16 @@ class NixlObj:
     async def _run(self, op: str, okey: str, buf: memoryview) -> None:
         if self._agent is None or self._pool is None:
             raise TierUnavailableError("NIXL OBJ backend is closed")
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._xfer, op, okey, buf)
+        try:
+            agent = await self._agent_for_now()
+        except TierUnavailableError:
+            raise
+        except Exception as e:  # the credential source failed (e.g. its process): this transfer fails
+            raise TierUnavailableError(
+                f"NIXL OBJ {op} {okey}: credentials: {type(e).__name__}: {one_line(e)}") from None
+        if self._pool is None:
+            raise TierUnavailableError("NIXL OBJ backend is closed")
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._xfer, agent, op, okey, buf)
         try:
             # On timeout the worker thread finishes on its own; it holds its own reference to ``buf``.
             await asyncio.wait_for(fut, self.cfg.nixl_timeout_s)

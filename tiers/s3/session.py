@@ -1,5 +1,7 @@
-"""S3 client set-up: the aiobotocore client (unsigned-payload signer, fast LIST parsing), credentials, the
-bucket check, the body backend (http, aiobotocore or NIXL), and the offline -> online logic (``wait_for_endpoint``)."""
+"""The S3 tier's connection: the aiobotocore client (unsigned-payload signer, fast LIST parsing), credentials, the
+body backend (http, aiobotocore or NIXL), naming, health (breaker, failures) and the offline -> online logic
+(``wait_for_endpoint``). :class:`S3Session` is what the tier's parts (:mod:`.tier`, :mod:`.listing`, :mod:`.bulk`)
+share; each reaches it through its public methods."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,15 +16,15 @@ from kvbm.blocks import MIN_HEADER_LEN, BlockKey
 from kvbm.blocks.keys import object_relkey, parse_object_relkey
 from kvbm.config import S3Config
 from kvbm.errors import ConfigError, TierUnavailableError
-from kvbm.tiers.base import Tier, TierStats, no_observe
+from kvbm.tiers.base import TierStats, no_observe
 from kvbm.tiers.s3.aio import AioBody
 from kvbm.tiers.s3.bodies import BodyBackend
 from kvbm.tiers.s3.breaker import CircuitBreaker
-from kvbm.tiers.s3.codes import CRED_CODES, error_code, one_line, probe_failure
+from kvbm.tiers.s3.codes import MISS_CODES, error_code, one_line
+from kvbm.tiers.s3.connect import check_bucket, start_http, start_nixl
 from kvbm.tiers.s3.fastlist import fast_list_contents, fast_timestamp
-from kvbm.tiers.s3.http import HttpBodyClient
 from kvbm.tiers.s3.index import ObjectIndex
-from kvbm.tiers.s3.nixl import NixlBody, NixlObj, start_nixl
+from kvbm.tiers.s3.nixl import NixlBody, NixlObj
 from kvbm.tiers.s3.signer import UNSIGNED_SIGV4, register_unsigned_signer
 
 log = logging.getLogger("kvbm.tiers.s3")
@@ -39,28 +40,64 @@ class S3Stats(TierStats):
     stale: int = 0  # of them, blocks the bucket no longer held (deleted by another node): forgotten
 
 
-class S3Session(Tier):
-    """Configuration, naming, client lifecycle and health of the S3 tier (the base of :class:`S3Tier`)."""
+class S3Credentials:
+    """The tier's credentials: keys given (the arguments, else the config), else botocore's chain. Never logged."""
+
+    def __init__(self, cfg: S3Config, access_key: str | None, secret_key: str | None, token: str | None) -> None:
+        self._access_key = access_key if access_key is not None else (cfg.access_key or None)
+        self._secret_key = secret_key if secret_key is not None else (cfg.secret_key or None)
+        self._session_token = token if token is not None else (cfg.session_token or None)
+
+    def client_kwargs(self) -> dict[str, str]:
+        """The aiobotocore client's keyword arguments for the given keys ({}: the client resolves the chain)."""
+        if not (self._access_key and self._secret_key):
+            return {}
+        out = {"aws_access_key_id": self._access_key, "aws_secret_access_key": self._secret_key}
+        if self._session_token:
+            out["aws_session_token"] = self._session_token
+        return out
+
+    async def source(self, session: Any, what: str) -> Callable[[], Awaitable[Any]]:
+        """An async callable giving the current credentials (``access_key``, ``secret_key``, ``token``): the
+        configured keys, else the session's chain, refreshed by botocore when near expiry; ``what`` names the
+        client in the error when there are none."""
+        from botocore.credentials import ReadOnlyCredentials
+
+        if self._access_key and self._secret_key:
+            fixed = ReadOnlyCredentials(self._access_key, self._secret_key, self._session_token)
+
+            async def configured() -> Any:
+                return fixed
+            return configured
+        chain = await session.get_credentials()
+        if chain is None:
+            raise ConfigError(f"no S3 credentials for {what}")
+
+        async def refreshed() -> Any:
+            return await chain.get_frozen_credentials()
+        return refreshed
+
+
+class S3Session:
+    """One bucket under one prefix at one endpoint: the client, the body backend, naming and health. The tier
+    (:class:`~kvbm.tiers.s3.tier.S3Tier`) builds it and hands it the block index and counters it keeps."""
 
     def __init__(
         self,
-        cfg: S3Config | None = None,
+        cfg: S3Config,
         *,
+        objects: ObjectIndex,
+        stats: S3Stats,
         endpoint: str | None = None,
-        access_key: str | None = None,
-        secret_key: str | None = None,
-        session_token: str | None = None,
-        capacity_bytes: int | None = None,
+        credentials: tuple[str | None, str | None, str | None] = (None, None, None),
         bucket: str | None = None,
         prefix: str | None = None,
         client: str | None = None,
         wait_for_endpoint: bool = False,
     ) -> None:
-        cfg = cfg or S3Config()
-        cap = cfg.capacity if capacity_bytes is None else capacity_bytes
-        super().__init__(cap)
-        self.stats: S3Stats = S3Stats()
         self.cfg = cfg
+        self.objects = objects  # sizes and sightings of the bucket's blocks (the tier's index)
+        self.stats = stats  # the tier's counters
         self.endpoint = endpoint if endpoint is not None else (cfg.endpoint or None)
         self.bucket = bucket if bucket is not None else cfg.bucket
         self.prefix = (prefix if prefix is not None else cfg.prefix).strip("/")
@@ -70,13 +107,9 @@ class S3Session(Tier):
         if len(self.bucket) < 3:
             raise ConfigError(f"s3.bucket: {self.bucket!r} is shorter than 3 characters")
         self.shard_chars = cfg.shard_chars
-        self._access_key = access_key if access_key is not None else (cfg.access_key or None)
-        self._secret_key = secret_key if secret_key is not None else (cfg.secret_key or None)
-        self._session_token = session_token if session_token is not None else (cfg.session_token or None)
+        self.credentials = S3Credentials(cfg, *credentials)
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
         self.observe = no_observe  # (op, seconds) per successful request; see kvbm.daemon.metrics
-        self.objects = ObjectIndex(HEADER_LEN, cfg.copy_max_age_s)  # sizes and sightings of the bucket's blocks
-        self._pending_writes = 0
         self._sem: asyncio.Semaphore | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._s3: Any = None
@@ -90,20 +123,43 @@ class S3Session(Tier):
         self.last_error = ""
         self._prober: asyncio.Task[None] | None = None
 
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def client(self) -> Any:
+        """The aiobotocore S3 client (control calls: HEAD, LIST, DELETE, bucket checks); None until started."""
+        return self._s3
+
+    @property
+    def body(self) -> BodyBackend:
+        """The block body backend; call :meth:`require_online` first."""
+        assert self._body is not None
+        return self._body
+
+    @property
+    def sem(self) -> asyncio.Semaphore:
+        """At most ``max_concurrency`` requests at a time, shared by every part of the tier."""
+        assert self._sem is not None
+        return self._sem
+
     # -- naming ----------------------------------------------------------------------------------
     @property
     def endpoint_name(self) -> str:
         return self.endpoint or "AWS S3"
 
-    def _base(self) -> str:
+    @property
+    def base(self) -> str:
+        """The key prefix every object of this tier starts with ("" or ``{prefix}/``)."""
         return f"{self.prefix}/" if self.prefix else ""
 
     def object_key(self, key: BlockKey) -> str:
-        return f"{self._base()}{object_relkey(key, self.shard_chars)}"
+        return f"{self.base}{object_relkey(key, self.shard_chars)}"
 
     def parse_key(self, s3_key: str) -> BlockKey | None:
         """The BlockKey an object key names, or None for a key this scheme did not write."""
-        base = self._base()
+        base = self.base
         if not s3_key.startswith(base):
             return None
         return parse_object_relkey(s3_key[len(base) :], self.shard_chars)
@@ -139,10 +195,7 @@ class S3Session(Tier):
             kwargs["endpoint_url"] = self.endpoint
         if not cfg.verify_tls:
             kwargs["verify"] = False
-        if self._access_key and self._secret_key:
-            kwargs.update(aws_access_key_id=self._access_key, aws_secret_access_key=self._secret_key)
-            if self._session_token:
-                kwargs["aws_session_token"] = self._session_token
+        kwargs.update(self.credentials.client_kwargs())
         try:
             self._s3 = await self._stack.enter_async_context(session.create_client("s3", **kwargs))
             # "Expect: 100-continue" costs a round trip per PUT to save a body the server would refuse;
@@ -164,16 +217,13 @@ class S3Session(Tier):
             await self._teardown()
             raise
         self._started = True
-        if cfg.scan_on_start and self.online:
-            async for _ in self.scan():
-                pass
 
     async def _connect(self, session: Any) -> None:
         """Check (or create) the bucket and start the body backend; the tier is online afterwards."""
         await check_bucket(self)
         if self.client_kind == "nixl" and self._nixl is None:
             self._nixl = await start_nixl(self, session)
-            self._body = NixlBody(self, self._nixl)  # type: ignore[arg-type]
+            self._body = NixlBody(self._nixl, self.objects.sizes.get, self.head_size)
         if self.client_kind == "http" and self._body is None:
             self._body = await start_http(self, session)
         if self.client_kind == "aiobotocore" and self._body is None:
@@ -182,24 +232,8 @@ class S3Session(Tier):
         self.last_error = ""
 
     async def credential_source(self, session: Any, what: str) -> Callable[[], Awaitable[Any]]:
-        """An async callable giving the current credentials (``access_key``, ``secret_key``, ``token``): the
-        configured keys, else the session's chain, refreshed by botocore when near expiry; ``what`` names the
-        client in the error when there are none."""
-        from botocore.credentials import ReadOnlyCredentials
-
-        if self._access_key and self._secret_key:
-            fixed = ReadOnlyCredentials(self._access_key, self._secret_key, self._session_token)
-
-            async def configured() -> Any:
-                return fixed
-            return configured
-        chain = await session.get_credentials()
-        if chain is None:
-            raise ConfigError(f"no S3 credentials for {what}")
-
-        async def refreshed() -> Any:
-            return await chain.get_frozen_credentials()
-        return refreshed
+        """See :meth:`S3Credentials.source`."""
+        return await self.credentials.source(session, what)
 
     async def _probe_until_online(self, session: Any) -> None:
         """Re-check the endpoint with backoff (0.5 s doubling up to ``breaker_reset_s``) until it answers."""
@@ -228,7 +262,7 @@ class S3Session(Tier):
             log.info("S3 endpoint %s answers: G4 online", self.endpoint_name)
             return
 
-    async def _diagnose(self) -> str:
+    async def diagnose(self) -> str:
         """Error code of a small signed request (tells bad credentials from other failures)."""
         try:
             await self._s3.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
@@ -259,20 +293,17 @@ class S3Session(Tier):
                 await stack.aclose()
         self._s3 = None
 
-    def _require_started(self) -> None:
+    def require_started(self) -> None:
         if not self._started or self._s3 is None:
             raise TierUnavailableError("S3 tier is not started (call await tier.start())")
 
-    def _require_online(self) -> None:
-        self._require_started()
+    def require_online(self) -> None:
+        self.require_started()
         if not self.online:
             raise TierUnavailableError(f"S3 endpoint {self.endpoint_name} not reachable yet: {self.last_error}")
 
-    def writable(self) -> bool:
-        return (self.online and self._pending_writes < self.cfg.max_pending_writes
-                and self.breaker.would_allow())
-
-    def _failed(self, what: str, key: BlockKey | None, e: BaseException) -> None:
+    def failed(self, what: str, key: BlockKey | None, e: BaseException) -> None:
+        """A request failed: counted, told to the breaker, and logged (at most one line every 5 s)."""
         self.stats.errors += 1
         self.breaker.failure()
         now = time.monotonic()
@@ -280,80 +311,13 @@ class S3Session(Tier):
             self._warned_at = now
             log.warning("S3 %s %s failed at %s: %s", what, key or "", self.endpoint_name, one_line(e))
 
-    # -- index (kvbm.tiers.s3.index) --------------------------------------------------------------
-    def seen_within(self, key: BlockKey, max_age_s: float | None = None) -> bool:
-        return self.objects.seen_within(key, max_age_s)
-
-    def nbytes(self, key: BlockKey) -> int | None:
-        return self.objects.sizes.get(key)
-
-    def footprint(self, nbytes: int) -> int:
-        return nbytes + HEADER_LEN
-
-    def used_bytes(self) -> int:
-        return self.objects.used
-
-
-async def check_bucket(tier: S3Session) -> None:
-    """The bucket answers (or is created): outages raise TierUnavailableError, misconfiguration ConfigError."""
-    import botocore.exceptions as bex
-
-    where = tier.endpoint_name
-    try:
-        await tier._s3.list_objects_v2(Bucket=tier.bucket, MaxKeys=1)
-        return
-    except bex.NoCredentialsError:
-        raise ConfigError(
-            f"no S3 credentials for {where}: set s3.access_key/s3.secret_key, AWS_* env or an AWS profile"
-        ) from None
-    except (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ReadTimeoutError,
-            bex.ConnectionClosedError) as e:
-        raise TierUnavailableError(f"S3 endpoint {where} unreachable: {one_line(e)}") from None
-    except bex.ClientError as e:
-        code = error_code(e)
-        if code in CRED_CODES:
-            raise ConfigError(f"S3 credentials rejected by {where} ({code})") from None
-        if code in ("AccessDenied", "403", "Forbidden"):
-            raise ConfigError(f"S3 access to bucket {tier.bucket!r} denied by {where} ({code})") from None
-        if code not in ("NoSuchBucket", "404"):
-            raise TierUnavailableError(f"S3 endpoint {where}: {code}: {one_line(e)}") from None
-    except bex.BotoCoreError as e:
-        raise TierUnavailableError(f"S3 endpoint {where}: {one_line(e)}") from None
-    # The bucket does not exist.
-    if not tier.cfg.create_bucket:
-        raise ConfigError(f"S3 bucket {tier.bucket!r} does not exist at {where} (s3.create_bucket is false)")
-    try:
-        kw: dict[str, Any] = {"Bucket": tier.bucket}
-        if tier.endpoint is None and tier.cfg.region != "us-east-1":
-            kw["CreateBucketConfiguration"] = {"LocationConstraint": tier.cfg.region}
-        await tier._s3.create_bucket(**kw)
-    except bex.ClientError as e:
-        if error_code(e) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
-            raise ConfigError(
-                f"cannot create S3 bucket {tier.bucket!r} at {where}: {error_code(e)}: {one_line(e)}"
-            ) from None
-    log.info("created S3 bucket %s at %s", tier.bucket, where)
-
-
-async def start_http(tier: S3Session, session: Any) -> HttpBodyClient:
-    """The http body client, proven with a real write + read (its own signer, its own connections)."""
-    creds = await tier.credential_source(session, tier.endpoint_name)
-    try:
-        client = HttpBodyClient(tier.cfg, tier.endpoint, tier.bucket, creds)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    probe = f"{tier._base()}.kvbm-probe/{uuid.uuid4().hex}"
-    pkey = BlockKey("kvbm-probe-0000000000000000", uuid.uuid4().bytes)
-    body = b"kvbm-http-probe"
-    try:
-        await client.put(probe, pkey, memoryview(body), {})
-        back = bytearray(len(body))
-        if await client.get_into(probe, pkey, memoryview(back)) != len(body) or bytes(back) != body:
-            raise TierUnavailableError("probe read back different bytes")
-    except Exception as e:
-        client.close()
-        raise probe_failure(tier.endpoint_name, "S3 http client", error_code(e), e) from None
-    finally:
-        with contextlib.suppress(Exception):
-            await tier._s3.delete_object(Bucket=tier.bucket, Key=probe)
-    return client
+    async def head_size(self, okey: str) -> int | None:
+        """An object's size by HEAD (counted in ``stats.heads``); None when there is no such object."""
+        self.stats.heads += 1
+        try:
+            resp = await self._s3.head_object(Bucket=self.bucket, Key=okey)
+        except Exception as e:
+            if error_code(e) in MISS_CODES:
+                return None
+            raise
+        return int(resp["ContentLength"])

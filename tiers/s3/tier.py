@@ -22,8 +22,8 @@ counted in ``stats.corrupt`` and is deleted.
 
 Data paths (``s3.client``)
 --------------------------
-Block bodies move through a :class:`~kvbm.tiers.s3.bodies.BodyBackend` (``self._body``), the same way for every
-client, at most ``max_concurrency`` at a time:
+Block bodies move through a :class:`~kvbm.tiers.s3.bodies.BodyBackend` (the session's ``body``), the same way for
+every client, at most ``max_concurrency`` at a time:
 
 * ``http``: :mod:`kvbm.tiers.s3.http`, plain keep-alive HTTP(S) connections in worker threads that read
   straight into the caller's buffer and send the payload from it (no body copy), checksumming there.
@@ -51,146 +51,171 @@ never logged.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import time
-from collections.abc import Sequence
+import datetime as _dt
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
 
-from kvbm.blocks import FORMAT_VERSION, BlockKey
-from kvbm.errors import CorruptBlockError, TierFullError, TierUnavailableError, WriteShedError
+from kvbm.blocks import BlockKey
+from kvbm.config import S3Config
+from kvbm.errors import TierUnavailableError
+from kvbm.tiers.base import StoredBlock, Tier
+from kvbm.tiers.s3.blocks import S3Blocks
+from kvbm.tiers.s3.breaker import CircuitBreaker
 from kvbm.tiers.s3.bulk import S3Bulk
-from kvbm.tiers.s3.codes import MISS_CODES, error_code, one_line
+from kvbm.tiers.s3.codes import one_line
+from kvbm.tiers.s3.index import ObjectIndex
+from kvbm.tiers.s3.listing import S3Listing
+from kvbm.tiers.s3.session import HEADER_LEN, S3Session, S3Stats
 
-log = logging.getLogger("kvbm.tiers.s3")
 
-META_FORMAT = f"kvbm-block-v{FORMAT_VERSION}"
+class S3Tier(Tier):
+    """Blocks as objects in one bucket; see the module docstring for keys, format and failure handling.
 
-
-class S3Tier(S3Bulk):
-    """Blocks as objects in one bucket; see the module docstring for keys, format and failure handling."""
+    Composed of its parts, each owning its state: :attr:`session` (client, body backend, credentials, naming,
+    health), :attr:`blocks` (PUT/GET of a block, the writes in flight), :attr:`listing` (LIST, scans, usage) and
+    :attr:`bulk` (many-object requests, auxiliary objects); the tier keeps its index of the bucket (``objects``)
+    and its counters (``stats``), which it hands them, and the Tier interface over them."""
 
     name = "G4"
     kind = "s3"
 
-    # -- data path -------------------------------------------------------------------------------
-    def _meta(self, key: BlockKey, nbytes: int) -> dict[str, str]:
-        return {
-            "kvbm-format": META_FORMAT,
-            "kvbm-namespace": key.namespace,
-            "kvbm-hash": key.hash.hex(),
-            "kvbm-nbytes": str(nbytes),
-            "kvbm-created": f"{time.time():.3f}",
-        }
+    def __init__(
+        self,
+        cfg: S3Config | None = None,
+        *,
+        endpoint: str | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        session_token: str | None = None,
+        capacity_bytes: int | None = None,
+        bucket: str | None = None,
+        prefix: str | None = None,
+        client: str | None = None,
+        wait_for_endpoint: bool = False,
+    ) -> None:
+        cfg = cfg or S3Config()
+        super().__init__(cfg.capacity if capacity_bytes is None else capacity_bytes)
+        self.stats: S3Stats = S3Stats()
+        self.objects = ObjectIndex(HEADER_LEN, cfg.copy_max_age_s)  # sizes and sightings of the bucket's blocks
+        self.session = S3Session(cfg, objects=self.objects, stats=self.stats, endpoint=endpoint,
+                                 credentials=(access_key, secret_key, session_token), bucket=bucket, prefix=prefix,
+                                 client=client, wait_for_endpoint=wait_for_endpoint)
+        self.listing = S3Listing(self.session)
+        self.bulk = S3Bulk(self.session)
+        s = self.session
+        self.cfg, self.endpoint, self.bucket, self.prefix = cfg, s.endpoint, s.bucket, s.prefix
+        self.client_kind, self.shard_chars = s.client_kind, s.shard_chars
+        self.breaker: CircuitBreaker = s.breaker
+        self.blocks = S3Blocks(self.session)
 
-    def _shed(self, key: BlockKey, why: str) -> WriteShedError:
-        self.stats.shed += 1
-        return WriteShedError(f"G4 S3 {self.endpoint_name}: write of {key} shed ({why})")
+    # -- the session's state, read through ------------------------------------------------------
+    @property
+    def endpoint_name(self) -> str:
+        return self.session.endpoint_name
 
+    @property
+    def online(self) -> bool:
+        return self.session.online
+
+    @property
+    def last_error(self) -> str:
+        return self.session.last_error
+
+    @property
+    def observe(self) -> Callable[[str, float], None]:
+        """(op, seconds) per successful request; the daemon sets it (kvbm.daemon.metrics)."""
+        return self.session.observe
+
+    @observe.setter
+    def observe(self, fn: Callable[[str, float], None]) -> None:
+        self.session.observe = fn
+
+    def object_key(self, key: BlockKey) -> str:
+        return self.session.object_key(key)
+
+    def parse_key(self, s3_key: str) -> BlockKey | None:
+        """The BlockKey an object key names, or None for a key this scheme did not write."""
+        return self.session.parse_key(s3_key)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.session.started:
+            return
+        await self.session.start()
+        if self.cfg.scan_on_start and self.online:
+            async for _ in self.scan():
+                pass
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    def writable(self) -> bool:
+        return self.blocks.writable()
+
+    # -- index (kvbm.tiers.s3.index) --------------------------------------------------------------
+    def seen_within(self, key: BlockKey, max_age_s: float | None = None) -> bool:
+        return self.objects.seen_within(key, max_age_s)
+
+    def nbytes(self, key: BlockKey) -> int | None:
+        return self.objects.sizes.get(key)
+
+    def footprint(self, nbytes: int) -> int:
+        return nbytes + HEADER_LEN
+
+    def used_bytes(self) -> int:
+        return self.objects.used
+
+    # -- LIST and many-object requests: the listing's and the bulk mover's ---------------------------
+    def scan(self, namespace: str | None = None) -> AsyncIterator[StoredBlock]:
+        """List every block under the prefix, or one namespace of it, and rebuild the index."""
+        return self.listing.scan(namespace)
+
+    def list_objects(self, namespace: str | None = None, key_prefix: str | None = None
+                     ) -> AsyncIterator[tuple[BlockKey | None, str, int, _dt.datetime | None]]:
+        return self.listing.list_objects(namespace, key_prefix)
+
+    def list_pages(self, list_prefix: str, delimiter: str = "", dirs: list[str] | None = None, start_after: str = ""
+                   ) -> AsyncIterator[list[tuple[BlockKey | None, str, int, _dt.datetime | None]]]:
+        return self.listing.list_pages(list_prefix, delimiter, dirs, start_after)
+
+    def list_objects_parallel(self, namespace: str | None = None, concurrency: int | None = None
+                              ) -> AsyncIterator[tuple[BlockKey | None, str, int, _dt.datetime | None]]:
+        return self.listing.list_objects_parallel(namespace, concurrency)
+
+    async def usage(self) -> dict[str, dict[str, Any]]:
+        return await self.listing.usage()
+
+    async def put_aux(self, okey: str, body: bytes) -> None:
+        await self.bulk.put_aux(okey, body)
+
+    async def get_aux(self, okey: str) -> bytes | None:
+        return await self.bulk.get_aux(okey)
+
+    async def head_many(self, keys: Iterable[BlockKey]) -> dict[BlockKey, dict[str, Any] | None]:
+        return await self.bulk.head_many(keys)
+
+    async def exists_many(self, keys: Iterable[BlockKey], concurrency: int | None = None) -> dict[BlockKey, int | None]:
+        return await self.bulk.exists_many(keys, concurrency)
+
+    async def delete_many(self, s3_keys: Iterable[str]) -> tuple[int, list[tuple[str, str, str]]]:
+        return await self.bulk.delete_many(s3_keys)
+
+    # -- data path: the block mover's -------------------------------------------------------------
     async def put(self, key: BlockKey, data: memoryview | bytes) -> None:
-        self._require_started()
-        n = memoryview(data).nbytes
-        fp = self.footprint(n)
-        old = self.objects.sizes.get(key)
-        if old is None and self.capacity_bytes and self.objects.used + fp > self.capacity_bytes:
-            raise TierFullError(f"G4 S3: {self.objects.used + fp} bytes would exceed capacity {self.capacity_bytes}")
-        if not self.online:
-            raise self._shed(key, f"endpoint not reachable yet: {self.last_error}")
-        if self._pending_writes >= self.cfg.max_pending_writes:
-            raise self._shed(key, f"{self._pending_writes} writes in flight, s3.max_pending_writes")
-        if not self.breaker.allow():
-            raise self._shed(key, "circuit breaker open")
-        self._pending_writes += 1
-        try:
-            okey = self.object_key(key)
-            assert self._sem is not None and self._body is not None
-            async with self._sem:
-                t0 = time.perf_counter()
-                await self._body.put(okey, key, memoryview(data), self._meta(key, n))
-                self.observe("put", time.perf_counter() - t0)
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            self.breaker.abandon()
-            raise
-        except Exception as e:
-            self._failed("PUT", key, e)
-            raise TierUnavailableError(f"S3 PUT of {key} at {self.endpoint_name} failed: {one_line(e)}") from None
-        finally:
-            self._pending_writes -= 1
-        self.breaker.success()
-        self.objects.set(key, n)
-        self.stats.puts += 1
-        self.stats.bytes_in += n
+        await self.blocks.put(key, data, self.capacity_bytes)
 
     async def get_into(self, key: BlockKey, out: memoryview) -> int | None:
-        self._require_started()
-        self.stats.gets += 1
-        if not self.online or not self.breaker.allow():
-            self.stats.misses += 1
-            return None
-        okey = self.object_key(key)
-        view = memoryview(out).cast("B")
-        expected = self.objects.sizes.get(key)  # the length the caller sized ``out`` (and a G2 slot) by
-        try:
-            assert self._sem is not None and self._body is not None
-            async with self._sem:
-                t0 = time.perf_counter()
-                n = await self._body.get_into(okey, key, view)
-                self.observe("get", time.perf_counter() - t0)
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            self.breaker.abandon()
-            raise
-        except CorruptBlockError as e:
-            self.breaker.success()
-            log.warning("corrupt S3 object %s: %s (deleted)", okey, e)
-            self.stats.corrupt += 1
-            self.stats.misses += 1
-            self.objects.drop(key)
-            with contextlib.suppress(Exception):
-                await self._s3.delete_object(Bucket=self.bucket, Key=okey)
-            return None
-        except ValueError:
-            raise
-        except Exception as e:
-            self._failed("GET", key, e)
-            self.stats.misses += 1
-            return None
-        self.breaker.success()
-        if n is None:
-            self.objects.drop(key)
-            self.stats.misses += 1
-            return None
-        if expected is not None and n != expected:
-            # A valid block of another length (overwritten since it was indexed): what the caller sized its
-            # buffer or slot by is not what is there, so nothing of it is served. Forgotten: a miss, recomputed.
-            log.warning("S3 object %s holds %d payload bytes, %d indexed: refused", okey, n, expected)
-            self.stats.short_reads += 1
-            self.stats.misses += 1
-            self.objects.drop(key)
-            return None
-        self.objects.set(key, n)
-        self.stats.hits += 1
-        self.stats.bytes_out += n
-        return n
-
-    async def _head_size(self, okey: str) -> int | None:
-        self.stats.heads += 1
-        try:
-            resp = await self._s3.head_object(Bucket=self.bucket, Key=okey)
-        except Exception as e:
-            if error_code(e) in MISS_CODES:
-                return None
-            raise
-        return int(resp["ContentLength"])
+        return await self.blocks.get_into(key, out)
 
     async def delete(self, key: BlockKey) -> bool:
-        self._require_online()
+        self.session.require_online()
         okey = self.object_key(key)
         existed = key in self.objects.sizes
         try:
             if not existed:
-                existed = await self._head_size(okey) is not None
+                existed = await self.session.head_size(okey) is not None
             self.stats.delete_requests += 1
-            await self._s3.delete_object(Bucket=self.bucket, Key=okey)
+            await self.session.client.delete_object(Bucket=self.bucket, Key=okey)
         except Exception as e:
             self.stats.errors += 1
             raise TierUnavailableError(f"S3 DELETE {okey} at {self.endpoint_name}: {one_line(e)}") from None
@@ -207,7 +232,7 @@ class S3Tier(S3Bulk):
             for k in keys:
                 self.objects.drop(k)
             return held
-        self._require_online()
+        self.session.require_online()
         _deleted, errors = await self.delete_many([self.object_key(k) for k in keys])
         if errors:
             self.stats.errors += len(errors)
@@ -230,7 +255,7 @@ class S3Tier(S3Bulk):
         d.update(
             endpoint=self.endpoint_name, bucket=self.bucket, prefix=self.prefix, client=self.client_kind,
             breaker=self.breaker.describe(), online=self.online, last_error=self.last_error,
-            pending_writes=self._pending_writes, indexed_blocks=len(self.objects.sizes),
+            pending_writes=self.blocks.pending_writes, indexed_blocks=len(self.objects.sizes),
         )
         return d
 

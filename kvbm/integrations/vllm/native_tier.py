@@ -27,10 +27,8 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -51,10 +49,11 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvbm import protocol as p
 from kvbm.blocks.layout import KVLayout
 from kvbm.integrations.vllm.geometry import Geometry
-from kvbm.integrations.vllm.link import LINK_ERRORS, Link, is_load
+from kvbm.integrations.vllm.link import LINK_ERRORS, Link
 from kvbm.integrations.vllm.native_config import NativeTierConfig
 from kvbm.integrations.vllm.native_events import RemovalWatch
 from kvbm.integrations.vllm.native_keys import kvbm_hash, native_layout
+from kvbm.integrations.vllm.native_transfer import ChunkRows, Done
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -109,18 +108,6 @@ class _Lookups(AsyncLookupManager):
         return [i < matched for i in range(len(keys))]
 
 
-@dataclass
-class _Done:
-    job_id: int
-    success: bool
-    keys: list[OffloadKey]
-    is_load: bool
-    loaded: int = 0  # loads: leading keys copied into the primary tier
-    nbytes: int = 0
-    seconds: float | None = None
-    dropped: str = ""  # stores: why it was dropped (one of DROP_REASONS), "" if it was attempted
-
-
 class KvbmTier(SecondaryTierManager):
     """vLLM ``SecondaryTierManager`` over the kvbm daemon (see the module docstring)."""
 
@@ -134,7 +121,7 @@ class KvbmTier(SecondaryTierManager):
         config = offloading_spec.config
         self.row_bytes = self.block_size_bytes
         # The primary tier's rows as numpy views (no copy): each copy below is one memcpy to or from G2.
-        self._rows: np.ndarray | None = np.asarray(primary_kv_view).view(np.uint8)
+        self.rows = ChunkRows(primary_kv_view, self.row_bytes)  # the copies between chunk rows and G2 slots
         self.layout: KVLayout = native_layout(config, self.row_bytes, cfg.model_name or "")
         self.endpoint, client_kw = cfg.client()
         geometry = _ChunkGeometry(self.row_bytes, self.layout.block_tokens)
@@ -164,7 +151,7 @@ class KvbmTier(SecondaryTierManager):
         # Scheduler -> threads, threads -> scheduler.
         self._stores: queue.SimpleQueue[TransferJob | None] = queue.SimpleQueue()
         self._loads: queue.SimpleQueue[TransferJob | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._outstanding = 0  # jobs queued or running, not yet in _done (guarded by _idle)
         self._idle = threading.Condition()
         self._cancel = threading.Event()  # drain_jobs: queued stores are reported failed, not run
@@ -177,9 +164,9 @@ class KvbmTier(SecondaryTierManager):
             if lk.get() is None:
                 break
         self._lookups = _Lookups(self._lookup_link, tier_type)
-        self._threads = [threading.Thread(target=self._run, args=(self._stores, self._store_link, self._store),
+        self._threads = [threading.Thread(target=self._run, args=(self._stores, self._store_link, self.rows.store),
                                           name="kvbm-native-store", daemon=True),
-                         threading.Thread(target=self._run, args=(self._loads, self._load_link, self._load),
+                         threading.Thread(target=self._run, args=(self._loads, self._load_link, self.rows.load),
                                           name="kvbm-native-load", daemon=True)]
         for t in self._threads:
             t.start()
@@ -261,7 +248,7 @@ class KvbmTier(SecondaryTierManager):
         jobs.put(job)
 
     def _drop(self, job: TransferJob, why: str) -> None:
-        self._done.put(_Done(job.job_id, False, list(job.keys), False, dropped=why))
+        self._done.put(Done(job.job_id, False, list(job.keys), False, dropped=why))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results: list[JobResult] = []
@@ -325,7 +312,7 @@ class KvbmTier(SecondaryTierManager):
             link.close()
         if self._removals is not None:
             self._removals.close()
-        self._rows = None  # releases the export of vLLM's primary memoryview, so vLLM can unmap it
+        self.rows.close()  # releases the export of vLLM's primary memoryview, so vLLM can unmap it
 
     # -- the tier's threads ------------------------------------------------------------------------------------
     def _run(self, jobs: queue.SimpleQueue[TransferJob | None], link: Link, work: Any) -> None:
@@ -342,72 +329,16 @@ class KvbmTier(SecondaryTierManager):
                 return
             try:
                 if link is self._store_link and self._cancel.is_set():
-                    done = _Done(job.job_id, False, list(job.keys), False)
+                    done = Done(job.job_id, False, list(job.keys), False)
                 else:
                     done = work(job, link)
             except Exception as e:  # a tier thread must never die: the job is reported failed
                 log.warning("kvbm tier: job %s failed: %s", job.job_id, e)
-                done = _Done(job.job_id, False, list(job.keys), job.is_promotion)
+                done = Done(job.job_id, False, list(job.keys), job.is_promotion)
             self._done.put(done)
             with self._idle:
                 self._outstanding -= 1
                 self._idle.notify_all()
-
-    def _store(self, job: TransferJob, link: Link) -> _Done:
-        keys = list(job.keys)
-        client = link.get()
-        if client is None:
-            return _Done(job.job_id, False, keys, False, dropped="down")
-        rows = self._rows
-        assert rows is not None
-        bufs = [rows[int(c)] for c in job.chunk_ids]  # views of the primary rows, copied once into G2
-        t0 = time.monotonic()
-        try:
-            client.store([kvbm_hash(k) for k in keys], bufs)
-        except LINK_ERRORS as e:
-            if is_load(e):
-                return _Done(job.job_id, False, keys, False, dropped="shed")
-            link.error(e)
-            return _Done(job.job_id, False, keys, False, dropped="down")
-        return _Done(job.job_id, True, keys, False, nbytes=len(keys) * self.row_bytes,
-                     seconds=time.monotonic() - t0)
-
-    def _load(self, job: TransferJob, link: Link) -> _Done:
-        keys, cids = list(job.keys), [int(c) for c in job.chunk_ids]
-        client = link.get()
-        if client is None or client.registered is None:
-            return _Done(job.job_id, False, keys, True)
-        rows = self._rows
-        assert rows is not None
-        # Onboarded blocks stay pinned in G2 until released: never ask for more than half the pool at once.
-        window = max(1, client.registered.num_slots // 2)
-        t0 = time.monotonic()
-        loaded = 0
-        try:
-            for a in range(0, len(keys), window):
-                hashes = [kvbm_hash(k) for k in keys[a : a + window]]
-                rep = client.request(p.Onboard(namespace=client.namespace, hashes=hashes), p.Onboarded)
-                got = 0
-                try:
-                    g2 = client.g2
-                    assert g2 is not None
-                    pool, sb = g2.pool.numpy(), g2.slot_bytes
-                    for i in range(rep.count):
-                        nb = rep.nbytes[i]
-                        if nb != self.row_bytes:
-                            break  # not a chunk of this layout (cannot be, under this namespace): stop there
-                        rows[cids[a + i]][:nb] = pool[rep.slots[i] * sb : rep.slots[i] * sb + nb]
-                        got += 1
-                finally:
-                    if rep.count:
-                        client.request(p.Release(namespace=client.namespace, hashes=hashes[: rep.count]), p.Released)
-                loaded += got
-                if got < len(hashes):
-                    break
-        except LINK_ERRORS as e:
-            link.error(e)
-        return _Done(job.job_id, loaded == len(keys), keys, True, loaded=loaded, nbytes=loaded * self.row_bytes,
-                     seconds=time.monotonic() - t0)
 
     def _refresh_daemon_stats(self, link: Link) -> None:
         now = time.monotonic()
