@@ -33,6 +33,7 @@ class ReqState:
     saved_blocks: int = 0  # kvbm blocks of this request already handed to the worker to save
     step: int = 0  # the scheduler step the state was made in (a preemption of that step is an earlier state's)
     stale: bool = False  # computed under weights before a cache reset: never saved
+    partial: bytes = b""  # the partial block this request loaded or saved last (saved once)
 
     def full_blocks(self, k: int) -> int:
         """kvbm blocks whose every token is known (prompt and output alike)."""
@@ -154,7 +155,8 @@ class SchedulerSide:
         j = num_external_tokens % self.geometry.block_tokens // self.geometry.vllm_block_size
         if j:  # a partial block after the full ones: its own key, j vLLM blocks
             first = (local_blocks + n) * k
-            st.load.hashes.append(bytes(request.block_hashes[first + j - 1]))
+            st.partial = bytes(request.block_hashes[first + j - 1])
+            st.load.hashes.append(st.partial)
             st.load.block_ids.append([b for ids in st.block_ids for b in ids[first : first + j]])
         st.load_from = local_blocks
         st.saved_blocks = local_blocks + n  # loaded blocks are already stored
@@ -211,6 +213,15 @@ class SchedulerSide:
             for ids, new in zip(st.block_ids, new_block_ids, strict=True):
                 ids.extend(new or ())
         self._queue_saves(meta, st, computed + scheduled, computed)
+        prompt = st.request.num_prompt_tokens
+        if self.cfg.save and computed < prompt <= computed + scheduled:
+            # The prompt's prefill ends in this step: its tail past the last full kvbm block is a partial
+            # block, so the same prompt sent again is cached as far as vLLM's own prefix cache would.
+            tail = self._partial_save(st, prompt)
+            if tail is not None:
+                meta.saves.append(tail)
+                if self.cfg.async_save:
+                    self._save_pending.add(st.request.request_id)
 
     def _queue_saves(self, meta: KvbmConnectorMetadata, st: ReqState, ready_tokens: int, computed: int,
                      final: bool = False) -> bool:
@@ -246,9 +257,13 @@ class SchedulerSide:
         full, j = divmod(vfull, k)
         if not j or st.saved_blocks != full:
             return None
+        key = bytes(st.request.block_hashes[vfull - 1])
+        if key == st.partial:
+            return None  # loaded or saved already (a prompt whose answer stayed inside the same vLLM block)
+        st.partial = key
         ids = [b for group in st.block_ids for b in group[full * k : full * k + j]]
         self._stats["partial_saves"] = self._stats.get("partial_saves", 0) + 1
-        return BlockTransfer(st.request.request_id, [bytes(st.request.block_hashes[vfull - 1])], [ids])
+        return BlockTransfer(st.request.request_id, [key], [ids])
 
     def _intact(self, st: ReqState, i: int, computed: int) -> bool:
         """Whether every group still holds all vLLM blocks of the request's kvbm block ``i``."""
