@@ -80,6 +80,20 @@ class Daemon(ServeProc):
             time.sleep(0.5)
 
 
+def kvbm_cached(prompt_len: int, vllm_bs: int) -> int:
+    """The tokens a hit on a stored prompt serves: with partial blocks, every whole vLLM block before the last
+    token (a full-block run, then the partial block that continues it), as vLLM's own prefix cache would."""
+    return (prompt_len - 1) // vllm_bs * vllm_bs
+
+
+def kvbm_stored(prompt_len: int, answer: int, vllm_bs: int, k: int) -> int:
+    """Blocks one rank stores for a request: its full kvbm blocks and its partial ones (the prompt's tail when
+    its prefill ends, the request's when it finishes; one block when both end in the same vLLM block)."""
+    computed = prompt_len + answer - 1  # the last sampled token has no KV
+    full = computed // vllm_bs // k
+    return full + len({v for v in (prompt_len // vllm_bs, computed // vllm_bs) if v % k})
+
+
 def run_vllm(tmp: Path, name: str, model: str, daemon: ServeProc | None, steps: list[dict], *, tp: int = 1,
              pp: int = 1, prompt: list[int] = PROMPT, digest_blocks: int = 0, events: str | None = None,
              extra: dict | None = None, group_digest_blocks: int = 0, attention_backend: str = "",
@@ -133,9 +147,10 @@ def test_connector_end_to_end(tmp_path, tiny_model, baseline, s3_server):
         first = run_vllm(tmp_path, "store", tiny_model, daemon, [{}], events=daemon.vllm_events)[0]
         assert first["tokens"] == baseline["tokens"]
         assert first["kv_transfer_params"]["kvbm"]["degraded"] is False, first["kv_transfer_params"]
-        st = daemon.wait_cascaded(full_kvbm_blocks)
+        stored = kvbm_stored(len(PROMPT), 8, VLLM_BS, k)  # the full blocks and the prompt's partial one
+        st = daemon.wait_cascaded(stored)
         g = {t["tier"]: t for t in st["tiers"]}
-        assert g["G3"]["blocks"] == full_kvbm_blocks and g["G4"]["blocks"] == full_kvbm_blocks, g
+        assert g["G3"]["blocks"] == stored and g["G4"]["blocks"] == stored, g
 
         # 5. The daemon followed the engine's KV events: vLLM's own block hashes are resident on its GPU.
         expected = {int.from_bytes(h[-8:], "big") for h in vllm_block_hashes(PROMPT, VLLM_BS, seed=HASH_SEED)}
@@ -151,12 +166,12 @@ def test_connector_end_to_end(tmp_path, tiny_model, baseline, s3_server):
         hit, evicted, hit_g4 = run_vllm(tmp_path, "load", tiny_model, daemon, [{}, {"evict": ["G2", "G3"]}, {}],
                                         digest_blocks=loaded_vblocks)
         ref = baseline["kv_digests"][0][:loaded_vblocks]
-        assert hit["num_cached_tokens"] == full_kvbm_blocks * VLLM_BS * k
+        assert hit["num_cached_tokens"] == kvbm_cached(len(PROMPT), VLLM_BS) > full_kvbm_blocks * VLLM_BS * k
         assert hit["tokens"] == baseline["tokens"]
         assert hit["kv_digests"] == [ref]
         assert hit["prefix_cache_reset"] is True  # step 3 cannot be served by vLLM's own prefix cache
-        assert evicted["evicted"] == 2 * full_kvbm_blocks  # one copy in G2, one in G3
-        assert hit_g4["num_cached_tokens"] == full_kvbm_blocks * VLLM_BS * k
+        assert evicted["evicted"] == 2 * stored  # one copy in G2, one in G3
+        assert hit_g4["num_cached_tokens"] == kvbm_cached(len(PROMPT), VLLM_BS)
         assert hit_g4["tokens"] == baseline["tokens"]
         assert hit_g4["kv_digests"] == [ref]
         after = tier_hits(daemon.stats())
@@ -186,9 +201,10 @@ def test_tensor_parallel_2_stores_and_loads_every_rank(tmp_path, tiny_model, s3_
         store, load = run_vllm(tmp_path, "tp2", tiny_model, daemon, [{"settle": True}, {"poison": True}], tp=2,
                                prompt=prompt, digest_blocks=full * k)
         assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
-        st = daemon.wait_cascaded(2 * full)
-        assert {t["tier"]: t["blocks"] for t in st["tiers"]}["G2"] == 2 * full  # each rank its own namespace
-        assert load["num_cached_tokens"] == full * k * VLLM_BS
+        stored = kvbm_stored(len(prompt), 8, VLLM_BS, k)
+        st = daemon.wait_cascaded(2 * stored)
+        assert {t["tier"]: t["blocks"] for t in st["tiers"]}["G2"] == 2 * stored  # each rank its own namespace
+        assert load["num_cached_tokens"] == kvbm_cached(len(prompt), VLLM_BS)
         assert load["tokens"] == store["tokens"]
         assert len(load["kv_digests"]) == 2 and load["kv_digests"] == store["kv_digests"]
         assert load["kv_digests"][0] != load["kv_digests"][1]  # the ranks hold different heads
@@ -235,7 +251,6 @@ def test_connector_under_curve_with_a_client_allow_list(tmp_path, tiny_model, s3
                     curve_clients_dir=str(tmp_path / "clients"))
     extra = {"curve_server_key_file": str(keys / "server.key"), "curve_client_key_file": str(csec)}
     k = 128 * 1024 // VBLOCK_BYTES
-    full = (len(PROMPT) - 1) // (VLLM_BS * k)
     try:
         daemon.start()
         store, load = run_vllm(tmp_path, "curve", tiny_model, daemon, [{"settle": True}, {"poison": True}],
@@ -244,8 +259,8 @@ def test_connector_under_curve_with_a_client_allow_list(tmp_path, tiny_model, s3
         with WorkerClient(daemon.endpoint, timeout_s=10, curve_server_key=load_keypair(ssec)[0].decode(),
                           curve_keypair=load_keypair(csec)) as c:
             g2 = {t["tier"]: t["blocks"] for t in c.stats()["tiers"]}["G2"]
-        assert g2 == full
-        assert load["num_cached_tokens"] == full * VLLM_BS * k
+        assert g2 == kvbm_stored(len(PROMPT), 8, VLLM_BS, k)
+        assert load["num_cached_tokens"] == kvbm_cached(len(PROMPT), VLLM_BS)
         assert load["tokens"] == store["tokens"]
         # The same engine without its key pair: not admitted, so it recomputes and says it is degraded.
         anon = run_vllm(tmp_path, "curve-anon", tiny_model, daemon, [{}],

@@ -84,3 +84,31 @@ def test_requests_preempted_and_admitted_again_in_one_step_load_and_finish(tmp_p
         assert all(len(t) == 12 for t in reset["batch_tokens"])
     finally:
         daemon.stop()
+
+
+def test_a_conversations_next_turn_is_cached_to_the_vllm_block_and_computes_the_same_tokens(tmp_path, tiny_model):
+    """Turn 1 (prompt + answer) ends inside a kvbm block: its tokens past the last full kvbm block are saved as
+    a partial block. Turn 2 (turn 1, its answer, a new question) after vLLM's own cache is reset and its KV
+    poisoned: kvbm serves every full block and the partial one, so the tokens cached reach the last vLLM block
+    before the new question (they stopped at the last full kvbm block, up to k - 1 vLLM blocks short), and turn
+    2's tokens are those an engine computing everything gets."""
+    prompt = [(i * 43 + 17) % 953 + 3 for i in range(1100)]
+    answer, question = 60, [(i * 5 + 1) % 900 + 3 for i in range(20)]
+    turn2_len = len(prompt) + answer + len(question)
+    daemon = g2_daemon(tmp_path)
+    try:
+        daemon.start()
+        steps = [{"settle": True, "max_tokens": answer}, {"poison": True, "follow_up": question, "max_tokens": 8}]
+        first, second = run_vllm(tmp_path, "conv", tiny_model, daemon, steps, prompt=prompt)
+        alone1, alone2 = run_vllm(tmp_path, "alone", tiny_model, None,
+                              [{"max_tokens": answer}, {"follow_up": question, "max_tokens": 8}], prompt=prompt)
+        assert second["prompt_tokens"] == turn2_len
+        vllm_bs = BLOCK_TOKENS // K
+        computed = len(prompt) + answer - 1  # turn 1's tokens with KV (its last sampled token has none)
+        want = computed // vllm_bs * vllm_bs
+        assert want % BLOCK_TOKENS, "turn 1 must end inside a kvbm block for the test to mean anything"
+        assert second["num_cached_tokens"] == want, (second["num_cached_tokens"], want)
+        assert first["tokens"] == alone1["tokens"]
+        assert second["tokens"] == alone2["tokens"]
+    finally:
+        daemon.stop()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from needs import needs
 from serve_proc import ServeProc
-from test_vllm_e2e import VLLM_BS, free_port, run_vllm
+from test_vllm_e2e import VLLM_BS, free_port, kvbm_cached, kvbm_stored, run_vllm
 
 pytestmark = [pytest.mark.slow, needs("vllm", importlib.util.find_spec("vllm") is not None,
                                       "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")]
@@ -64,10 +64,10 @@ def test_pipeline_parallel_2_each_stage_stores_and_loads_its_own_layers(tmp_path
                                prompt=prompt, digest_blocks=full * k)
         assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
         assert store["kv_digests"][0] != store["kv_digests"][1]  # the stages hold different layers
-        assert load["num_cached_tokens"] == full * k * VLLM_BS
+        assert load["num_cached_tokens"] == kvbm_cached(len(prompt), VLLM_BS)
         assert len(load["kv_digests"]) == 2 and load["kv_digests"] == store["kv_digests"]
         assert load["tokens"] == store["tokens"]
-        assert g2_blocks(daemon) == 2 * full  # each stage its own namespace
+        assert g2_blocks(daemon) == 2 * kvbm_stored(len(prompt), 8, VLLM_BS, k)  # each stage its own namespace
     finally:
         daemon.stop()
 
@@ -106,10 +106,10 @@ def test_mla_at_tp_2_stores_one_copy_per_tp_group_and_loads_the_computed_latent(
                                prompt=prompt, digest_blocks=full * k, attention_backend="CPU_MLA")
         assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
         assert store["kv_digests"][0] == store["kv_digests"][1]  # the ranks hold the same latent
-        assert load["num_cached_tokens"] == full * k * bs
+        assert load["num_cached_tokens"] == kvbm_cached(len(prompt), bs)
         assert load["kv_digests"] == store["kv_digests"]  # both ranks loaded the computed bytes
         assert load["tokens"] == store["tokens"]  # ... so the completion is the computed one
-        assert g2_blocks(daemon) == full  # one copy per TP group
+        assert g2_blocks(daemon) == kvbm_stored(len(prompt), 8, bs, k)  # one copy per TP group
     finally:
         daemon.stop()
 

@@ -88,7 +88,7 @@ def test_openai_server_second_request_from_kvbm(daemon: ServeProc, tmp_path: Pat
     with srv:
         bs = int(cmd[cmd.index("--block-size") + 1])
         k = (128 << 10) // (bs * TINY_TOKEN_BYTES)  # vLLM blocks per kvbm block, as the connector derives it
-        kvbm_tokens = (len(PROMPT) - 1) // bs // k * k * bs
+        kvbm_tokens = (len(PROMPT) - 1) // bs * bs  # full kvbm blocks, then the partial one: to vLLM's block
 
         async def go() -> list:
             cli = client(srv, timeout_s=300)
@@ -112,6 +112,7 @@ def test_openai_server_second_request_from_kvbm(daemon: ServeProc, tmp_path: Pat
         with daemon.client() as c:
             m = c.stats()["manager"]
         assert m["lookup_hit_blocks"] >= kvbm_tokens // (k * bs) and m["onboards"] >= 1, m
+        assert kvbm_tokens % (k * bs), "the prompt must end inside a kvbm block for the partial block to show"
         pgid = srv.proc.pid
     # Stopped: nothing of the server's process group is left.
     with pytest.raises(ProcessLookupError):
@@ -145,8 +146,7 @@ def test_a_weight_update_through_the_server_never_loads_the_old_weights_kv(daemo
     srv = VllmServer(cmd, tmp_path / "vllm.log", env={"KVBM_DAEMON": daemon.endpoint, "OMP_NUM_THREADS": "2"})
     with srv:
         bs = int(cmd[cmd.index("--block-size") + 1])
-        k = (128 << 10) // (bs * TINY_TOKEN_BYTES)
-        kvbm_tokens = (len(PROMPT) - 1) // bs // k * k * bs
+        kvbm_tokens = (len(PROMPT) - 1) // bs * bs  # full kvbm blocks, then the partial one: to vLLM's block
 
         async def one():
             cli = client(srv, timeout_s=300)

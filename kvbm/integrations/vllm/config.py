@@ -34,6 +34,9 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     fence_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 50.0
     save: bool = True
     load: bool = True
+    # A finished request's tokens past its last full kvbm block, down to vLLM's block, are saved as a partial
+    # block, and a hit continues into it (single-group models): a hit ends where vLLM's own would.
+    partial_blocks: bool = True
     async_load: bool | None = None  # None: async on an accelerator, sync on a CPU engine (the connector resolves it)
     async_save: bool = True
     load_failure_policy: Literal["recompute", "fail"] = "recompute"

@@ -45,9 +45,10 @@ class Loader:
     """Runs a step's loads, on the engine's thread (sync) or a thread of their own (async)."""
 
     def __init__(self, link: Link, async_link: Link, copy: Callable[[torch.Tensor, list[int]], None],
-                 block_bytes: Callable[[], int]) -> None:
+                 nbytes_of: Callable[[list[int]], int]) -> None:
         # copy(slot view, vLLM block ids): the paged cache's copy into vLLM's blocks.
-        self._link, self._async_link, self._copy, self._block_bytes = link, async_link, copy, block_bytes
+        # nbytes_of(ids): the bytes of a kvbm block of those vLLM blocks (a partial block has fewer than k).
+        self._link, self._async_link, self._copy, self._nbytes_of = link, async_link, copy, nbytes_of
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")
         self._loading: dict[str, Future[set[int]]] = {}
         self._errors: set[int] = set()  # vLLM block ids that did not load, until vLLM reads them
@@ -141,7 +142,7 @@ class Loader:
                 try:
                     with job.loaded() as got:
                         for i in range(got.count if got_all else 0):
-                            if got.nbytes[i] != self._block_bytes():
+                            if got.nbytes[i] != self._nbytes_of(tr.block_ids[a + i]):
                                 break
                             self._copy(got.view(i), tr.block_ids[a + i])
                             loaded[tr.req_id] += 1

@@ -36,8 +36,13 @@ MAX_PIPELINED = 64
 class _Job:
     req_id: str
     hashes: list[bytes]
+    # A partial block's candidates: the request's vLLM block hashes (as many as may be loaded) and k. The
+    # partial block that continues a run of m full blocks with j vLLM blocks is keyed by vhashes[m*k + j - 1].
+    vhashes: list[bytes] = field(default_factory=list)
+    k: int = 0
     asked: float = field(default_factory=time.monotonic)
     matched: int | None = None  # kvbm blocks every rank holds, once answered
+    partial: int = 0  # and the vLLM blocks of the partial block every rank holds after them
     answered: float = 0.0  # when it was (monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     stale: _Job | None = None  # the answer this job refreshes: it stands while this one is late
@@ -58,18 +63,21 @@ class Lookups:
         self._thread.start()
 
     # Scheduler thread.
-    def prefetch(self, req_id: str, hashes: list[bytes]) -> None:
+    def prefetch(self, req_id: str, hashes: list[bytes], vhashes: list[bytes] | None = None, k: int = 0) -> None:
         """Queue the lookup of a request that just arrived; :meth:`ask` returns its answer later."""
         if req_id not in self._jobs:
-            self._queue_job(_Job(req_id, hashes))
+            self._queue_job(_Job(req_id, hashes, vhashes or [], k))
 
-    def ask(self, req_id: str, hashes: list[bytes]) -> int | None:
-        """kvbm blocks of ``hashes`` every rank holds, or None while that is not known yet."""
+    def ask(self, req_id: str, hashes: list[bytes], vhashes: list[bytes] | None = None,
+            k: int = 0) -> tuple[int, int] | None:
+        """(kvbm blocks of ``hashes`` every rank holds, vLLM blocks of the partial block after them), or None
+        while that is not known yet. ``vhashes`` and ``k`` name the partial blocks to look for (none if empty)."""
         job = self._jobs.get(req_id)
-        if job is None or job.hashes != hashes:
-            job = self._queue_job(_Job(req_id, hashes))
+        vhashes = vhashes or []
+        if job is None or job.hashes != hashes or job.vhashes != vhashes:
+            job = self._queue_job(_Job(req_id, hashes, vhashes, k))
         elif job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
-            job = self._queue_job(_Job(req_id, hashes, stale=job))  # queued a while in vLLM: ask again
+            job = self._queue_job(_Job(req_id, hashes, vhashes, k, stale=job))  # queued a while: ask again
         if not job.done.is_set() and self._budget > 0:
             t0 = time.monotonic()
             if job.done.wait(self._budget):
@@ -78,14 +86,14 @@ class Lookups:
                 self._budget = 0.0  # the daemon is slow now: the rest of this step does not wait
         if job.done.is_set():
             del self._jobs[req_id]
-            return job.matched
+            return job.matched or 0, job.partial
         if job.stale is not None:
             del self._jobs[req_id]  # the thread's late answer goes nowhere
-            return job.stale.matched
+            return job.stale.matched or 0, job.stale.partial
         if time.monotonic() - job.asked > self.give_up_s:
             del self._jobs[req_id]
             self.gave_up += 1
-            return 0
+            return 0, 0
         return None
 
     def _queue_job(self, job: _Job) -> _Job:
@@ -152,14 +160,15 @@ class Lookups:
 
     def _answer(self, batch: list[_Job]) -> None:
         matched = [len(job.hashes) for job in batch]
-        sent: list[tuple[Link, list[PendingLookup]]] = []
+        sent: list[tuple[Link, list[PendingLookup | None]]] = []
         for link in self._links:  # every rank's lookups are sent before any reply is awaited
             client = link.get()
             if client is None:
                 matched = [0] * len(batch)
                 continue
             try:
-                msgs = [PendingLookup(client, job.hashes) for job in batch]
+                # A job with no full block to look up asks for its partial block only (below).
+                msgs = [PendingLookup(client, job.hashes) if job.hashes else None for job in batch]
             except LINK_ERRORS as e:
                 link.error(e)
                 matched = [0] * len(batch)
@@ -167,6 +176,8 @@ class Lookups:
             sent.append((link, msgs))
         for link, msgs in sent:
             for i, msg in enumerate(msgs):
+                if msg is None:
+                    continue
                 try:
                     matched[i] = min(matched[i], msg.matched())
                 except LINK_ERRORS as e:
@@ -176,7 +187,44 @@ class Lookups:
                         for j in range(i + 1, len(msgs)):
                             matched[j] = 0
                         break
+        partial = self._partials(batch, matched)
         now = time.monotonic()
-        for job, m in zip(batch, matched, strict=True):
-            job.matched, job.answered = m, now
+        for job, m, j in zip(batch, matched, partial, strict=True):
+            job.matched, job.partial, job.answered = m, j, now
             job.done.set()
+
+    def _partials(self, batch: list[_Job], matched: list[int]) -> list[int]:
+        """For each job, the longest partial block every rank holds right after its ``matched`` full blocks (its
+        vLLM blocks; 0: none). One more round trip, every candidate of every job pipelined on every link."""
+        cands = [[job.vhashes[m * job.k + j - 1] for j in range(min(job.k - 1, len(job.vhashes) - m * job.k), 0, -1)]
+                 if job.k > 1 and m >= 0 else [] for job, m in zip(batch, matched, strict=True)]
+        best = [len(c) for c in cands]  # candidates are longest first: index i is j = len(c) - i
+        found = [0] * len(batch)
+        if not any(cands):
+            return found
+        held = [[True] * len(c) for c in cands]
+        sent: list[tuple[Link, list[list[PendingLookup]]]] = []
+        for link in self._links:
+            client = link.get()
+            if client is None:
+                return found
+            try:
+                sent.append((link, [[PendingLookup(client, [h]) for h in c] for c in cands]))
+            except LINK_ERRORS as e:
+                link.error(e)
+                return found
+        for link, msgs in sent:
+            for i, per_job in enumerate(msgs):
+                for c, msg in enumerate(per_job):
+                    if link.client is None:  # the session is gone, and with it the replies still due
+                        held[i][c] = False
+                        continue
+                    try:
+                        ok = msg.matched() == 1  # read every reply, whatever the others said
+                        held[i][c] = held[i][c] and ok
+                    except LINK_ERRORS as e:
+                        link.error(e)
+                        held[i][c] = False
+        for i, h in enumerate(held):
+            found[i] = next((best[i] - c for c, ok in enumerate(h) if ok), 0)
+        return found

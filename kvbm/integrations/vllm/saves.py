@@ -81,10 +81,11 @@ class SaveJob:
 class Saver:
     """Runs saves on one thread with its own daemon session; reports which finished requests' saves are done."""
 
-    def __init__(self, link: Link, copy: Callable[[torch.Tensor, list[int], Any], None], block_bytes: Callable[[], int],
-                 enabled: bool, stats: dict[str, int]) -> None:
-        # copy(slot view, vLLM block ids, stream): the paged cache's copy out of vLLM's blocks.
-        self._link, self._copy, self._block_bytes, self.enabled, self.stats = link, copy, block_bytes, enabled, stats
+    def __init__(self, link: Link, copy: Callable[[torch.Tensor, list[int], Any], None],
+                 nbytes_of: Callable[[list[int]], int], enabled: bool, stats: dict[str, int]) -> None:
+        # copy(slot view, vLLM block ids, stream): the paged cache's copy out of vLLM's blocks; nbytes_of(ids):
+        # the bytes of a kvbm block of those vLLM blocks (a partial block has fewer than k).
+        self._link, self._copy, self._nbytes_of, self.enabled, self.stats = link, copy, nbytes_of, enabled, stats
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbm-save")
         self._jobs: dict[str, list[SaveJob]] = {}
         self._finishing: set[str] = set()
@@ -184,7 +185,8 @@ class Saver:
         session's slot budget (a long prompt's save would otherwise be refused whole). A reservation the daemon
         refuses as load (``full``, ``shed``, ``busy``) is asked again twice, 20 ms and 80 ms later, on this
         thread (a burst of saves passes), then skipped and counted."""
-        tr, nbytes = job.tr, self._block_bytes()
+        tr = job.tr
+        nbytes = self._nbytes_of(tr.block_ids[0]) if tr.block_ids else 0  # a transfer's blocks are one size
         step = pin_window(client.registered)
         for a in range(0, len(tr.hashes), step):
             span = range(a, min(a + step, len(tr.hashes)))

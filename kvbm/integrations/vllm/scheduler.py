@@ -33,6 +33,7 @@ class ReqState:
     saved_blocks: int = 0  # kvbm blocks of this request already handed to the worker to save
     step: int = 0  # the scheduler step the state was made in (a preemption of that step is an earlier state's)
     stale: bool = False  # computed under weights before a cache reset: never saved
+    partial: bytes = b""  # the partial block this request loaded or saved last (saved once)
 
     def full_blocks(self, k: int) -> int:
         """kvbm blocks whose every token is known (prompt and output alike)."""
@@ -86,41 +87,55 @@ class SchedulerSide:
         """The layout (and so the namespace) of each worker; empty until the daemon was reached."""
         return [link.layout for link in self._links if link.layout is not None]
 
-    def _wanted(self, request: Request, num_computed_tokens: int) -> list[bytes]:
-        """The kvbm block hashes worth looking up for ``request`` beyond its ``num_computed_tokens``."""
+    @property
+    def partials(self) -> bool:
+        """Whether partial blocks are saved and loaded (one KV-cache group: a sliding window's partial block
+        would need its own intactness rules)."""
+        return self.cfg.partial_blocks and self.groups.count == 1 and self.geometry.known_k > 1
+
+    def _wanted(self, request: Request, num_computed_tokens: int) -> tuple[list[bytes], list[bytes]]:
+        """The kvbm block hashes worth looking up for ``request`` beyond its ``num_computed_tokens``, and the
+        vLLM block hashes a partial block after them may end at (empty without partial blocks)."""
         block_tokens = self.geometry.block_tokens  # 0 until a link resolved it (the lookup thread retries)
         if (not self.cfg.load or not block_tokens or num_computed_tokens % block_tokens
                 or request.request_id in self._load_failed):
-            return []
+            return [], []
         # Leave at least one token to compute: vLLM needs logits for the last prompt token.
-        max_blocks = (request.num_tokens - 1) // block_tokens
-        if max_blocks * block_tokens <= num_computed_tokens:
-            return []
-        k = self.geometry.known_k
-        return [bytes(h) for h in request.block_hashes[k - 1 : max_blocks * k : k]]
+        vbs, k = self.geometry.vllm_block_size, self.geometry.known_k
+        max_vblocks = min((request.num_tokens - 1) // vbs, len(request.block_hashes))
+        if max_vblocks * vbs <= num_computed_tokens:
+            return [], []
+        hashes = [bytes(h) for h in request.block_hashes[k - 1 : max_vblocks // k * k : k]]
+        vhashes = [bytes(h) for h in request.block_hashes[:max_vblocks]] if self.partials else []
+        if not vhashes and max_vblocks // k * block_tokens <= num_computed_tokens:
+            return [], []
+        return hashes, vhashes
 
     def on_new_request(self, request: Request) -> None:
         """A request arrived: its lookup goes to the daemon now, so the answer is there when it is scheduled."""
-        hashes = self._wanted(request, 0)
-        if hashes:
-            self._lookups.prefetch(request.request_id, hashes)
+        hashes, vhashes = self._wanted(request, 0)
+        if hashes or vhashes:
+            self._lookups.prefetch(request.request_id, hashes, vhashes, self.geometry.known_k)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         block_tokens = self.geometry.block_tokens
-        matched = 0
-        hashes = self._wanted(request, num_computed_tokens)
-        if hashes:
-            got = self._lookups.ask(rid, hashes)
+        matched = partial = 0
+        hashes, vhashes = self._wanted(request, num_computed_tokens)
+        if hashes or vhashes:
+            got = self._lookups.ask(rid, hashes, vhashes, self.geometry.known_k)
             if got is None:
                 return None, False  # not known yet: vLLM asks again next step
-            matched = got
+            matched, partial = got
             self._stats["lookups"] += 1
             self._stats["hit_blocks"] += matched
+            self._stats["hit_partial_vblocks"] = self._stats.get("hit_partial_vblocks", 0) + partial
         # A new state, also for a preempted request coming back: its saves cut short by the preemption are
         # planned again (the daemon answers those already stored with no slot, so nothing is copied twice).
         self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens, step=self._step)
         ext = matched * block_tokens - num_computed_tokens
+        if ext >= 0:
+            ext += partial * self.geometry.vllm_block_size  # the partial block continues the full run
         if ext <= 0:
             return 0, False
         return ext, bool(self.cfg.async_load)
@@ -135,7 +150,14 @@ class SchedulerSide:
         # External tokens follow the local prefix-cache hit (request.num_computed_tokens is still 0 here).
         local_blocks = st.local_tokens // self.geometry.block_tokens
         n = num_external_tokens // self.geometry.block_tokens
-        st.load = st.transfer(range(local_blocks, local_blocks + n), self.geometry.known_k)
+        k = self.geometry.known_k
+        st.load = st.transfer(range(local_blocks, local_blocks + n), k)
+        j = num_external_tokens % self.geometry.block_tokens // self.geometry.vllm_block_size
+        if j:  # a partial block after the full ones: its own key, j vLLM blocks
+            first = (local_blocks + n) * k
+            st.partial = bytes(request.block_hashes[first + j - 1])
+            st.load.hashes.append(st.partial)
+            st.load.block_ids.append([b for ids in st.block_ids for b in ids[first : first + j]])
         st.load_from = local_blocks
         st.saved_blocks = local_blocks + n  # loaded blocks are already stored
 
@@ -191,6 +213,15 @@ class SchedulerSide:
             for ids, new in zip(st.block_ids, new_block_ids, strict=True):
                 ids.extend(new or ())
         self._queue_saves(meta, st, computed + scheduled, computed)
+        prompt = st.request.num_prompt_tokens
+        if self.cfg.save and computed < prompt <= computed + scheduled:
+            # The prompt's prefill ends in this step: its tail past the last full kvbm block is a partial
+            # block, so the same prompt sent again is cached as far as vLLM's own prefix cache would.
+            tail = self._partial_save(st, prompt)
+            if tail is not None:
+                meta.saves.append(tail)
+                if self.cfg.async_save:
+                    self._save_pending.add(st.request.request_id)
 
     def _queue_saves(self, meta: KvbmConnectorMetadata, st: ReqState, ready_tokens: int, computed: int,
                      final: bool = False) -> bool:
@@ -214,6 +245,25 @@ class SchedulerSide:
                 self._save_pending.add(req_id)
             return True
         return False
+
+    def _partial_save(self, st: ReqState, computed: int) -> BlockTransfer | None:
+        """A finished request's tokens past its last full kvbm block, as many of vLLM's blocks as hold KV: a
+        partial block, keyed by the vLLM hash of its last block (never a full block's key, which is every
+        ``k``-th). None when there is none, or its full blocks were not all saved (a hit could not reach it)."""
+        if not self.partials or st.stale:
+            return None
+        k, vbs = self.geometry.known_k, self.geometry.vllm_block_size
+        vfull = min(computed // vbs, len(st.request.block_hashes), st.held_vblocks())
+        full, j = divmod(vfull, k)
+        if not j or st.saved_blocks != full:
+            return None
+        key = bytes(st.request.block_hashes[vfull - 1])
+        if key == st.partial:
+            return None  # loaded or saved already (a prompt whose answer stayed inside the same vLLM block)
+        st.partial = key
+        ids = [b for group in st.block_ids for b in group[full * k : full * k + j]]
+        self._stats["partial_saves"] = self._stats.get("partial_saves", 0) + 1
+        return BlockTransfer(st.request.request_id, [key], [ids])
 
     def _intact(self, st: ReqState, i: int, computed: int) -> bool:
         """Whether every group still holds all vLLM blocks of the request's kvbm block ``i``."""
@@ -259,10 +309,14 @@ class SchedulerSide:
             # the next step, sync saves too: vLLM keeps the blocks until the worker reports them (delay_free).
             meta = KvbmConnectorMetadata(k=self.geometry.known_k)
             computed = request.num_computed_tokens
-            if self._queue_saves(meta, st, computed, computed, final=True):
-                for tr in meta.saves:
-                    tr.final = True
-                self._final_saves.extend(meta.saves)
+            self._queue_saves(meta, st, computed, computed, final=True)
+            tail = self._partial_save(st, computed)
+            if tail is not None:
+                meta.saves.append(tail)
+                self._save_pending.add(rid)
+            for tr in meta.saves:
+                tr.final = True
+            self._final_saves.extend(meta.saves)
         # Blocks the worker may still be copying stay allocated until it reports the request: as finished
         # sending (async saves) or finished receiving (an async load of a request aborted while waiting).
         delay_free = rid in self._save_pending or rid in self._load_pending

@@ -44,10 +44,14 @@ class WorkerSide:
         # Async loads and saves each run on their own thread with their own daemon session (a client is
         # single-threaded).
         self.loader = Loader(self._link, links.open(tp_rank, f"loader-r{tp_rank}-{pid}"),
-                             lambda view, ids: self._cache.copy(view, ids, True), lambda: self._block_bytes)
+                             lambda view, ids: self._cache.copy(view, ids, True), self._nbytes_of)
         self.saver = Saver(links.open(tp_rank, f"saver-r{tp_rank}-{pid}"),
                            lambda view, ids, stream: self._cache.copy(view, ids, False, stream is not None),
-                           lambda: self._block_bytes, saves, self.stats)
+                           self._nbytes_of, saves, self.stats)
+
+    def _nbytes_of(self, ids: list[int]) -> int:
+        """The bytes of a kvbm block made of vLLM blocks ``ids`` (``k`` per group; fewer in a partial block)."""
+        return self._cache.vblock_bytes * len(ids) // max(1, self._cache.groups)
 
     @property
     def _block_bytes(self) -> int:
