@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from kvbm.cli.bench_chaos import chaos_cmd
 from kvbm.cli.common import SIZE
 
 
@@ -59,6 +60,9 @@ def bench() -> None:
     logging.getLogger("kvbm").setLevel(logging.WARNING)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's python API logs every agent at INFO
     logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+bench.add_command(chaos_cmd)
 
 
 s3_opts = [

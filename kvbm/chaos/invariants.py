@@ -45,6 +45,7 @@ class Model:
     seed: int
     durable: set[BlockKey] = field(default_factory=set)  # acked durable, not purged since
     purged: set[BlockKey] = field(default_factory=set)  # purged (Evict answered), not stored again
+    forged: set[BlockKey] = field(default_factory=set)  # keys another tenant wrote its own bytes under (let in)
     violations: list[Violation] = field(default_factory=list)
     step: int = 0
 
@@ -74,8 +75,9 @@ class Model:
             return
         for k, got, want in zip(keys[:n], outs[:n], expect[:n], strict=True):
             if got != want:
+                why = " (a key another tenant forged through a cross-tenant Register)" if k in self.forged else ""
                 self.violate("wrong_bytes", f"load of {k} returned bytes other than stored "
-                                            f"(first differing byte at {_first_diff(got, want)})")
+                                            f"(first differing byte at {_first_diff(got, want)}){why}")
 
     def check_lookup(self, keys: list[BlockKey], matched: int, tiers: list[str]) -> None:
         if not 0 <= matched <= len(keys) or len(tiers) != matched or not set(tiers) <= TIER_NAMES:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvbm import protocol as p
+from kvbm.bench.common import delete_prefix
 from kvbm.blocks import BlockKey
 from kvbm.chaos import fuzz
 from kvbm.chaos.daemon import DaemonProc
@@ -81,6 +82,16 @@ def _sh(*cmd: str) -> bool:
     return subprocess.run(cmd, capture_output=True).returncode == 0
 
 
+def tmpfs_available() -> tuple[bool, str]:
+    """Whether this process may mount a size-limited tmpfs (the disk faults need one), and why not."""
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d], capture_output=True, text=True)
+        if r.returncode:
+            return False, f"cannot mount a tmpfs here: {r.stderr.strip()}"
+        _sh("umount", d)
+    return True, ""
+
+
 class Harness:
     """One schedule's daemon, proxy, disk and clients."""
 
@@ -132,7 +143,11 @@ class Harness:
         if self.daemon is not None and not self.daemon.stop():
             self.model.violate("daemon_alive", "did not stop within 15 s of SIGTERM", step=-1)
         self.proxy.stop()
+        with contextlib.suppress(Exception):  # the schedule's objects leave the bucket (a shared one, in the suite)
+            delete_prefix({"endpoint": self.s3.endpoint, "bucket": self.s3.bucket, "access_key": self.s3.access_key,
+                           "secret_key": self.s3.secret_key}, self.prefix + "/")
         if self.tmpfs:
+            _sh("chattr", "-R", "-f", "-i", str(self.disk))
             _sh("umount", "-l", str(self.disk))
         shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -211,17 +226,18 @@ class Harness:
         self.pending.append((self.model.step + steps, what, heal))
 
     def heal_due(self, step: int, *, all_: bool = False) -> None:
-        due = [x for x in self.pending if all_ or x[0] <= step]
-        self.pending = [x for x in self.pending if x not in due]
-        for _, _what, heal in due:
-            heal()
+        for _ in range(2 if all_ else 1):  # a heal may have to wait for another (a filler in an immutable dir)
+            due = sorted((x for x in self.pending if all_ or x[0] <= step), key=lambda x: x[1] != "disk_immutable")
+            self.pending = [x for x in self.pending if x not in due]
+            for _, _what, heal in due:
+                heal()
 
     def check_alive(self) -> None:
         d = self.daemon
         assert d is not None
         if not d.alive():
             self.model.violate("daemon_alive", f"the daemon exited (code {d.exit_code()}): {d.tail(600)}")
-            d.start()
+            self.restart("its exit")
             return
         with WorkerClient(self.endpoint, timeout_s=5.0) as mon:
             try:
@@ -302,6 +318,7 @@ class Harness:
             ks = self.keys("a", op.keys)
             forged = [np.frombuffer(bytes(255 - x for x in self.content(k)[:64]) * (self.nbytes // 64), np.uint8)
                       for k in ks]
+            self.model.forged.update(ks)
             self.call("forged store", lambda: c.store(ks, forged))
         finally:
             c.close()
@@ -318,7 +335,26 @@ class Harness:
         assert self.daemon is not None
         _bump(self.res.faults, "sigkill")
         self.daemon.kill9()
-        self.daemon.start()
+        self.restart("SIGKILL")
+
+    def op_restart(self, _op: Op) -> None:
+        assert self.daemon is not None
+        _bump(self.res.faults, "restart")
+        if not self.daemon.stop():
+            self.model.violate("daemon_alive", "did not stop within 15 s of SIGTERM")
+        self.restart("SIGTERM")
+
+    def restart(self, after: str) -> None:
+        """Start the daemon again; one that cannot start under the faults now injected is a violation, and it is
+        started again once they are healed."""
+        assert self.daemon is not None
+        try:
+            self.daemon.start()
+        except RuntimeError as e:
+            self.model.violate("daemon_alive", f"no start after {after} (faults: "
+                                               f"{[w for _, w, _ in self.pending]}): {str(e)[-400:]}")
+            self.heal_due(0, all_=True)
+            self.daemon.start()
 
     def op_stop(self, op: Op) -> None:
         assert self.daemon is not None
@@ -329,7 +365,7 @@ class Harness:
         finally:
             self.daemon.signal(signal.SIGCONT)
 
-    def op_disk_full(self, _op: Op) -> None:
+    def op_disk_full(self, op: Op) -> None:
         if not self.tmpfs:
             _bump(self.res.faults, "disk_full_skipped")
             return
@@ -339,14 +375,28 @@ class Harness:
                 f.write(b"\0" * (256 * 1024))
                 f.flush()
         _bump(self.res.faults, "disk_full")
-        self.later(3, "disk_full", lambda: filler.unlink(missing_ok=True))
+        self.later(op.count, "disk_full", lambda: self._unfill(filler))
+
+    def _unfill(self, filler: Path) -> None:
+        try:
+            filler.unlink(missing_ok=True)
+        except PermissionError:  # the directory is immutable now (disk_ro): once that is healed
+            self.later(1, "disk_full", lambda: self._unfill(filler))
 
     def op_disk_ro(self, op: Op) -> None:
-        if not self.tmpfs or not _sh("mount", "-o", "remount,ro", str(self.disk)):
+        """G3 read-only (EROFS) for some steps; a tmpfs with files open for writing cannot be remounted so
+        (EBUSY), and root ignores permission bits, so then every entry is made immutable (EPERM) instead."""
+        if not self.tmpfs:
             _bump(self.res.faults, "disk_ro_skipped")
             return
-        _bump(self.res.faults, "disk_ro")
-        self.later(op.count, "disk_ro", lambda: _sh("mount", "-o", "remount,rw", str(self.disk)) or None)
+        if _sh("mount", "-o", "remount,ro", str(self.disk)):
+            _bump(self.res.faults, "disk_ro")
+            self.later(op.count, "disk_ro", lambda: _sh("mount", "-o", "remount,rw", str(self.disk)) or None)
+        elif _sh("chattr", "-R", "-f", "+i", str(self.disk)):
+            _bump(self.res.faults, "disk_immutable")
+            self.later(op.count, "disk_immutable", lambda: _sh("chattr", "-R", "-f", "-i", str(self.disk)) or None)
+        else:
+            _bump(self.res.faults, "disk_ro_skipped")
 
     def op_journal_delete(self, _op: Op) -> None:
         j = self.disk / JOURNAL
@@ -412,6 +462,10 @@ class Harness:
         self.model.step = -1
         self.proxy.heal()
         self.heal_due(0, all_=True)
+        if self.sched.final == "kill":
+            self.op_kill(Op("kill"))
+        elif self.sched.final == "restart":
+            self.op_restart(Op("restart"))
         self.check_alive()
         want = sorted(self.model.durable, key=lambda k: (k.namespace, k.hash))
         gone = sorted(self.model.purged, key=lambda k: (k.namespace, k.hash))
@@ -420,11 +474,14 @@ class Harness:
         while True:
             got = self.in_bucket(missing)
             missing = [k for k in missing if got[k] != self.content(k)]
-            if not missing or time.monotonic() > deadline:
+            # An object holding other bytes will not change (a key's bytes are written once): no need to wait.
+            if all(got[k] is not None for k in missing) or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
         for k in missing:
             what = "missing" if got[k] is None else "holding other bytes"
+            if k in self.model.forged:
+                what += " (a key tenant b forged through the cross-tenant Register)"
             self.model.violate("acked_lost", f"{k} acked durable, {what} in the bucket {DURABLE_WAIT_S:g} s after "
                                              f"S3 came back (index_bucket {self.sched.index_bucket})")
         back = self.in_bucket(gone)
@@ -476,8 +533,10 @@ def campaign(seeds: list[int], s3: S3Target, root: Path, *, steps: int = 28,
             if seed not in slot["seeds"]:
                 slot["seeds"].append(seed)
         report["harness_errors"] += [f"seed {seed}: {e}" for e in r.harness_errors]
-        report["runs"].append({"seed": seed, "index_bucket": r.index_bucket, "seconds": r.seconds,
-                               "violations": r.violations, "harness_errors": len(r.harness_errors)})
+        report["runs"].append({"seed": seed, "index_bucket": r.index_bucket, "final": plan(seed, steps).final,
+                               "seconds": r.seconds, "ops": r.ops, "faults": r.faults, "refusals": r.refusals,
+                               "violations": r.violations, "harness_errors": len(r.harness_errors),
+                               "trace": r.trace})
         bad = sorted({v["invariant"] for v in r.violations})
         echo(f"seed {seed:5d} {r.index_bucket:10} {r.seconds:6.1f}s  "
              f"{'violations: ' + ', '.join(bad) if bad else 'ok'}"

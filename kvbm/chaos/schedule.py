@@ -78,15 +78,17 @@ class Schedule:
     seed: int
     index_bucket: str
     ops: list[Op]
+    final: str = ""  # after every fault is healed, before the end checks: "kill" (SIGKILL, start), "restart", ""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "index_bucket": self.index_bucket, "ops": [o.as_dict() for o in self.ops]}
+        return {"seed": self.seed, "index_bucket": self.index_bucket, "ops": [o.as_dict() for o in self.ops],
+                "final": self.final}
 
 
 # Weights of each kind of step (workload steps, then faults).
 WORK = {"store": 10, "load": 8, "lookup": 4, "purge": 2, "register": 2, "cross_access": 1, "cross_register": 1}
-FAULTS = {"s3_faults": 3, "s3_outage": 1, "kill": 1, "stop": 1, "disk_full": 1, "disk_ro": 1, "journal_delete": 1,
-          "fuzz": 2, "flood": 1, "register_storm": 1}
+FAULTS = {"s3_faults": 3, "s3_outage": 2, "kill": 1.5, "restart": 0.5, "stop": 1, "disk_full": 1, "disk_ro": 1,
+          "journal_delete": 1, "fuzz": 2, "flood": 1, "register_storm": 1}
 
 
 def plan(seed: int, steps: int = 28, *, faults: bool = True) -> Schedule:
@@ -121,12 +123,12 @@ def plan(seed: int, steps: int = 28, *, faults: bool = True) -> Schedule:
                                                                   "truncate")}
             ops.append(Op(kind, count=rng.randint(2, 6), rates=rates))
         elif kind == "s3_outage":
-            ops.append(Op(kind, seconds=round(rng.uniform(0.5, 3.0), 2)))
+            ops.append(Op(kind, seconds=round(rng.uniform(1.0, 5.0), 2)))
         elif kind == "stop":
             ops.append(Op(kind, seconds=round(rng.uniform(0.2, 1.5), 2)))
-        elif kind in ("kill", "disk_full", "journal_delete"):
+        elif kind in ("kill", "restart", "journal_delete"):
             ops.append(Op(kind))
-        elif kind == "disk_ro":
+        elif kind in ("disk_ro", "disk_full"):
             ops.append(Op(kind, count=rng.randint(1, 4)))
         elif kind == "fuzz":
             ops.append(Op(kind, count=rng.randint(20, 80)))
@@ -134,4 +136,5 @@ def plan(seed: int, steps: int = 28, *, faults: bool = True) -> Schedule:
             ops.append(Op(kind, tenant, session, count=rng.randint(40, 120)))
         elif kind == "register_storm":
             ops.append(Op(kind, "c", count=rng.randint(8, 24)))
-    return Schedule(seed, mode, ops)
+    final = rng.choice(["", "kill", "restart"]) if faults else ""
+    return Schedule(seed, mode, ops, final)
