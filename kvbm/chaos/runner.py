@@ -482,8 +482,8 @@ class Harness:
             what = "missing" if got[k] is None else "holding other bytes"
             if k in self.model.forged:
                 what += " (a key tenant b forged through the cross-tenant Register)"
-            self.model.violate("acked_lost", f"{k} acked durable, {what} in the bucket {DURABLE_WAIT_S:g} s after "
-                                             f"S3 came back (index_bucket {self.sched.index_bucket})")
+            self.model.violate("acked_lost", f"{k} acked durable, {what} in the bucket once S3 was back (waited "
+                                             f"up to {DURABLE_WAIT_S:g} s; index_bucket {self.sched.index_bucket})")
         back = self.in_bucket(gone)
         for k in gone:
             if back[k] is not None:

@@ -22,12 +22,15 @@ from kvbm.chaos.schedule import plan
 pytestmark = pytest.mark.s3
 
 # Chosen so that together they inject every kind of fault below (checked), in a few seconds each here.
-SEEDS = [28, 32, 100, 102, 104, 105]
+SEEDS = [32, 104, 102, 105, 108]
 FAULT_KINDS = {"sigkill", "sigstop", "restart", "disk_full", "journal_delete", "s3_outage", "fuzz_random",
                "fuzz_truncated", "fuzz_out_of_range", "fuzz_oversized", "raw_stream", "events_subscriptions",
                "flood_requests", "register_storm"}
 OPEN = {  # invariant -> why it fails today (issue 37 section 2), and the seeds that show it
-    "cross_tenant": "D1: tenant b (models shared/*) registers tenant a's listed namespace (seeds 28, 32, 100, 102)",
+    "cross_tenant": "D1: tenant b (models shared/*) registers tenant a's listed namespace (seeds 32, 102, 105, 108)",
+    "acked_lost": "D1: the bucket holds the bytes tenant b forged under keys a then stored durable (seeds 32, 108)",
+    "daemon_alive": "D2: a restart with G3 full dies rewriting the owed journal (ENOSPC, seed 32); and a G3 directory "
+                    "it cannot write stops the start with a raw PermissionError (tiers/dirlock.py, seed 104)",
 }
 
 
@@ -60,7 +63,7 @@ def test_every_invariant_holds_over_the_fixed_seeds(report: dict, invariant: str
 def test_a_seed_replays_through_kvbm_bench_chaos(s3_server, tmp_path: Path) -> None:
     """``kvbm bench chaos --seed S`` twice: the same schedule both times (the plan of S), and every violation the
     report lists is filed under its invariant with that seed, so a campaign's seed is all a replay needs."""
-    seed, steps = 28, 18
+    seed, steps = 5, 8
     runs = []
     for i in range(2):
         out = tmp_path / f"r{i}.json"
