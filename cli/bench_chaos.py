@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -25,9 +26,11 @@ import click
 @click.option("--s3-bucket", default="kvbm-chaos", show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the daemons' directories go (a temporary dir by default).")
+@click.option("--max-minutes", default=0.0, show_default=True,
+              help="Start no schedule after this long (0: run every seed); the JSON is rewritten after each one.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def chaos_cmd(count: int, first: int, only: tuple[int, ...], steps: int, s3_endpoint: str | None,
-              s3_access_key: str, s3_secret_key: str, s3_bucket: str, workdir: str | None,
+              s3_access_key: str, s3_secret_key: str, s3_bucket: str, workdir: str | None, max_minutes: float,
               json_path: str | None) -> None:
     """Seeded fault-injection schedules against a real daemon; violations by invariant, with their seeds."""
     from kvbm.bench.common import machine, s3_server, temp_dir, write_json
@@ -36,14 +39,22 @@ def chaos_cmd(count: int, first: int, only: tuple[int, ...], steps: int, s3_endp
     if count < 1 and not only:
         raise click.BadParameter("--seeds must be at least 1")
     seeds = list(only) or list(range(first, first + count))
+    options = {"seeds": seeds if only else f"{first}..{first + count - 1}", "steps": steps,
+               "s3_endpoint": s3_endpoint or "embedded", "max_minutes": max_minutes}
+    command = ["kvbm", "bench", *sys.argv[sys.argv.index("chaos"):]] if "chaos" in sys.argv else sys.argv
+
+    def stamp(report: dict[str, Any]) -> dict[str, Any]:
+        report |= {"machine": mach, "options": options, "command": command}
+        if json_path:
+            write_json(Path(json_path), report)
+        return report
+
+    mach = machine()
     with temp_dir("kvbm-chaos-", workdir) as tmp, s3_server(tmp, endpoint=s3_endpoint, access_key=s3_access_key,
                                                             secret_key=s3_secret_key, bucket=s3_bucket) as srv:
         s3 = S3Target(srv["endpoint"], srv["bucket"], srv["access_key"], srv["secret_key"])
-        report = campaign(seeds, s3, tmp, steps=steps, echo=click.echo)
-    report["machine"] = machine()
-    report["options"] = {"seeds": seeds if only else f"{first}..{first + count - 1}", "steps": steps,
-                         "s3_endpoint": s3_endpoint or "embedded"}
-    report["command"] = ["kvbm", "bench", *sys.argv[sys.argv.index("chaos"):]] if "chaos" in sys.argv else sys.argv
+        report = stamp(campaign(seeds, s3, tmp, steps=steps, echo=click.echo, max_seconds=max_minutes * 60,
+                                progress=stamp))
     bad = {k: v for k, v in report["violations"].items() if v["count"]}
     click.echo(f"{report['schedules']} schedules in {report['seconds']} s; faults: "
                + ", ".join(f"{k} {v}" for k, v in sorted(report["faults"].items())))
@@ -52,5 +63,4 @@ def chaos_cmd(count: int, first: int, only: tuple[int, ...], steps: int, s3_endp
     if report["harness_errors"]:
         click.echo(f"harness errors: {len(report['harness_errors'])} (first: {report['harness_errors'][0][:300]})")
     if json_path:
-        write_json(Path(json_path), report)
         click.echo(f"json: {json_path}")

@@ -514,13 +514,19 @@ def run_schedule(seed: int, s3: S3Target, root: Path, *, steps: int = 28) -> Sch
 
 
 def campaign(seeds: list[int], s3: S3Target, root: Path, *, steps: int = 28,
-             echo: Callable[[str], None] = lambda _s: None) -> dict[str, Any]:
-    """Run each seed's schedule; the report: ops and faults by kind, violations by invariant with their seeds."""
+             echo: Callable[[str], None] = lambda _s: None, max_seconds: float = 0.0,
+             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run each seed's schedule; the report: ops and faults by kind, violations by invariant with their seeds.
+    With ``max_seconds`` no schedule starts after that long (the report says how many ran); ``progress`` gets
+    the report so far after each schedule (a long campaign's JSON is kept up to date)."""
     t0 = time.monotonic()
     report: dict[str, Any] = {"schedules": 0, "steps_per_schedule": steps, "ops": {}, "faults": {}, "refusals": {},
                               "unavailable": 0, "violations": {inv: {"count": 0, "seeds": []} for inv in INVARIANTS},
                               "harness_errors": [], "runs": []}
     for seed in seeds:
+        if max_seconds and time.monotonic() - t0 > max_seconds:
+            echo(f"time budget ({max_seconds:g} s) spent: {report['schedules']} of {len(seeds)} schedules ran")
+            break
         r = run_schedule(seed, s3, root, steps=steps)
         report["schedules"] += 1
         report["unavailable"] += r.unavailable
@@ -541,6 +547,13 @@ def campaign(seeds: list[int], s3: S3Target, root: Path, *, steps: int = 28,
         echo(f"seed {seed:5d} {r.index_bucket:10} {r.seconds:6.1f}s  "
              f"{'violations: ' + ', '.join(bad) if bad else 'ok'}"
              f"{'  harness errors: ' + str(len(r.harness_errors)) if r.harness_errors else ''}")
+        _totals(report, t0)
+        if progress is not None:
+            progress(report)
+    return _totals(report, t0)
+
+
+def _totals(report: dict[str, Any], t0: float) -> dict[str, Any]:
     report["seconds"] = round(time.monotonic() - t0, 1)
     report["violating_seeds"] = sorted({s for v in report["violations"].values() for s in v["seeds"]})
     return report
