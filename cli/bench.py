@@ -16,6 +16,7 @@ import click
 # The modules whose COMMANDS make up ``kvbm bench``, one line each, sorted (a new bench is a new cli/bench_*.py
 # module and its line here).
 COMMAND_MODULES = (
+    "kvbm.cli.bench_chaos",
     "kvbm.cli.bench_serving",
     "kvbm.cli.bench_storage",
     "kvbm.cli.bench_trace",
