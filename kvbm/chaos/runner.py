@@ -305,7 +305,7 @@ class Harness:
                                                f"refused {r.code!r}, not forbidden: {r.message[:120]}")
 
     def op_cross_register(self, op: Op) -> None:
-        """Tenant b (models ``shared/*``) asks for tenant a's model and shape; if let in, it writes its own bytes
+        """Tenant b (models ``shared/q*``) asks for tenant a's model and shape; if let in, it writes its own bytes
         under keys of a's that a may store or load later."""
         c = WorkerClient(self.endpoint, timeout_s=4.0, tenant_token=self.token_of("b"))
         try:
@@ -314,7 +314,7 @@ class Harness:
             if not isinstance(r, p.Registered):
                 return
             self.model.violate("cross_tenant", f"tenant b registered tenant a's namespace {r.namespace} "
-                                               f"(a lists it in namespaces, b's models glob shared/* matches)")
+                                               f"(a lists it in namespaces)")
             ks = self.keys("a", op.keys)
             forged = [np.frombuffer(bytes(255 - x for x in self.content(k)[:64]) * (self.nbytes // 64), np.uint8)
                       for k in ks]
