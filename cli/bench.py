@@ -557,3 +557,4 @@ def outage_cmd(prompt_words: int, decode_tokens: int, arrivals: int, seed: int, 
         click.echo(f"{name:14} decode gap before {ph['decode_max_gap_before_s'] or 0:.3f}s during "
                    f"{ph['decode_max_gap_during_s'] or 0:.3f}s  slowest kvbm step <= {worst} ms  "
                    f"new TTFT {[round(t, 2) for t in ph['new_concurrent_ttft_s'] + ph['new_after_ttft_s']]}")
+bench.add_command(__import__("kvbm.cli.bench_verify", fromlist=["verify_cmd"]).verify_cmd)  # kvbm.verify
