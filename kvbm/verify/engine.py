@@ -28,7 +28,7 @@ from kvbm.verify.schedule import VLLM_BLOCK, Schedule
 
 HASH_SEED = "0"  # PYTHONHASHSEED of the engine: vLLM's block hashes depend on it
 MAX_STEPS = 4000
-STUCK_S = 240.0  # a schedule that has not drained after this long has a stuck request
+STUCK_S = 60.0  # a schedule that has not drained after this long has a stuck request (they take ~10 s)
 
 
 class VerifyWorker:
@@ -204,13 +204,13 @@ class Pressure:
                 if ev["ok"]:
                     self._reset_epoch()
             elif kind == "pause_abort":  # pause_generation(mode="abort", clear_cache=True): a weight sync
+                self.pending.append((self.step + arg, "resume"))  # also when the pause raises: it paused
                 self._abort(self.live(), "pause_abort")
                 self.core.pause_scheduler(mode="abort", clear_cache=True)
                 self._reset_epoch()
-                self.pending.append((self.step + arg, "resume"))
             elif kind == "pause_keep":
-                self.core.pause_scheduler(mode="keep", clear_cache=False)
                 self.pending.append((self.step + arg, "resume"))
+                self.core.pause_scheduler(mode="keep", clear_cache=False)
             elif kind == "resume":
                 self.core.resume_scheduler()
             elif kind == "daemon_stop":
