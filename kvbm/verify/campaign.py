@@ -25,7 +25,7 @@ def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True,
     totals = {"blocks_checked": 0, "blocks_stored": 0, "blocks_expected": 0, "hit_requests": 0,
               "control_requests": 0, "control_mismatches": 0, "preemptions": 0, "steps": 0}
     explained: dict[str, int] = {}
-    hook_max = 0.0
+    hook_max = noise = 0.0
     for seed in seeds:
         if deadline_s is not None and time.monotonic() - t0 > deadline_s:
             echo(f"deadline: stopped before seed {seed}")
@@ -46,6 +46,7 @@ def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True,
         for k, n in c["blocks_missing_explained"].items():
             explained[k] = explained.get(k, 0) + n
         hook_max = max(hook_max, c.get("hook_step_max_ms", 0.0))
+        noise = max(noise, c.get("max_error_within_tolerance", 0.0))
         bad = sorted({v["invariant"] for v in rep["violations"]})
         echo(f"seed {seed}: {rep['wall_s']}s, {c['blocks_checked']} blocks checked, {rep['preemptions']} "
              f"preemptions, {c['hit_requests']} requests after a kvbm hit, violations: {', '.join(bad) or 'none'}")
@@ -55,7 +56,7 @@ def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True,
         "wall_s": round(time.monotonic() - t0, 1), "machine": {"cpu": platform.processor() or platform.machine()},
         "operations_planned": planned, "operations_done": done, **totals,
         "blocks_stored_share": None if share is None else round(share, 4), "blocks_missing_explained": explained,
-        "hook_step_max_ms_beyond_sync_loads": hook_max,
+        "hook_step_max_ms_beyond_sync_loads": hook_max, "block_error_noise_floor": noise,
         "violations": {name: {"count": len(vs), "seeds": sorted({v["seed"] for v in vs}), "first": vs[:20]}
                        for name, vs in by_invariant.items()},
         "per_seed": [{k: v for k, v in r.items() if k != "events"} for r in per_seed],

@@ -232,9 +232,16 @@ class Pressure:
             else:
                 raise ValueError(f"unknown op {kind!r}")
         except Exception as e:  # an op the engine refused by raising (vLLM's contract: it returns False)
+            from vllm.v1.request import RequestStatus
+
             ev["raised"] = repr(e)
+            # Which blocks held the reset: requests waiting for an async load, or blocks kvbm's saves still hold
+            loading = sum(q.status == RequestStatus.WAITING_FOR_REMOTE_KVS for q in self.scheduler.requests.values())
+            pool = self.scheduler.kv_cache_manager.block_pool
+            held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
             self.violations.append({"invariant": "engine_alive", "step": self.step, "request": None,
-                                    "detail": f"{kind} raised {e!r}"})
+                                    "detail": f"{kind} raised {e!r} ({loading} requests waiting for a remote load, "
+                                    f"{held} blocks not free, async_save {self.sched.engine.async_save})"})
         self.events.append(ev)
         return True
 
