@@ -26,8 +26,21 @@ def model(tmp_path_factory) -> str:
     return write_model(tmp_path_factory.mktemp("verify-model"))
 
 
+def known(bug: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=bug)
+
+
+# Sync-load seeds (deterministic: no timing decides which step a load lands in) and one async seed that passes.
 SEEDS = [
-    pytest.param(2, id="seed-2"),
+    pytest.param(2, id="seed-2-async-load-daemon-killed"),
+    pytest.param(13, id="seed-13", marks=known(
+        "S3/S4: reset_running preempts and resumes requests in one step (stored blocks off by 0.1, the completion "
+        "after the hit differs from token 2); a load after reset_connector serves blocks stored before it")),
+    pytest.param(21, id="seed-21", marks=known(
+        "S3: after pause/reset_running, a request's block 1 is stored with other KV (off by 0.18) and a follow-up "
+        "loading it answers other tokens from token 61")),
+    pytest.param(15, id="seed-15", marks=known(
+        "E2: pause_generation(clear_cache) raises 'Failed to reset KV cache' while kvbm holds delay-freed blocks")),
 ]
 
 
