@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "kvbm.cli.bench_serving",
     "kvbm.cli.bench_storage",
     "kvbm.cli.bench_trace",
+    "kvbm.cli.bench_verify",
 )
 
 

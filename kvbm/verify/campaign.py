@@ -1,0 +1,63 @@
+"""A campaign: many seeds, one engine at a time, and one report of what ran and what broke."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from kvbm.verify.harness import INVARIANTS, run_seed, write_model
+
+
+def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True,
+                 echo: Callable[[str], None] = print, deadline_s: float | None = None) -> dict[str, Any]:
+    """Run and check every seed (stopping early once ``deadline_s`` seconds have passed); the report: schedules
+    run, operations by kind (planned, and done: an abort_loading finds a loading request or not), blocks
+    checked, violations by invariant with their seeds, and each seed's figures."""
+    t0 = time.monotonic()
+    model = write_model(root)
+    per_seed: list[dict[str, Any]] = []
+    planned: dict[str, int] = {}
+    done: dict[str, int] = {}
+    by_invariant: dict[str, list[dict[str, Any]]] = {name: [] for name in INVARIANTS}
+    totals = {"blocks_checked": 0, "blocks_stored": 0, "blocks_expected": 0, "hit_requests": 0,
+              "control_requests": 0, "control_mismatches": 0, "preemptions": 0, "steps": 0}
+    explained: dict[str, int] = {}
+    hook_max = noise = 0.0
+    for seed in seeds:
+        if deadline_s is not None and time.monotonic() - t0 > deadline_s:
+            echo(f"deadline: stopped before seed {seed}")
+            break
+        s0 = time.monotonic()
+        rep = run_seed(seed, root, model, faults=faults)
+        rep["wall_s"] = round(time.monotonic() - s0, 1)
+        per_seed.append(rep)
+        for k, n in rep["ops"].items():
+            planned[k] = planned.get(k, 0) + n
+        for ev in rep.get("events", []):
+            done[ev["op"]] = done.get(ev["op"], 0) + 1
+        for v in rep["violations"]:
+            by_invariant.setdefault(v["invariant"], []).append(v)
+        c = rep["counts"]
+        for k in totals:
+            totals[k] += rep.get(k) or c.get(k) or 0
+        for k, n in c["blocks_missing_explained"].items():
+            explained[k] = explained.get(k, 0) + n
+        hook_max = max(hook_max, c.get("hook_step_max_ms", 0.0))
+        noise = max(noise, c.get("max_error_within_tolerance", 0.0))
+        bad = sorted({v["invariant"] for v in rep["violations"]})
+        echo(f"seed {seed}: {rep['wall_s']}s, {c['blocks_checked']} blocks checked, {rep['preemptions']} "
+             f"preemptions, {c['hit_requests']} requests after a kvbm hit, violations: {', '.join(bad) or 'none'}")
+    share = totals["blocks_stored"] / totals["blocks_expected"] if totals["blocks_expected"] else None
+    return {
+        "schedules": len(per_seed), "seeds": [r["seed"] for r in per_seed], "faults": faults,
+        "wall_s": round(time.monotonic() - t0, 1), "machine": {"cpu": platform.processor() or platform.machine()},
+        "operations_planned": planned, "operations_done": done, **totals,
+        "blocks_stored_share": None if share is None else round(share, 4), "blocks_missing_explained": explained,
+        "hook_step_max_ms_beyond_sync_loads": hook_max, "block_error_noise_floor": noise,
+        "violations": {name: {"count": len(vs), "seeds": sorted({v["seed"] for v in vs}), "first": vs[:20]}
+                       for name, vs in by_invariant.items()},
+        "per_seed": [{k: v for k, v in r.items() if k != "events"} for r in per_seed],
+    }
