@@ -33,9 +33,7 @@ def known(bug: str) -> pytest.MarkDecorator:
 # Sync-load seeds (deterministic: no timing decides which step a load lands in) and one async seed that passes.
 SEEDS = [
     pytest.param(2, id="seed-2-async-load-daemon-killed"),
-    pytest.param(13, id="seed-13", marks=known(
-        "S3/S4: reset_running preempts and resumes requests in one step (stored blocks off by 0.1, the completion "
-        "after the hit differs from token 2); a load after reset_connector serves blocks stored before it")),
+    pytest.param(13, id="seed-13-reset-running-and-reset-connector"),  # S3/S4: failed before their fixes
     pytest.param(21, id="seed-21", marks=known(
         "S3: after pause/reset_running, a request's block 1 is stored with other KV (off by 0.18) and a follow-up "
         "loading it answers other tokens from token 61")),
