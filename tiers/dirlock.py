@@ -7,7 +7,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from kvbm.errors import KvbmError
+from kvbm.errors import ConfigError, KvbmError
 
 LOCK_FILE = ".kvbm.lock"
 
@@ -35,8 +35,13 @@ class DirLock:
         """Take the lock without waiting; :class:`DiskDirBusy` if another process holds it."""
         if self._fd is not None:
             return self
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # read-only, immutable, not ours: say which setting names it, not a traceback
+            raise ConfigError(f"disk.dir {self.dir}: cannot open its lock file {LOCK_FILE} ({e.strerror}); make the "
+                              f"directory writable, point disk.dir (KVBM_DISK_DIR) elsewhere, or set disk.enabled: "
+                              f"false") from None
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:

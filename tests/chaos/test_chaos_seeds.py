@@ -27,8 +27,8 @@ FAULT_KINDS = {"sigkill", "sigstop", "restart", "disk_full", "journal_delete", "
                "fuzz_truncated", "fuzz_out_of_range", "fuzz_oversized", "raw_stream", "events_subscriptions",
                "flood_requests", "register_storm"}
 OPEN = {  # invariant -> why it fails today, and the seeds that show it (D1's and D2's seeds pass since their fixes)
-    "daemon_alive": "a G3 directory it cannot write stops the start with a raw PermissionError (tiers/dirlock.py, "
-                    "seed 104): not fixed yet",
+    "daemon_alive": "a G3 directory it cannot write stops the start (seed 104; with an error naming disk.dir since "
+                    "tiers/dirlock.py says so): serving without G3 then is not built",
 }
 
 
