@@ -466,6 +466,35 @@ def test_a_burst_of_lookups_beyond_the_daemons_in_flight_cap_is_answered_not_a_b
         daemon.stop()
 
 
+def test_lookups_refused_busy_are_asked_again_not_answered_as_misses(tmp_path, s3_server):
+    """40 requests arrive together against a daemon that lets one client have 8 requests in flight (a tenant's
+    cap that its sessions share, a burst): the lookups past the cap were refused ``busy``, and each refusal was a
+    final miss, so those requests recomputed what kvbm held. They are asked again after a short backoff within
+    the lookup's budget: every request hits. S3 on, so lookups are in flight in the daemon (a bucket probe)."""
+    import uuid
+
+    from test_vllm_e2e import Daemon
+
+    daemon = Daemon(tmp_path, s3_server, f"kvbm-busy-{uuid.uuid4().hex[:8]}", block_bytes="1MiB",
+                    max_inflight_per_client=8).start()
+    sched = _scheduler(daemon.endpoint, "busy", 1, lookup_give_up_ms=60_000)
+    try:
+        (lay,) = sched.layouts()
+        _store(daemon, lay, _request("system", 1, 700))
+        reqs = [_request(f"busy-{i}", 2, 700) for i in range(40)]
+        for i, r in enumerate(reqs):
+            r.block_hashes[1] = bytes([i, 7]) * 16  # a block no tier holds: the daemon probes the bucket for it
+        for r in reqs:
+            sched.on_new_request(r)
+        assert wait_until(lambda: _answered(sched._lookups), timeout=60)
+        got = [sched._lookups._jobs[r.request_id].matched for r in reqs]
+        assert got == [1] * len(reqs), f"{got.count(0)} of {len(reqs)} lookups were answered as misses"
+        assert not sched._links[0].degraded, sched._links[0].degraded_reason
+    finally:
+        sched.shutdown()
+        daemon.stop()
+
+
 def test_an_unexpected_error_while_connecting_is_a_miss_and_the_lookup_thread_lives(daemon, monkeypatch):
     """Anything a connection attempt raises besides the daemon's own errors (a ZeroMQ EMFILE, a KeyError in
     the geometry, a G2 attach error) used to escape ``Link.get`` and end the lookup thread without a word:

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvbm.client.lease import PendingLookup
+from kvbm.client.lease import PendingLookup, is_load
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link
 
 log = logging.getLogger("kvbm.vllm")
@@ -46,6 +46,7 @@ class _Job:
     answered: float = 0.0  # when it was (monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     stale: _Job | None = None  # the answer this job refreshes: it stands while this one is late
+    refusals: int = 0  # times the daemon refused it as load (busy, full, shed): asked again, within give_up_s
 
 
 class Lookups:
@@ -141,7 +142,13 @@ class Lookups:
                     break
                 batch.append(more)
             try:
-                self._answer(batch)
+                again = self._answer(batch)
+                if again:
+                    # Refused as load (a tenant's in-flight cap shared by its sessions, a burst): asked again after
+                    # a short backoff instead of answered as misses; the scheduler never waits for it meanwhile.
+                    time.sleep(min(0.05, 0.002 * 2 ** max(j.refusals for j in again)))
+                    for j in again:
+                        self._queue.put(j)
             except Exception as e:  # the thread must survive anything: a dead one would make every lookup wait
                 log.warning("kvbm: lookups failed unexpectedly, answered as misses: %r", e)
                 now = time.monotonic()
@@ -158,8 +165,10 @@ class Lookups:
             if link.client is None:
                 link.get()
 
-    def _answer(self, batch: list[_Job]) -> None:
+    def _answer(self, batch: list[_Job]) -> list[_Job]:
+        """Answer ``batch``; the jobs the daemon refused as load and that are young enough to ask again."""
         matched = [len(job.hashes) for job in batch]
+        refused: set[int] = set()
         sent: list[tuple[Link, list[PendingLookup | None]]] = []
         for link in self._links:  # every rank's lookups are sent before any reply is awaited
             client = link.get()
@@ -183,15 +192,24 @@ class Lookups:
                 except LINK_ERRORS as e:
                     link.error(e)
                     matched[i] = 0
+                    if is_load(e):
+                        refused.add(i)
                     if link.client is None:  # the session is gone, and with it the replies still due
                         for j in range(i + 1, len(msgs)):
                             matched[j] = 0
                         break
-        partial = self._partials(batch, matched)
         now = time.monotonic()
+        again = [batch[i] for i in sorted(refused) if now - batch[i].asked < self.give_up_s / 2]
+        for job in again:
+            job.refusals += 1
+        retry = {id(j) for j in again}
+        partial = self._partials(batch, matched)
         for job, m, j in zip(batch, matched, partial, strict=True):
+            if id(job) in retry:
+                continue
             job.matched, job.partial, job.answered = m, j, now
             job.done.set()
+        return again
 
     def _partials(self, batch: list[_Job], matched: list[int]) -> list[int]:
         """For each job, the longest partial block every rank holds right after its ``matched`` full blocks (its
