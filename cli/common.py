@@ -14,7 +14,7 @@ import click
 
 from kvbm.config import SIZE_HINT, Config, Source, load_config_sources, parse_size
 from kvbm.errors import ConfigError, KvbmError
-from kvbm.ops.link import DaemonLink, daemon_reachable
+from kvbm.ops.link import DaemonLink
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -100,14 +100,6 @@ class SizeType(click.ParamType):
 SIZE = SizeType()
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 # -- daemon options: shared by status, purge and prewarm -----------------------------------------------
 def daemon_options(fn: F) -> F:
     """``--daemon``, ``--direct`` and ``--timeout``."""
@@ -123,20 +115,11 @@ def daemon_options(fn: F) -> F:
 
 
 def find_daemon(cfg: Config, endpoint: str | None, direct: bool, timeout_s: float) -> tuple[DaemonLink | None, str]:
-    """A registered link to the daemon, or (None, why not). An explicit ``endpoint`` that does not answer
-    raises ClickException; the configured default falls back quietly."""
-    if direct:  # wins over --daemon / $KVBM_DAEMON
-        return None, "--direct"
-    explicit = bool(endpoint)
-    ep = endpoint or cfg.daemon.endpoint
-    ok, why = daemon_reachable(ep)
-    if ok:
-        try:
-            return DaemonLink.for_config(cfg, ep, timeout_s).open(), ""
-        except KvbmError as e:
-            why = f"daemon at {ep} did not answer: {' '.join(str(e).split())[:200]}"
-    elif not why.startswith("bad"):
-        why = f"no daemon at {ep}: {why}"
-    if explicit:
-        raise click.ClickException(why)
-    return None, why
+    """A registered link to the daemon, or (None, why not) (:func:`kvbm.ops.purge_run.find_link`). An explicit
+    ``endpoint`` that does not answer raises ClickException; the configured default falls back quietly."""
+    from kvbm.ops.purge_run import find_link
+
+    try:
+        return find_link(cfg, endpoint, direct, timeout_s)
+    except KvbmError as e:
+        raise click.ClickException(str(e)) from None

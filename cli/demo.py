@@ -14,7 +14,8 @@ import numpy as np
 from kvbm.blocks import BlockKey
 from kvbm.blocks.hashing import prefix_hashes
 from kvbm.blocks.layout import KVLayout
-from kvbm.cli.common import CliState, config_option, human_bytes, one_line_errors, pass_state
+from kvbm.cli.common import CliState, config_option, one_line_errors, pass_state
+from kvbm.config.schema import human_bytes
 
 
 async def run_demo(cfg: Any, blocks: int, keep: bool, echo: Any = print) -> dict[str, Any]:

@@ -10,7 +10,8 @@ import click
 
 from kvbm.blocks import ALIGNED_HEADER_LEN, MIN_HEADER_LEN
 from kvbm.blocks.layout import DTYPE_BYTES, KVLayout
-from kvbm.cli.common import SIZE, CliState, config_option, human_bytes, one_line_errors, pass_state
+from kvbm.cli.common import SIZE, CliState, config_option, one_line_errors, pass_state
+from kvbm.config.schema import human_bytes
 from kvbm.errors import ConfigError
 from kvbm.transfer import round_up
 

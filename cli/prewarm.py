@@ -11,16 +11,8 @@ from typing import Any
 import click
 
 from kvbm.blocks import BlockKey
-from kvbm.cli.common import (
-    SIZE,
-    CliState,
-    config_option,
-    daemon_options,
-    find_daemon,
-    human_bytes,
-    one_line_errors,
-    pass_state,
-)
+from kvbm.cli.common import SIZE, CliState, config_option, daemon_options, find_daemon, one_line_errors, pass_state
+from kvbm.config.schema import human_bytes
 from kvbm.errors import ConfigError
 from kvbm.fleet.recency import read_access_times
 from kvbm.ops import (

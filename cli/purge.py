@@ -10,7 +10,8 @@ from typing import Any
 
 import click
 
-from kvbm.cli.common import SIZE, CliState, config_option, daemon_options, human_bytes, one_line_errors, pass_state
+from kvbm.cli.common import SIZE, CliState, config_option, daemon_options, one_line_errors, pass_state
+from kvbm.config.schema import human_bytes
 from kvbm.errors import ConfigError
 from kvbm.ops import parse_duration
 from kvbm.ops.purge_run import PurgeOptions, PurgeUI, PurgeUsageError, run_purge

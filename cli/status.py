@@ -10,16 +10,9 @@ from typing import Any
 
 import click
 
-from kvbm.cli.common import (
-    CliState,
-    config_option,
-    daemon_options,
-    find_daemon,
-    human_bytes,
-    one_line_errors,
-    pass_state,
-)
+from kvbm.cli.common import CliState, config_option, daemon_options, find_daemon, one_line_errors, pass_state
 from kvbm.config import Config
+from kvbm.config.schema import human_bytes
 from kvbm.daemon.metrics import breaker_state
 from kvbm.ops import DaemonLink, Selector, iso, iter_bucket, iter_disk, open_bucket, summarize
 

@@ -20,6 +20,15 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 10
 SIZE_HINT = "e.g. 8MiB, 2GB, 4096"
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes as people read them (``8.0 MiB``): the other way round from :func:`parse_size`."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def parse_size(value: int | str, field: str = "size") -> int:
     """``8MiB`` / ``2 GB`` / ``4096`` -> bytes."""
     if isinstance(value, int):

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from kvbm.config import Config
+from kvbm.config.schema import human_bytes
 from kvbm.errors import KvbmError
 from kvbm.fleet.recency import AccessLog, read_access_times
 from kvbm.ops.inventory import Entry, Selector, iter_bucket, iter_disk, open_bucket, with_access
@@ -74,14 +75,6 @@ class PurgeUI:
 
 class PurgeAborted(KvbmError):
     """The confirmation was declined."""
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def find_link(cfg: Config, endpoint: str | None, direct: bool, timeout_s: float) -> tuple[DaemonLink | None, str]:
