@@ -40,7 +40,6 @@ class SaveJob:
         self.gen = gen  # the weights epoch it was planned in: stored only under that epoch
         self.state = QUEUED
         self.poisoned = False  # the fence stopped waiting for the copy: its bytes may be the next user's
-        self.read_all = False  # its last copy is over: it reads no vLLM block any more (only commits)
         self.lock = threading.Lock()
         self.copied = threading.Event()
         self.future: Future[None] = Future()
@@ -132,8 +131,8 @@ class Saver:
         ids = list(self._jobs) if req_ids is None else [r for r in req_ids if r in self._jobs]
         for rid in ids:
             for job in self._jobs[rid]:
-                if job.future.done() or job.read_all:
-                    continue  # nothing of it reads vLLM's blocks any more (a commit's round trip is not waited)
+                if job.future.done():
+                    continue
                 left = deadline - time.monotonic()
                 if left > 0 and job.state != COPYING:
                     with contextlib.suppress(FutureTimeout):
@@ -223,7 +222,6 @@ class Saver:
                     self.stream.synchronize()  # the bytes are in G2 before the daemon is told to commit
             finally:
                 res.ok = job.end_copy()
-                job.read_all = span.stop == len(tr.hashes)
             self.stats["saved"] = self.stats.get("saved", 0) + len(span)
             return res.ok
 

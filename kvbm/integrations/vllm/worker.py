@@ -100,9 +100,7 @@ class WorkerSide:
             if self.groups.sliding:
                 self.saver.fence(None, self.cfg.fence_wait_ms / 1000)
             elif isinstance(meta, KvbmConnectorMetadata) and meta.preempted:
-                # Not waited for: a preempted request's saves not copying yet are dropped at once (only a copy
-                # under way is waited for, memory speed); the request plans them again when it resumes.
-                self.saver.fence(meta.preempted, 0.0)
+                self.saver.fence(meta.preempted, self.cfg.fence_wait_ms / 1000)
 
     def start_load_kv(self, meta: Any) -> None:
         with self.hooks.time("start_load_kv"):
