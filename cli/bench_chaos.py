@@ -14,18 +14,16 @@ from typing import Any
 
 import click
 
+from kvbm.cli.bench_common import s3_options, workdir_option
+
 
 @click.command("chaos")
 @click.option("--seeds", "count", default=20, show_default=True, help="Schedules to run (seeds FIRST..FIRST+N-1).")
 @click.option("--first", default=0, show_default=True, help="The first seed.")
 @click.option("--seed", "only", type=int, multiple=True, help="Replay exactly these seeds (repeatable).")
 @click.option("--steps", default=28, show_default=True, help="Steps per schedule.")
-@click.option("--s3-endpoint", default=None, help="Use this loopback S3 endpoint instead of a fresh SeaweedFS.")
-@click.option("--s3-access-key", default="", envvar="AWS_ACCESS_KEY_ID", show_envvar=True)
-@click.option("--s3-secret-key", default="", envvar="AWS_SECRET_ACCESS_KEY", show_envvar=True)
-@click.option("--s3-bucket", default="kvbm-chaos", show_default=True)
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
-              help="Where the daemons' directories go (a temporary dir by default).")
+@s3_options(bucket="kvbm-chaos", bucket_help=None)
+@workdir_option("Where the daemons' directories go (a temporary dir by default).")
 @click.option("--max-minutes", default=0.0, show_default=True,
               help="Start no schedule after this long (0: run every seed); the JSON is rewritten after each one.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)

@@ -45,19 +45,50 @@ def run_checked(opts: Any, run: Any, name: str) -> dict[str, Any]:
     return report
 
 
-s3_opts = [
-    click.option("--s3-endpoint", default=None, help="Use this loopback S3 endpoint instead of a fresh SeaweedFS."),
-    click.option("--s3-access-key", default="", envvar="AWS_ACCESS_KEY_ID", show_envvar=True),
-    click.option("--s3-secret-key", default="", envvar="AWS_SECRET_ACCESS_KEY", show_envvar=True),
-    click.option("--s3-bucket", default="kvbm-bench", show_default=True,
-                 help="Bucket (objects go under a fresh prefix)."),
-]
+def stack(*options: Any) -> Any:
+    """One decorator of several click options, in the order given (the order ``--help`` lists them)."""
+
+    def apply(fn: Any) -> Any:
+        for opt in reversed(options):
+            fn = opt(fn)
+        return fn
+
+    return apply
 
 
-def with_s3(fn: Any) -> Any:
-    for opt in reversed(s3_opts):
-        fn = opt(fn)
-    return fn
+def s3_options(bucket: str = "kvbm-bench",
+               bucket_help: str | None = "Bucket (objects go under a fresh prefix).") -> Any:
+    """The S3 endpoint a bench runs against: ``--s3-endpoint`` (else a fresh SeaweedFS), its keys and bucket."""
+    return stack(
+        click.option("--s3-endpoint", default=None, help="Use this loopback S3 endpoint instead of a fresh SeaweedFS."),
+        click.option("--s3-access-key", default="", envvar="AWS_ACCESS_KEY_ID", show_envvar=True),
+        click.option("--s3-secret-key", default="", envvar="AWS_SECRET_ACCESS_KEY", show_envvar=True),
+        click.option("--s3-bucket", default=bucket, show_default=True, help=bucket_help),
+    )
+
+
+with_s3 = s3_options()
+DISK_HELP = "Where temp dirs go (a real disk)."
+seed_option = click.option("--seed", default=0, show_default=True)
+
+
+def workdir_option(help: str = DISK_HELP) -> Any:
+    return click.option("--workdir", type=click.Path(file_okay=False), default=None, help=help)
+
+
+def with_target(workdir_help: str = DISK_HELP) -> Any:
+    """Where a bench runs (BenchTarget): ``--workdir`` and the S3 options."""
+    return stack(workdir_option(workdir_help), with_s3)
+
+
+def with_output(*, plot: str | None = None, json_help: str | None = None,
+                markdown: str = "Print the table as markdown.") -> Any:
+    """What a bench writes besides its table: ``--json``, ``--plot`` (when ``plot`` is its help), ``--markdown``."""
+    opts = [click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=json_help)]
+    if plot is not None:
+        opts.append(click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help=plot))
+    opts.append(click.option("--markdown", is_flag=True, help=markdown))
+    return stack(*opts)
 
 
 model_opts = [  # the random Llama of the benches that drive vLLM's OpenAI server (RandomModelOptions)
@@ -71,9 +102,4 @@ model_opts = [  # the random Llama of the benches that drive vLLM's OpenAI serve
                  help="Weights and KV; auto: bfloat16 on a GPU or a CPU with AVX-512/AMX/Arm, float32 on an AVX2 "
                  "CPU (which emulates bf16 ~90x slower)."),
 ]
-
-
-def with_model(fn: Any) -> Any:
-    for opt in reversed(model_opts):
-        fn = opt(fn)
-    return fn
+with_model = stack(*model_opts)

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kvbm.cli.bench_common import csv_list, emit, run_checked, with_model, with_s3
+from kvbm.cli.bench_common import csv_list, emit, run_checked, seed_option, with_model, with_output, with_target
 from kvbm.cli.common import SIZE
 
 
@@ -47,12 +47,9 @@ from kvbm.cli.common import SIZE
               "(vllm only).")
 @click.option("--s3-client", type=click.Choice(["aiobotocore", "nixl"]), default="aiobotocore", show_default=True,
               help="torch only (the vllm engine's daemon uses its default).")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
-@with_s3
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="TTFT PNG.")
-@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+@seed_option
+@with_target()
+@with_output(plot="TTFT PNG.")
 def longdoc_cmd(engine: str, doc_lengths: str | None, docs: int | None, queries: int | None, sources: str | None,
                 **kw: Any) -> None:
     """TTFT of document QA: recompute vs kvbm hits from G2, G3 and G4, by document length."""
@@ -153,12 +150,9 @@ def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: st
 @click.option("--peer-python", default=None, help="Interpreter of the peers' servers (a venv with LMCache) [this one].")
 @click.option("--request-timeout", default=600.0, show_default=True, help="Seconds per request.")
 @click.option("--logs", type=click.Path(file_okay=False), default=None, help="Keep the servers' and daemon's logs.")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
-@with_s3
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG (four panels).")
-@click.option("--markdown", is_flag=True, help="Print the tables as markdown.")
+@seed_option
+@with_target()
+@with_output(plot="PNG (four panels).", markdown="Print the tables as markdown.")
 def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_kv: int, g2: int, g3: int,
               tokens_per_block: int, block_size: int, request_timeout: float, json_path: str | None,
               plot_path: str | None, markdown: bool, **kw: Any) -> None:
@@ -186,7 +180,7 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
 @click.option("--prompt-words", default=3000, show_default=True, help="Words (tokens) of each new prompt.")
 @click.option("--decode-tokens", default=6000, show_default=True, help="At most (cut off after each phase).")
 @click.option("--arrivals", default=2, show_default=True, help="New requests sent at once in a prefill phase.")
-@click.option("--seed", default=0, show_default=True)
+@seed_option
 @click.option("--root", type=click.Path(file_okay=False), default=None,
               help="Keep the model, logs and daemon files here (else a temporary dir).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)

@@ -7,7 +7,7 @@ import asyncio
 
 import click
 
-from kvbm.cli.bench_common import csv_list, emit, with_s3
+from kvbm.cli.bench_common import csv_list, emit, with_output, with_target, workdir_option
 from kvbm.cli.common import SIZE
 
 
@@ -29,11 +29,8 @@ from kvbm.cli.common import SIZE
               "against the same server and put its rows next to kvbm's.")
 @click.option("--peer-domain", default="s3.kvbm.test", show_default=True,
               help="SeaweedFS -s3.domainName for the peer (it addresses <bucket>.<domain>).")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
-@with_s3
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Draw a PNG here.")
-@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+@with_target()
+@with_output(json_help="Write the report here.", plot="Draw a PNG here.")
 def tiers_cmd(block_size: int, blocks: int, repeats: int, groups: str, s3_clients: str, file_io: str,
               disk_modes: str, boto3_threads: int, s3_concurrency: int, s3_reference: bool, peer_python: str | None,
               peer_domain: str, workdir: str | None,
@@ -83,10 +80,8 @@ def tiers_cmd(block_size: int, blocks: int, repeats: int, groups: str, s3_client
 @click.option("--repeats", default=3, show_default=True,
               help="Repeats of the registry, lookup and onboard figures (the median is reported).")
 @click.option("--groups", default="ingest,lookup,memory,daemon,onboard", show_default=True)
-@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
-@with_s3
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+@with_target()
+@with_output()
 def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, daemon_events: int, daemon_batch: int,
                 daemon_lookups: int, daemon_registered: int | None, onboard_blocks: int, block_size: int, repeats: int,
                 groups: str, workdir: str | None, s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str,
@@ -129,10 +124,8 @@ def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, 
 @click.option("--negative-ttl", default=1.0, show_default=True, help="fanout: daemon.probe_negative_ttl_s.")
 @click.option("--cluster", is_flag=True, help="Run on a fresh SeaweedFS cluster (3 volume servers, 001, 2 gateways).")
 @click.option("--kill-volume", is_flag=True, help="With --cluster: kill a volume server halfway (fanout, events).")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go.")
-@with_s3
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+@with_target("Where temp dirs go.")
+@with_output()
 def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block_size: int, listing_sizes: str,
               listing_prefix: str, put_concurrency: int, list_concurrency: int, groups: str, fanout_daemons: int,
               rounds: int, modes: str, negative_ttl: float, cluster: bool, kill_volume: bool, workdir: str | None,
@@ -169,10 +162,8 @@ def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block
 @click.option("--chunks", default=256, show_default=True, help="Chunks stored and loaded per pass.")
 @click.option("--repeats", default=3, show_default=True, help="Passes per tier, interleaved (medians reported).")
 @click.option("--tiers", default="kvbm,fs", show_default=True, help="Secondary tiers compared: kvbm, fs.")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
-              help="Where the fs tier's files and kvbm's disk tier go (a real disk).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+@workdir_option("Where the fs tier's files and kvbm's disk tier go (a real disk).")
+@with_output()
 def native_cmd(chunk_size: int, chunks: int, repeats: int, tiers: str, workdir: str | None, json_path: str | None,
                markdown: bool) -> None:
     """kvbm's tier against vLLM's own fs tier under vLLM's TieringOffloadingManager (CPU primary tier)."""

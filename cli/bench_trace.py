@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from kvbm.bench.trace_sim import SHIPPED_TRACE
-from kvbm.cli.bench_common import csv_list, emit, run_checked, with_model, with_s3
+from kvbm.cli.bench_common import csv_list, emit, run_checked, seed_option, with_model, with_output, with_target
 from kvbm.cli.common import SIZE
 
 
@@ -27,13 +27,9 @@ from kvbm.cli.common import SIZE
 @click.option("--eviction", "evictions", default="lru", show_default=True,
               help="The daemon's policy.eviction: lru, frequency or lru,frequency (a run each).")
 @click.option("--g3-dir", default="", help="Where G3 lives (e.g. a tmpfs: the policy without the disk's latency).")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
-@with_s3
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="PNG: hit ratio vs capacity, per tier, with LRU / policy / Belady.")
-@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+@seed_option
+@with_target()
+@with_output(plot="PNG: hit ratio vs capacity, per tier, with LRU / policy / Belady.")
 def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capacities: str, g2_share: float,
               s3_modes: str, inflight: int, evictions: str, g3_dir: str, seed: int, workdir: str | None,
               s3_endpoint: str | None,
@@ -76,11 +72,9 @@ def trace_cmd(trace_path: str, limit: int, speedup: float, block_size: int, capa
 @click.option("--g2-share", default=0.25, show_default=True, help="G2, as a share of the slice's distinct blocks.")
 @click.option("--s3/--no-s3", default=True, show_default=True, help="G4 (S3) behind G2 and G3.")
 @with_model
-@click.option("--seed", default=0, show_default=True)
-@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Where temp dirs go (a real disk).")
-@with_s3
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--markdown", is_flag=True, help="Print the table as markdown.")
+@seed_option
+@with_target()
+@with_output()
 def trace_serve_cmd(trace_path: str, sources: str, json_path: str | None, markdown: bool, **kw: Any) -> None:
     """A conversation slice of a trace through vLLM's OpenAI server: vLLM alone vs vLLM + kvbm."""
 

@@ -12,10 +12,12 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvbm.daemon.launch import STARTED, DaemonLauncher
 
 MB = 1_000_000  # throughput is reported in MB/s (10^6 bytes), as in the notes
 
@@ -278,54 +280,17 @@ def rnd_bytes(n: int, seed: int) -> Any:
     return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
 
 
-class DaemonProc:
-    """``python -m kvbm.cli.serve`` in a subprocess for a bench: config ``cfg`` (written to ``root/kvbm.yaml``;
-    KVBM_*/AWS_* variables of the bench do not reach it), stopped with SIGTERM, its G2 pools removed."""
+class DaemonProc(DaemonLauncher):
+    """``python -m kvbm.cli.serve`` in a subprocess for a bench (:class:`DaemonLauncher`): the KVBM_*/AWS_*
+    variables of the bench do not reach it; its endpoint and CPU time at hand."""
 
     def __init__(self, root: Path, cfg: dict[str, Any], name: str = "daemon", args: Sequence[str] = ()) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.cfg_path = root / "kvbm.yaml"
-        self.cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
-        self.log_path = root / "daemon.log"
+        super().__init__(root, cfg, name=name, args=args, strip_env=("KVBM_", "AWS_"))
         self.endpoint: str = cfg["daemon"]["endpoint"]
-        self.name = name
-        self.args = list(args)
-        self.proc: Any = None
 
-    def start(self, ready: Any = None, timeout_s: float = 120.0) -> None:
-        """Start and wait until ``ready()`` (default: the daemon logged ``daemon.started``)."""
-        import subprocess
-
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBM_", "AWS_"))}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvbm.cli.serve", "--config", str(self.cfg_path),
-                                          *self.args], stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
-        ready = ready or (lambda: b'"daemon.started"' in self.log_path.read_bytes())
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if ready():
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon {self.name} exited: {self.log_path.read_text()[-2000:]}")
-            time.sleep(0.05)
-        raise RuntimeError(f"daemon {self.name} did not start: {self.log_path.read_text()[-2000:]}")
+    def start(self, timeout_s: float = 120.0, marks: Sequence[str] = (STARTED,),
+              ready: Callable[[], bool] | None = None) -> dict[str, Any]:
+        return super().start(timeout_s, marks, ready)  # a bench's daemon may start on a loaded machine
 
     def cpu(self) -> float:
         return proc_cpu_seconds(self.proc.pid) if self.proc else 0.0
-
-    def stop(self) -> None:
-        import signal
-        import subprocess
-
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        for f in Path("/dev/shm").glob(f"kvbm-g2-{self.proc.pid}-*"):
-            with contextlib.suppress(OSError):
-                f.unlink()

