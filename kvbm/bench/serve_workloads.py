@@ -19,7 +19,8 @@ from kvbm.bench.serve_requests import Prompts, error_line, phase_summary, run_ba
 
 
 class Run:
-    """State shared by the phases: options, model, prompts, where logs go, the report being filled."""
+    """What the phases share: options, model, prompts, each server's command; the work dir, S3 endpoint and log
+    keeping of the bench's :class:`BenchRun`."""
 
     def __init__(self, o: ServeBenchOptions, bench: BenchRun, model: str) -> None:
         assert bench.srv is not None
