@@ -27,11 +27,12 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbm.bench.common import BenchTarget, CpuMeter, DaemonProc, delete_prefix, machine, s3_server, summary, temp_dir
+from kvbm.bench.common import BenchTarget, CpuMeter, DaemonProc, delete_prefix, s3_server, summary
+from kvbm.bench.runner import BenchRun
 
 LIST_NS = "bench-list-0123456789abcdef"
 
@@ -212,9 +213,11 @@ def _store(opts: FleetOptions, root: Path) -> Iterator[tuple[dict[str, Any], Any
 
 
 async def run_fleet(opts: FleetOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
-    report: dict[str, Any] = {"bench": "fleet", "machine": machine(), "options": asdict(opts),
-                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with temp_dir("kvbm-bench-", opts.workdir) as root, _store(opts, root) as (srv, cluster):
+    # The store under the fleet may be a cluster: _store starts it, not the frame.
+    bench = BenchRun("fleet", opts, say, s3=False, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    report = bench.report
+    with bench, _store(opts, bench.work) as (srv, cluster):
+        root = bench.work
         if cluster is not None:
             report["s3"] = (f"SeaweedFS cluster (fresh): 1 master, {cluster.volumes} volume servers, replication "
                             f"{cluster.replication}, {cluster.gateways} S3 gateways")

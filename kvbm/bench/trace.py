@@ -15,7 +15,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,10 @@ from kvbm.bench.common import (
     DaemonProc,
     delete_prefix,
     load_avg,
-    machine,
     s3_server,
     summary,
-    temp_dir,
 )
+from kvbm.bench.runner import BenchRun
 from kvbm.bench.trace_sim import SHIPPED_TRACE, TraceRequest, bounds, load_trace, purge_cost, trace_summary
 
 KiB = 1024
@@ -289,14 +288,16 @@ async def run_trace(o: TraceOptions, say: Callable[[str], None]) -> dict[str, An
     caps = [max(2, round(s * distinct)) for s in o.capacities]
     say(f"trace: {summ['requests']} requests, {summ['block_refs']} block refs, {distinct} distinct blocks, "
         f"{summ['duration_s']:.0f} s (replayed x{o.speedup:g})")
-    report: dict[str, Any] = {"bench": "trace", "machine": machine(), "load_avg_start": load_avg(),
-                              "options": {k: v for k, v in asdict(o).items()}, "trace": summ,
-                              "simulated": bounds(reqs, caps), "purge": purge_cost(reqs), "runs": []}
+    # S3 runs start their own endpoint (an S3-off run has none running beside it).
+    bench = BenchRun("trace", o, say, s3=False, load_avg_start=load_avg(), trace=summ,
+                     simulated=bounds(reqs, caps), purge=purge_cost(reqs), runs=[])
+    report = bench.report
     pc = report["purge"]
     say(f"trace: a purge of the bucket to 10% halfway costs the second half {pc['none'] - pc['access']:.4f} of hit "
         f"ratio by last access, {pc['none'] - pc['value']:.4f} by value (no purge: {pc['none']:.4f})")
     blocks = Blocks(o.block_bytes, o.seed)
-    with temp_dir("kvbm-bench-trace-", o.workdir) as root:
+    with bench:
+        root = bench.work
         for s3 in o.s3_modes:
             ctx = s3_server(root, endpoint=o.s3_endpoint, access_key=o.s3_access_key, secret_key=o.s3_secret_key,
                             bucket=o.s3_bucket) if s3 == "on" else None
@@ -312,7 +313,6 @@ async def run_trace(o: TraceOptions, say: Callable[[str], None]) -> dict[str, An
                         with contextlib.suppress(Exception):
                             delete_prefix(srv, srv["prefix"])
                     ctx.__exit__(None, None, None)
-    report["load_avg_end"] = load_avg()
     return report
 
 
