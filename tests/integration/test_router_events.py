@@ -245,3 +245,24 @@ def test_router_events_refused_where_they_would_leak(tmp_path):
             daemon_tenants=f"[{{name: a, token_file: {tmp_path}/a.token, models: ['*']}}]")
     with pytest.raises(ConfigError, match=r"router_events\.endpoint: a daemon with tenants"):
         check_bind(c.router_events, c.daemon)
+
+
+def test_bench_fleet_route_prefix_tiny(s3_server, tmp_path):
+    """``kvbm bench fleet --route prefix`` runs both policies on two real daemons and accounts for every block of
+    every request (served from a tier or recomputed); a benchmark, so no figure is asserted."""
+    from kvbm.cli.bench import bench
+
+    out = tmp_path / "route.json"
+    res = CliRunner().invoke(bench, ["fleet", "--route", "prefix", "--route-requests", "12", "--workdir",
+                                     str(tmp_path), "--json", str(out), "--s3-endpoint", s3_server.endpoint,
+                                     "--s3-access-key", s3_server.access_key, "--s3-secret-key",
+                                     s3_server.secret_key, "--s3-bucket", s3_server.bucket], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())["route"]
+    per_request = r["prefix_blocks"] + r["own_blocks"]
+    for policy in ("random", "prefix"):
+        p = r[policy]
+        assert sum(p["served_blocks"].values()) + p["recomputed_blocks"] == 12 * per_request
+        assert sum(p["requests_per_node"]) == 12 and p["time_to_prefix_s"]["n"] == 12
+    assert r["prefix"]["replays"] >= 2  # each node's stream was started from 0 through its replay socket
+    assert "route prefix: blocks from G2 / G3 / G4 / recomputed" in res.output
