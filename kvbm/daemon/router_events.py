@@ -49,6 +49,7 @@ TIER_KINDS: dict[str, tuple[str, str]] = {"host": ("CPU", "LOCAL"), "disk": ("ST
                                           "s3": ("STORAGE", "REMOTE")}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SNAPSHOT_CHUNK = 4096  # blocks per batch of the first state
+REPLAY_MAX_BYTES = 256 << 20  # the replay buffer's payloads at most (oldest batches leave first), whatever buffer_steps
 
 
 # The wire structs of vllm.distributed.kv_events (0.32), field for field: tagged maps inside an array_like batch.
@@ -123,7 +124,8 @@ class RouterEventPublisher:
         self._replay: zmq.asyncio.Socket | None = None
         self._topic = rc.topic.encode()
         self._seq = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=rc.buffer_steps)
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffered = 0  # bytes of the payloads in _buffer
         self._encode = msgspec.msgpack.Encoder().encode
         self._lock = threading.Lock()  # the registry may call from a thread
         self._pending: dict[tuple[str, str], list[bytes]] = {}
@@ -220,6 +222,9 @@ class RouterEventPublisher:
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))  # kept even when the PUB socket drops it: a replay fills the gap
+        self._buffered += len(payload)
+        while len(self._buffer) > self.rc.buffer_steps or self._buffered > REPLAY_MAX_BYTES:
+            self._buffered -= len(self._buffer.popleft()[1])
         self.stats.batches += 1
         try:
             self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)

@@ -5,6 +5,7 @@ purge and restart, what the stream says each tier holds is what the daemon says 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -25,8 +26,10 @@ from kvbm.blocks.layout import KVLayout
 from kvbm.cli.main import main
 from kvbm.client import WorkerClient
 from kvbm.config import load_config
-from kvbm.daemon.router_events import check_bind
+from kvbm.config.schema import RouterEventsConfig
+from kvbm.daemon.router_events import RouterEventPublisher, check_bind
 from kvbm.errors import ConfigError
+from kvbm.index.registry import Registry
 
 pytestmark = needs("vllm", importlib.util.find_spec("vllm") is not None, "decoding needs vLLM's event classes")
 
@@ -266,3 +269,53 @@ def test_bench_fleet_route_prefix_tiny(s3_server, tmp_path):
         assert sum(p["requests_per_node"]) == 12 and p["time_to_prefix_s"]["n"] == 12
     assert r["prefix"]["replays"] >= 2  # each node's stream was started from 0 through its replay socket
     assert "route prefix: blocks from G2 / G3 / G4 / recomputed" in res.output
+
+
+def test_int_hashes_namespaces_and_the_replay_bound(tmp_path):
+    """A registry's changes on a publisher bound here: ``int_hashes`` sends vLLM's 64-bit int form, ``namespaces``
+    keeps other namespaces out, and the replay buffer keeps only the last ``buffer_steps`` batches."""
+    rc = RouterEventsConfig(endpoint=f"ipc://{tmp_path}/r.sock", replay_endpoint=f"ipc://{tmp_path}/rr.sock",
+                            int_hashes=True, namespaces=["ns-a"], buffer_steps=3)
+    reg = Registry(["G2", "G3"])
+    a = [BlockKey("ns-a", os.urandom(32)) for _ in range(3)]
+    b = [BlockKey("ns-b", os.urandom(32)) for _ in range(2)]
+
+    async def go() -> list[tuple[int, Any]]:
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        tasks: list[asyncio.Task[Any]] = []
+        pub = RouterEventPublisher(rc, reg, {"G2": "host", "G3": "disk"})
+        pub.bind(ctx, lambda coro: tasks.append(asyncio.ensure_future(coro)) or tasks[-1])
+        for k in a + b:  # one batch each (a turn of the loop between them)
+            reg.add("G2", k, 1)
+            await asyncio.sleep(0)
+        reg.remove("G2", a[0])
+        await asyncio.sleep(0)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(rc.replay_endpoint)
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while True:
+            _, _topic, seq, payload = await asyncio.wait_for(dealer.recv_multipart(), WAIT_S)
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            got.append((int.from_bytes(seq, "big"), payload))
+        dealer.close(0)
+        pub.close()
+        for t in tasks:
+            t.cancel()
+        ctx.term()
+        return got
+
+    from vllm.distributed.kv_events import KVEventBatch
+
+    got = asyncio.run(go())
+    # Batches: 0 AllBlocksCleared (empty tiers: nothing more), 1-3 a's stores (b's are filtered out: no batch),
+    # 4 a[0]'s removal; the buffer keeps the last 3.
+    assert [seq for seq, _ in got] == [2, 3, 4]
+    events = [ev for _, p in got for ev in msgspec.msgpack.decode(p, type=KVEventBatch).events]
+    ints = [int.from_bytes(k.hash, "big") & ((1 << 64) - 1) for k in a]
+    assert [(type(ev).__name__, ev.block_hashes, ev.medium, ev.ownership) for ev in events] == [
+        ("BlockStored", [ints[1]], "CPU", "kvbm/G2"), ("BlockStored", [ints[2]], "CPU", "kvbm/G2"),
+        ("BlockRemoved", [ints[0]], "CPU", "kvbm/G2")]
