@@ -176,6 +176,7 @@ def client(proc: ServeProc) -> WorkerClient:
     return c
 
 
+@pytest.mark.s3
 def test_router_sees_g2_g3_g4_through_stores_evictions_purge_and_restart(node):
     proc = node.start()
     rc = json.loads(proc.cfg_path.read_text())["router_events"]
@@ -250,6 +251,7 @@ def test_router_events_refused_where_they_would_leak(tmp_path):
         check_bind(c.router_events, c.daemon)
 
 
+@pytest.mark.s3
 def test_bench_fleet_route_prefix_tiny(s3_server, tmp_path):
     """``kvbm bench fleet --route prefix`` runs both policies on two real daemons and accounts for every block of
     every request (served from a tier or recomputed); a benchmark, so no figure is asserted."""
