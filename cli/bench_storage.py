@@ -117,18 +117,23 @@ def manager_cmd(registered: int, prefix_blocks: int, lookups: int, daemon: str, 
 @click.option("--listing-prefix", default="", help="Keep the listing objects under this prefix and reuse them.")
 @click.option("--put-concurrency", default=128, show_default=True, help="PUTs in flight creating listing objects.")
 @click.option("--list-concurrency", default=16, show_default=True, help="s3.list_concurrency of the parallel listing.")
-@click.option("--groups", default="fleet,listing", show_default=True, help="Of fleet, listing, fanout.")
+@click.option("--groups", default="fleet,listing", show_default=True, help="Of fleet, listing, fanout, route.")
 @click.option("--fanout-daemons", default=8, show_default=True, help="fanout: daemons that discover each other.")
 @click.option("--rounds", default=16, show_default=True, help="fanout: blocks stored (each by the next daemon).")
 @click.option("--modes", default="events,probe", show_default=True, help="fanout: events (discovery), probe.")
 @click.option("--negative-ttl", default=1.0, show_default=True, help="fanout: daemon.probe_negative_ttl_s.")
 @click.option("--cluster", is_flag=True, help="Run on a fresh SeaweedFS cluster (3 volume servers, 001, 2 gateways).")
 @click.option("--kill-volume", is_flag=True, help="With --cluster: kill a volume server halfway (fanout, events).")
+@click.option("--route", type=click.Choice(["prefix"]), default=None,
+              help="Route requests on kvbm's router events vs at random, two nodes (the route group; alone unless "
+                   "--groups is given).")
+@click.option("--route-requests", default=200, show_default=True, help="route: requests sent (seeded).")
 @with_target("Where temp dirs go.")
 @with_output()
 def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block_size: int, listing_sizes: str,
               listing_prefix: str, put_concurrency: int, list_concurrency: int, groups: str, fanout_daemons: int,
-              rounds: int, modes: str, negative_ttl: float, cluster: bool, kill_volume: bool, workdir: str | None,
+              rounds: int, modes: str, negative_ttl: float, cluster: bool, kill_volume: bool, route: str | None,
+              route_requests: int, workdir: str | None,
               s3_endpoint: str | None, s3_access_key: str, s3_secret_key: str, s3_bucket: str,
               json_path: str | None, markdown: bool) -> None:
     """N daemons on one bucket: A's durable ack to B's hit, lookup cost, and listing 100k/1M block objects."""
@@ -141,7 +146,12 @@ def fleet_cmd(daemons: int, blocks: int, hit_timeout: float, lookups: int, block
         raise click.BadParameter(f"--modes: events/probe, not {bad}" if bad else
                                  "--kill-volume needs --cluster" if kill_volume and not cluster else
                                  "--cluster starts its own store: no --s3-endpoint")
+    if route and click.get_current_context().get_parameter_source("groups") == click.core.ParameterSource.DEFAULT:
+        groups = "route"
+    elif route and "route" not in csv_list(groups):
+        groups += ",route"
     opts = FleetOptions(
+        route_requests=route_requests,
         daemons=daemons, blocks=blocks, hit_timeout_s=hit_timeout, lookups=lookups,
         block_bytes=block_size,
         listing_sizes=tuple(int(x) for x in csv_list(listing_sizes)), listing_prefix=listing_prefix.strip("/"),

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbm.bench.common import BenchTarget, CpuMeter, DaemonProc, delete_prefix, s3_server, summary
+from kvbm.bench.route import route_rows, run_route
 from kvbm.bench.runner import BenchRun
 
 LIST_NS = "bench-list-0123456789abcdef"
@@ -55,6 +56,14 @@ class FleetOptions(BenchTarget):
     negative_ttl_s: float = 1.0
     cluster: bool = False  # a SeaweedCluster (3 volume servers, replication 001, 2 gateways) instead of one server
     kill_volume: bool = False  # with cluster: kill the volume server holding most blocks halfway (events mode)
+    # group "route" (kvbm.bench.route): routing on router events vs random, two nodes, the same seeded requests
+    route_prefixes: int = 16
+    route_prefix_blocks: int = 8
+    route_own_blocks: int = 2
+    route_requests: int = 200
+    route_g2_blocks: int = 32
+    route_g3_blocks: int = 64
+    route_seed: int = 0
 
 
 def _daemon_cfg(root: Path, srv: dict[str, Any], prefix: str, block_bytes: int, i: int) -> dict[str, Any]:
@@ -239,6 +248,8 @@ async def run_fleet(opts: FleetOptions, say: Callable[[str], None] = print) -> d
             report["fleet"] = await asyncio.to_thread(_fleet, opts, srv, root, say)
         if "listing" in opts.groups:
             report["listing"] = await _listing(opts, srv, say)
+        if "route" in opts.groups:
+            report["route"] = await asyncio.to_thread(run_route, opts, srv, root, say)
         report["run_id"] = uuid.uuid4().hex[:8]
     return report
 
@@ -266,6 +277,7 @@ def fleet_table(report: dict[str, Any], markdown: bool = False) -> str:
                      found + (f", {f['never_found']} never found" if f.get("never_found") else "")))
         rows.append(("lookup miss / G2 hit (p50)",
                      f"{f['lookup_miss_s']['p50'] * 1e6:.0f} us / {f['lookup_hit_g2_s']['p50'] * 1e6:.0f} us"))
+    rows += route_rows(report.get("route"))
     for r in report.get("listing", []):
         rows.append((f"list {r['objects']:,} block objects",
                      f"serial {r['serial']['seconds']:.2f} s, parallel {r['parallel']['seconds']:.2f} s"))

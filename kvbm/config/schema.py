@@ -303,6 +303,28 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     prewarm_namespaces: list[str] = []
 
 
+class RouterEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """kvbm's block residency per tier as vLLM KV events for KV-aware routers (:mod:`kvbm.daemon.router_events`)."""
+
+    endpoint: str = ""  # the PUB socket routers subscribe to (tcp://127.0.0.1:5557, ipc://...); empty: off
+    replay_endpoint: str = ""  # a ROUTER socket answering vLLM's replay requests; empty: no replay
+    buffer_steps: int = 10_000  # batches kept for replay (the first ones: every block held when the daemon bound)
+    topic: str = ""  # the first frame of every message, as vLLM's kv_events_config.topic (llm-d: kv@<pod>@<model>)
+    namespaces: list[str] = []  # only these layout namespaces (one model's stream); empty: every namespace
+    int_hashes: bool = False  # hashes as vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: the low 64 bits, big-endian
+
+    def __post_init__(self) -> None:
+        for field, ep in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if ep and not ep.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"router_events.{field}: {ep!r} is not a tcp:// or ipc:// endpoint")
+        if self.replay_endpoint and not self.endpoint:
+            raise ConfigError("router_events.replay_endpoint: needs router_events.endpoint (what it replays)")
+        if self.replay_endpoint and self.replay_endpoint == self.endpoint:
+            raise ConfigError("router_events.replay_endpoint: must differ from router_events.endpoint")
+        if self.buffer_steps < 1:
+            raise ConfigError("router_events.buffer_steps: must be >= 1")
+
+
 class Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     block_bytes: int | str = "8MiB"  # bytes once built (a size string in YAML/env)
     hash_scheme: Literal["kvbm", "vllm"] = "kvbm"
@@ -314,6 +336,7 @@ class Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    router_events: RouterEventsConfig = msgspec.field(default_factory=RouterEventsConfig)
 
     def __post_init__(self) -> None:
         self.block_bytes = size_field(self.block_bytes, "block_bytes")

@@ -23,6 +23,7 @@ from kvbm.daemon.logs import logj
 from kvbm.daemon.metrics import Metrics, MetricsServer
 from kvbm.daemon.peering import FleetMember, read_peer_token, shared_tier
 from kvbm.daemon.prefetch import Prefetcher
+from kvbm.daemon.router_events import RouterEventPublisher, check_bind
 from kvbm.daemon.service import Service, g2_of
 from kvbm.daemon.sessions import Sessions, WorkerSession
 from kvbm.daemon.stats import DaemonStats
@@ -68,6 +69,8 @@ class Daemon:
         self.transport = Transport(dc, self._ctx, self.stats, self._spawn, self.zap)
         self.publisher = EventPublisher(manager, self.stats, shared.name if shared is not None else "")
         self.fleet_member = FleetMember(dc, manager, self.publisher)
+        self.router_events = RouterEventPublisher(cfg.router_events, manager.registry,
+                                                  {t.name: t.kind for t in manager.tiers})
         self.probe = self.fleet_member.probe
         self.peers = self.fleet_member.peers
         self.indexer = BucketIndexer(manager, dc.index_bucket, self._spawn, wanted=self.sessions.uses)
@@ -103,6 +106,7 @@ class Daemon:
         # Every credential file and the metrics port too: a bad one is an error naming its field now, not minutes in.
         self._curve_keys = server_keys(self.dc)
         check_binds(self.dc, curve=bool(self._curve_keys[1]))
+        check_bind(self.cfg.router_events, self.dc)
         await asyncio.to_thread(check_key_dirs, self.dc)
         peer_token = await asyncio.to_thread(read_peer_token, self.dc)
         token_path = admin_token_path(self.dc)
@@ -127,6 +131,8 @@ class Daemon:
             sub.open()
             self._subs.append(sub)
             self._spawn(sub.run())
+        if self.cfg.router_events.endpoint:
+            self.router_events.bind(self._ctx, self._spawn)
         self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn, self.publisher.endpoint, peer_token)
         if self._metrics is not None:
             await self._metrics.start()
@@ -168,6 +174,7 @@ class Daemon:
             await self._metrics.close()
         self.transport.close()
         self.publisher.close()
+        self.router_events.close()
         self.zap.stop()
         await self.manager.drain()
         if self._own_ctx:
@@ -214,6 +221,7 @@ class Daemon:
             refused_workers=self.sessions.refused,
         )
         d["fleet"] = self.fleet()
+        d["router_events"] = self.router_events.describe()
         snap["daemon"] = d
         snap["engines"] = describe_views(self._subs)
         if resident:
