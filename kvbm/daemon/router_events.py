@@ -38,7 +38,7 @@ from kvbm.blocks import BlockKey
 from kvbm.config.schema import DaemonConfig, RouterEventsConfig
 from kvbm.errors import ConfigError
 from kvbm.index.registry import Registry
-from kvbm.security import is_local_endpoint
+from kvbm.security import UNIX_PATH_MAX, ipc_path, is_local_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,9 @@ def check_bind(rc: RouterEventsConfig, dc: DaemonConfig) -> None:
         raise ConfigError("router_events.endpoint: a daemon with tenants cannot publish router events (the stream "
                           "is unauthenticated and names every tenant's block hashes)")
     for field, ep in (("endpoint", rc.endpoint), ("replay_endpoint", rc.replay_endpoint)):
+        if len(ipc_path(ep).encode()) > UNIX_PATH_MAX:
+            raise ConfigError(f"router_events.{field} {ep}: an ipc:// path is at most {UNIX_PATH_MAX} bytes (a unix "
+                              "socket's); use a shorter directory")
         if ep and not dc.allow_insecure_tcp and not is_local_endpoint(ep):
             raise ConfigError(f"router_events.{field} {ep} is reachable from other hosts and the stream is "
                               "unauthenticated (vLLM's format): bind loopback or ipc://, or set "

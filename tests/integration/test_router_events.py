@@ -249,6 +249,10 @@ def test_router_events_refused_where_they_would_leak(tmp_path):
             daemon_tenants=f"[{{name: a, token_file: {tmp_path}/a.token, models: ['*']}}]")
     with pytest.raises(ConfigError, match=r"router_events\.endpoint: a daemon with tenants"):
         check_bind(c.router_events, c.daemon)
+    # A deep work dir's socket path: refused naming the field (zmq's own error was a traceback at bind).
+    c = cfg(router_events_endpoint="ipc://" + "/tmp/" + "d" * 100 + "/r.sock")
+    with pytest.raises(ConfigError, match=r"router_events\.endpoint ipc:///tmp/d+/r\.sock: an ipc:// path is at most"):
+        check_bind(c.router_events, c.daemon)
 
 
 @pytest.mark.s3
