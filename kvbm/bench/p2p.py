@@ -166,7 +166,8 @@ def _one_transport(opts: P2POptions, srv: dict[str, Any], root: Path, tls: str |
             out[path] = {"time_to_last_block_s": med, "gbps": nbytes / med / 1e9, "runs_s": xs}
         out["peer_over_bucket"] = out["peer"]["gbps"] / out["bucket"]["gbps"]
         st = fleet(cb)["p2p"]["read"]
-        out["peer_read_stats"] = {k: st[k] for k in ("reads", "blocks", "bytes", "checksum_failures", "failed")}
+        out["peer_read_stats"] = {k: st[k] for k in ("reads", "blocks", "bytes", "checksum_failures", "failed",
+                                                     "pin_seconds", "read_seconds", "verify_seconds")}
         out["bucket_gets_on_c"] = next(t for t in cc.stats()["tiers"] if t["tier"] == "G4")["stats"]["gets"]
         out["bucket_gets_on_b"] = next(t for t in cb.stats()["tiers"] if t["tier"] == "G4")["stats"]["gets"]
     finally:

@@ -59,6 +59,9 @@ class ReadStats(msgspec.Struct):
     failed: int = 0  # reads that failed (no reply in time, a transfer error: a stopped or dead peer)
     late: int = 0  # lookups that answered before their peer read was done (the budget ran out)
     reading_slots: int = 0  # own G2 slots reserved for reads in flight now
+    pin_seconds: float = 0.0  # from asking to the peer's Pinned (a first contact's Connect included)
+    read_seconds: float = 0.0  # in NIXL READs
+    verify_seconds: float = 0.0  # checksumming what was read
 
 
 class _Link:
@@ -263,6 +266,7 @@ class PeerReads:
             return 0
         if not pinned.slots:
             return 0
+        self.stats.pin_seconds += time.monotonic() - t0
         try:
             deadline = t0 + pinned.lease_ms / 1000
             return await self._copy(peer, link, keys[: len(pinned.slots)], pinned, deadline)
@@ -293,8 +297,12 @@ class PeerReads:
             base = self.agent.pool_addr
             pairs = [(base + s * g2.slot_bytes, remote.pool_addr + pinned.slots[i] * remote.slot_bytes,
                       pinned.nbytes[i]) for i, s in mine.items()]
+            t1 = time.monotonic()
             await asyncio.to_thread(self.agent.read, link.remote_name, pairs, max(0.05, deadline - time.monotonic()))
+            t2 = time.monotonic()
             good = await asyncio.to_thread(self._verify, mine, pinned)
+            self.stats.read_seconds += t2 - t1
+            self.stats.verify_seconds += time.monotonic() - t2
         except BaseException as e:
             self.manager.complete_store(prepared, ok=False)
             self.stats.reading_slots -= len(prepared)

@@ -178,6 +178,22 @@ def test_blocks_a_peer_holds_are_read_from_its_g2_byte_exact_with_no_get(tmp_pat
         assert serve["pins"] == 1 and serve["pinned_blocks"] == 6 and serve["unpins"] == 1 and serve["leases"] == 0
 
 
+def test_a_block_on_the_peers_disk_is_staged_to_its_g2_and_read(tmp_path, s3_server, s3_prefix, nodes):
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes)
+    keys = prompt(3)
+    with a.client() as ca, a.client(admin=True) as admin_a, b.client() as cb:
+        assert wait_until(lambda: ready(cb), WAIT_S)
+        store(ca, keys)
+        admin_a.evict(keys, tiers=["G2"])  # A keeps them on its disk (G3) and in the bucket
+        assert ca.lookup(keys).tiers == ["G3"] * 3
+        assert wait_until(lambda: learned(cb, 3), WAIT_S)
+        gets = tier(cb, "G4")["stats"]["gets"]
+        assert cb.lookup(keys).tiers == ["G2"] * 3, p2p_log(b)
+        assert loads_exact(cb, keys) == 3
+        assert tier(cb, "G4")["stats"]["gets"] == gets
+        assert p2p(ca)["serve"]["pinned_blocks"] == 3
+
+
 def test_a_block_failing_its_checksum_is_a_miss_read_from_the_bucket(tmp_path, s3_server, s3_prefix, nodes):
     a, b = pair(tmp_path, s3_server, s3_prefix, nodes)
     keys = prompt(4)
