@@ -41,6 +41,7 @@ from kvbm.tiers.pool import SlotPoolTier
 from kvbm.transfer.peer import PeerAgent
 
 log = logging.getLogger(__name__)
+COOLDOWN_S = 1.0  # a peer whose read failed (no reply, no connection) is not asked again for this long
 LOCAL_ENOUGH = frozenset({TierName.G1, TierName.G2, TierName.G3})  # held here: no reason to ask a peer
 
 
@@ -159,6 +160,10 @@ class PeerReads:
         self._curve: Callable[[PeerFollower], tuple[str, str, str] | None] = lambda _p: None
         self._links: dict[str, _Link] = {}
         self._reading: dict[BlockKey, asyncio.Task[int]] = {}
+        self._stalled: dict[str, int] = {}  # peer endpoint -> its reads still running past a lookup's budget
+        self._late: set[asyncio.Task[int]] = set()
+        self._owner: dict[asyncio.Task[int], str] = {}  # a read in flight -> its peer's endpoint
+        self._cooldown: dict[str, float] = {}  # peer endpoint -> when it may be asked again after a failure
 
     def start(self, ctx: zmq.asyncio.Context, agent: PeerAgent, token: str,
               curve: Callable[[PeerFollower], tuple[str, str, str] | None]) -> None:
@@ -182,7 +187,9 @@ class PeerReads:
         first = BlockKey(namespace, hashes[start])
         task = self._reading.get(first)
         if task is None:
+            now = time.monotonic()
             peer = next((pf for pf in self._peers() if pf.hello is not None and pf.stats.connected
+                         and not self._stalled.get(pf.endpoint) and self._cooldown.get(pf.endpoint, 0.0) <= now
                          and pf.residency.holds(first)), None)
             if peer is None:
                 return tiers
@@ -193,19 +200,38 @@ class PeerReads:
                     break
                 keys.append(k)
             task = asyncio.ensure_future(self._read(peer, keys))
+            self._owner[task] = peer.endpoint
             for k in keys:
                 self._reading[k] = task
             task.add_done_callback(lambda _t, ks=keys: self._done(ks, _t))
+        if task in self._late:  # already past another lookup's budget: do not wait for it again
+            self.stats.late += 1
+            return tiers
         budget = self.fc.peer_read_budget_ms / 1000
         if budget > 0:
             await asyncio.wait({task}, timeout=budget)
         if not task.done():
+            # Until this read ends, other lookups do not wait on this peer (it is stopped, or slow): the bucket.
             self.stats.late += 1
+            ep = self._owner.get(task, "")
+            if ep and task not in self._late:
+                self._late.add(task)
+                self._stalled[ep] = self._stalled.get(ep, 0) + 1
+                task.add_done_callback(lambda _t, e=ep: self._unstall(e, _t))
             return tiers
         keys_all = [BlockKey(namespace, h) for h in hashes]
         return self.manager.held_run(keys_all)
 
+    def _unstall(self, endpoint: str, task: asyncio.Task[int]) -> None:
+        self._late.discard(task)
+        n = self._stalled.get(endpoint, 0) - 1
+        if n > 0:
+            self._stalled[endpoint] = n
+        else:
+            self._stalled.pop(endpoint, None)
+
     def _done(self, keys: list[BlockKey], task: asyncio.Task[int]) -> None:
+        self._owner.pop(task, None)
         for k in keys:
             if self._reading.get(k) is task:
                 del self._reading[k]
@@ -262,6 +288,7 @@ class PeerReads:
             self.stats.failed += 1
             self._count(peer, "failed")
             self._forget(peer.endpoint)  # a later read connects afresh (the peer may come back another process)
+            self._cooldown[peer.endpoint] = time.monotonic() + COOLDOWN_S
             logj("p2p.read_failed", level=logging.WARNING, peer=peer.endpoint, why=str(e))
             return 0
         if not pinned.slots:

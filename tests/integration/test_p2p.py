@@ -219,14 +219,14 @@ def test_a_stopped_peer_costs_the_budget_and_keeps_no_pin(tmp_path, s3_server, s
     budget_ms = 300
     a, b = pair(tmp_path, s3_server, s3_prefix, nodes, b_fleet={"peer_read_budget_ms": budget_ms,
                                                                 "peer_read_lease_ms": 2000})
-    warm, keys = prompt(1), prompt(4)
+    warm, keys, other = prompt(1), prompt(4), prompt(4)
     with a.client() as ca, b.client() as cb:
         assert wait_until(lambda: ready(cb), WAIT_S)
         store(ca, warm)  # a first read links B to A (Connect, NIXL metadata): the Pin below reaches A's socket
         assert wait_until(lambda: learned(cb, 1), WAIT_S)
         assert cb.lookup(warm).tiers == ["G2"]
-        store(ca, keys)
-        assert wait_until(lambda: learned(cb, 5), WAIT_S)
+        store(ca, keys + other)
+        assert wait_until(lambda: learned(cb, 9), WAIT_S)
         os.kill(a.pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
@@ -236,6 +236,10 @@ def test_a_stopped_peer_costs_the_budget_and_keeps_no_pin(tmp_path, s3_server, s
             # The bound the budget promises (plus room for a loaded 2-core machine), not a speed measurement.
             assert took < budget_ms / 1000 + 1.0, took
             assert p2p(cb)["read"]["late"] == 1
+            # While that read is stuck, other lookups do not wait on A again (one budget, not one per lookup).
+            assert cb.lookup(other).tiers == ["G4"] * 4
+            assert cb.lookup(keys).tiers == ["G4"] * 4
+            assert p2p(cb)["read"]["reads"] == 2 and p2p(cb)["read"]["late"] == 2
             assert loads_exact(cb, keys) == 4
             # The read gives up when its pin has no answer (peer_read_lease_ms): no slot of B's is held for it.
             assert wait_until(lambda: p2p(cb)["read"]["failed"] == 1, WAIT_S)
