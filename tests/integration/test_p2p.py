@@ -78,9 +78,10 @@ class Node:
         assert self.proc is not None and self.proc.proc is not None
         return self.proc.proc.pid
 
-    def client(self, *, admin: bool = False) -> WorkerClient:
+    def client(self, *, admin: bool = False, keypair: tuple[bytes, bytes] | None = None) -> WorkerClient:
         assert self.proc is not None
-        c = self.proc.client(admin=admin)
+        c = self.proc.client(admin=admin, curve_server_key=self.cfg["daemon"].get("curve_public_key", ""),
+                             curve_keypair=keypair)
         c.register(LAYOUT, worker_id=f"w-{self.name}-{admin}")
         return c
 
@@ -296,3 +297,48 @@ def test_a_peer_refuses_a_namespace_the_askers_credential_does_not_cover(tmp_pat
         assert p2p(ca)["serve"]["refused_forbidden"] == 1 and p2p(ca)["serve"]["pins"] == 0
         assert loads_exact(cb, keys) == 3
         assert tier(cb, "G4")["stats"]["gets"] == gets + 3
+
+
+def test_peer_reads_over_curve_and_the_socket_refuses_an_unlisted_key(tmp_path, s3_server, s3_prefix, nodes):
+    """A fleet sharing one CURVE key pair with a client allow-list: B connects to A's peer-read socket with the
+    fleet's (listed) keys and reads; a client with a key not on the list gets no answer (ZAP refuses it)."""
+    import zmq
+
+    from kvbm.fleet import p2p as m
+    from kvbm.security import load_keypair, write_keypair
+
+    pub, sec = (k.decode() for k in zmq.curve_keypair())
+    allowed = tmp_path / "clients"
+    allowed.mkdir()
+    (allowed / "fleet.key").write_text(f'metadata\ncurve\n    public-key = "{pub}"\n')
+    worker_pub, _ = write_keypair(tmp_path / "keys", "worker")
+    (allowed / "worker.key").write_text(worker_pub.read_text())
+    worker = load_keypair(tmp_path / "keys" / "worker.key_secret")
+    keys = {"curve_public_key": pub, "curve_secret_key": sec, "curve_clients_dir": str(allowed)}
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes, a_daemon=keys, b_daemon=keys)
+    blocks = prompt(3)
+    with a.client(keypair=worker) as ca, b.client(keypair=worker) as cb:
+        assert wait_until(lambda: ready(cb), WAIT_S), peer(cb)
+        store(ca, blocks)
+        assert wait_until(lambda: learned(cb, 3), WAIT_S)
+        gets = tier(cb, "G4")["stats"]["gets"]
+        assert cb.lookup(blocks).tiers == ["G2"] * 3, p2p_log(b)
+        assert loads_exact(cb, blocks) == 3 and tier(cb, "G4")["stats"]["gets"] == gets
+        ctx = zmq.Context()
+
+        def answered(public: bytes, secret: bytes) -> bool:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.curve_serverkey, s.curve_publickey, s.curve_secretkey = pub.encode(), public, secret
+            s.connect(peer(cb)["p2p_endpoint"])
+            s.send_multipart([b"\0" * 8, m.encode(m.Connect(node_id="probe", agent=b"not NIXL metadata"))])
+            got = bool(s.poll(3000))
+            if got:
+                assert isinstance(m.decode_reply(s.recv_multipart()[1]), m.Refused)  # bad metadata: refused
+            s.close(0)
+            return got
+
+        assert answered(pub.encode(), sec.encode())  # a listed key reaches the socket (here: bad metadata)
+        assert not answered(*zmq.curve_keypair()), "an unlisted CURVE key was answered"
+        ctx.term()
+        assert p2p(ca)["serve"]["connects"] == 1  # B alone
