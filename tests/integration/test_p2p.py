@@ -342,3 +342,50 @@ def test_peer_reads_over_curve_and_the_socket_refuses_an_unlisted_key(tmp_path, 
         assert not answered(*zmq.curve_keypair()), "an unlisted CURVE key was answered"
         ctx.term()
         assert p2p(ca)["serve"]["connects"] == 1  # B alone
+
+
+def test_the_serving_side_caps_pins_in_flight_and_refuses_another_version(tmp_path, s3_server, s3_prefix, nodes):
+    """A client speaking the peer-read protocol to A directly (a real NIXL agent's metadata): with
+    peer_read_max_inflight 1 a second Pin while one is held is answered busy, and served again after Unpin."""
+    import torch
+    import zmq
+
+    from kvbm.fleet import p2p as m
+    from kvbm.transfer.peer import PeerAgent
+
+    a = Node(tmp_path, "a", s3_server, s3_prefix, {"peer_read_max_inflight": 1})
+    nodes.append(a.start())
+    keys = prompt(2)
+    with a.client() as ca:
+        store(ca, keys)
+        assert wait_until(lambda: p2p(ca)["serve"] is not None, WAIT_S)
+        agent = PeerAgent(torch.zeros(1 << 20, dtype=torch.uint8))
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(p2p(ca)["serve"]["endpoint"])
+
+        def ask(msg: object) -> object:
+            s.send_multipart([b"\0" * 8, m.encode(msg)])
+            assert s.poll(10_000), "no reply"
+            return m.decode_reply(s.recv_multipart()[1])
+
+        try:
+            assert isinstance(ask(m.Connect(node_id="t", agent=agent.metadata())), m.Connected)
+            first = ask(m.Pin(namespace=LAYOUT.namespace, hashes=[keys[0].hash]))
+            assert isinstance(first, m.Pinned) and len(first.slots) == 1 and first.lease
+            busy = ask(m.Pin(namespace=LAYOUT.namespace, hashes=[keys[1].hash]))
+            assert isinstance(busy, m.Refused) and busy.code == m.E_BUSY
+            other = ask(m.Pin(namespace=LAYOUT.namespace, hashes=[keys[1].hash], v=99))
+            assert isinstance(other, m.Refused) and other.code == m.E_VERSION
+            assert p2p(ca)["serve"]["pinned_slots"] == 1
+            assert ask(m.Unpin(lease=first.lease)) == m.Unpinned(count=1)
+            again = ask(m.Pin(namespace=LAYOUT.namespace, hashes=[keys[1].hash]))
+            assert isinstance(again, m.Pinned) and len(again.slots) == 1
+            assert ask(m.Unpin(lease=again.lease)) == m.Unpinned(count=1)
+            serve = p2p(ca)["serve"]
+            assert serve["refused_busy"] == 1 and serve["pinned_slots"] == 0 and serve["leases"] == 0
+        finally:
+            s.close(0)
+            ctx.term()
+            agent.close()
