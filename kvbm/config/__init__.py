@@ -26,6 +26,7 @@ from kvbm.config.schema import (  # noqa: F401  (re-exported: the config API is 
     DeviceConfig,
     DiskConfig,
     EmbeddedS3Config,
+    FleetConfig,
     HostConfig,
     S3Config,
     TenantConfig,

@@ -9,6 +9,7 @@ from typing import Literal
 
 import msgspec
 
+from kvbm.config.fleet import FleetConfig
 from kvbm.errors import ConfigError
 
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -337,6 +338,7 @@ class Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     router_events: RouterEventsConfig = msgspec.field(default_factory=RouterEventsConfig)
+    fleet: FleetConfig = msgspec.field(default_factory=FleetConfig)  # peer reads (kvbm.config.fleet)
 
     def __post_init__(self) -> None:
         self.block_bytes = size_field(self.block_bytes, "block_bytes")

@@ -68,7 +68,7 @@ class Daemon:
         self.zap = Zap(self._ctx)  # the context's one ZAP handler: both sockets' admission rules
         self.transport = Transport(dc, self._ctx, self.stats, self._spawn, self.zap)
         self.publisher = EventPublisher(manager, self.stats, shared.name if shared is not None else "")
-        self.fleet_member = FleetMember(dc, manager, self.publisher)
+        self.fleet_member = FleetMember(dc, manager, self.publisher, cfg.fleet)
         self.router_events = RouterEventPublisher(cfg.router_events, manager.registry,
                                                   {t.name: t.kind for t in manager.tiers})
         self.probe = self.fleet_member.probe
@@ -85,6 +85,7 @@ class Daemon:
                                probe=self.probe, prefetcher=Prefetcher(manager, self.stats, dc.max_prefetch,
                                                                        self._spawn),
                                publisher=self.publisher, snapshot=lambda resident: self.snapshot(resident=resident))
+        self.service.peer_reads = self.fleet_member.peer_reads
 
     @property
     def endpoint(self) -> str:
@@ -133,7 +134,8 @@ class Daemon:
             self._spawn(sub.run())
         if self.cfg.router_events.endpoint:
             self.router_events.bind(self._ctx, self._spawn)
-        self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn, self.publisher.endpoint, peer_token)
+                self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn, self.publisher.endpoint, peer_token,
+                                 self.service.creds)
         if self._metrics is not None:
             await self._metrics.start()
         self._spawn(self._reaper())

@@ -29,6 +29,7 @@ from kvbm.blocks import BlockKey
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import curve_server
 from kvbm.daemon.zap import EVENTS_DOMAIN, EVENTS_USER, Zap
+from kvbm.fleet.p2p import HELLO_TOPIC
 from kvbm.manager.core import BlockManager
 from kvbm.security import prepare_ipc
 
@@ -115,6 +116,15 @@ class EventPublisher:
             events.append(cls(namespace=ns, hashes=hashes, tier=tier, nbytes=nbytes))
         if events:
             self.publish(*events)
+
+    def hello(self, payload: bytes) -> None:
+        """Announce this daemon's peer-read socket (:class:`kvbm.fleet.p2p.Hello`) to its followers."""
+        if self._pub is None:
+            return
+        try:
+            self._pub.send_multipart([HELLO_TOPIC, payload], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.stats.dropped += 1
 
     def publish(self, *events: Any) -> None:
         if self._pub is None:

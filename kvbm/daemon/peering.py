@@ -19,18 +19,26 @@ import zmq.asyncio
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
-from kvbm.config import DaemonConfig
+from kvbm.config import DaemonConfig, FleetConfig
+from kvbm.daemon.auth import Credentials
 from kvbm.daemon.events import EVENTS_USER, EventPublisher
 from kvbm.daemon.logs import logj
+from kvbm.daemon.peer_reads import PeerReads, read_token
+from kvbm.daemon.peer_serve import PeerReadServer
 from kvbm.daemon.transport import Spawn
 from kvbm.errors import ConfigError
-from kvbm.fleet import BucketProbe, PeerFollower
+from kvbm.fleet import BucketProbe, PeerFollower, p2p
 from kvbm.fleet.members import Discovery, Membership, host_local
+from kvbm.fleet.peers import Residency
 from kvbm.manager.core import BlockManager
+from kvbm.tiers.names import TierName
+from kvbm.tiers.pool import SlotPoolTier
 from kvbm.tiers.s3 import S3Tier
+from kvbm.transfer.peer import PeerAgent
 
 log = logging.getLogger(__name__)
 WITHDRAW_S = 3.0  # how long a stopping daemon tries to delete its membership (else it expires)
+HELLO_S = 1.0  # how often a daemon serving peer reads announces its peer-read socket on its events stream
 
 
 def shared_tier(manager: BlockManager) -> S3Tier | None:
@@ -40,8 +48,10 @@ def shared_tier(manager: BlockManager) -> S3Tier | None:
 class FleetMember:
     """Bucket probe plus peer followers, wired to the manager's index of the shared tier."""
 
-    def __init__(self, dc: DaemonConfig, manager: BlockManager, publisher: EventPublisher) -> None:
+    def __init__(self, dc: DaemonConfig, manager: BlockManager, publisher: EventPublisher,
+                 fleet: FleetConfig | None = None) -> None:
         self.dc = dc
+        self.fc = fleet or FleetConfig()
         self.manager = manager
         self.publisher = publisher
         shared = shared_tier(manager)
@@ -60,9 +70,16 @@ class FleetMember:
         self._curve_keys = ("", "")
         self._peer_token = ""
         self._spawn: Spawn | None = None
+        # Peer reads (fleet.p2p): serving this daemon's G2 to peers, and reading theirs (kvbm.daemon.peer_*).
+        self.p2p_server: PeerReadServer | None = None
+        self.peer_reads: PeerReads | None = None
+        self.p2p_error = ""
+        if self.fc.p2p:
+            self.peer_reads = PeerReads(self.fc, manager, lambda: self.peers, dc.node_id or socket.gethostname())
+        self._agent: PeerAgent | None = None
 
     def follow(self, ctx: zmq.asyncio.Context, curve_keys: tuple[str, str], spawn: Spawn,
-               events_endpoint: str = "", peer_token: str = "") -> None:
+               events_endpoint: str = "", peer_token: str = "", creds: Credentials | None = None) -> None:
         """Open a follower per ``daemon.peers`` endpoint; with ``daemon.discovery``, announce this daemon
         (its bound ``events_endpoint``) and follow the members found in the bucket. ``peer_token``
         (:func:`read_peer_token`) is what a follower presents to a peer with tenants and no CURVE."""
@@ -92,6 +109,34 @@ class FleetMember:
                                        leave=self._leave, interval_s=self.dc.discovery_interval_s,
                                        ttl_s=self.dc.discovery_ttl_s, events_auth=auth)
             spawn(self.discovery.run())
+        if self.peer_reads is not None:
+            spawn(self._start_p2p(creds or Credentials()))
+
+    async def _start_p2p(self, creds: Credentials) -> None:
+        """Create the NIXL agent (its G2 registered), bind the peer-read socket, announce it every HELLO_S. A
+        daemon whose NIXL does not work serves without peer reads and says why (``kvbm status``)."""
+        assert self._ctx is not None and self._spawn is not None and self.peer_reads is not None
+        g2 = self.manager.by_name.get(TierName.G2)
+        try:
+            if not isinstance(g2, SlotPoolTier):
+                raise ConfigError("fleet.p2p needs a G2 host tier")
+            token = await asyncio.to_thread(read_token, self.fc)
+            self._agent = agent = await asyncio.to_thread(PeerAgent, g2.pool)
+        except Exception as e:
+            self.p2p_error = f"{type(e).__name__}: {e}"
+            logj("p2p.unavailable", level=logging.ERROR, message=f"fleet.p2p: no peer reads: {self.p2p_error}")
+            return
+        server = self.p2p_server = PeerReadServer(self.fc, self.manager, lambda: creds)
+        bound = server.bind(self._ctx, agent, *self._curve_keys)
+        self._spawn(server.serve(self._spawn))
+        self.peer_reads.start(self._ctx, agent, token, lambda peer: peer.curve)
+        hello = p2p.encode(p2p.Hello(node_id=self.dc.node_id or socket.gethostname(),
+                                     endpoint=self.fc.announce_p2p_endpoint or wildcard_to_host(bound),
+                                     instance=server.instance))
+        logj("p2p.started", endpoint=bound, agent=agent.name)
+        while True:
+            self.publisher.hello(hello)
+            await asyncio.sleep(HELLO_S)
 
     def _join(self, m: Membership) -> None:
         """Follow a member discovery found (again, when its endpoint, key or process changed)."""
@@ -145,13 +190,27 @@ class FleetMember:
     def close(self) -> None:
         for peer in self.peers:
             peer.close()
+        if self.peer_reads is not None:
+            self.peer_reads.close()
+        if self.p2p_server is not None:
+            self.p2p_server.close()
+        if self._agent is not None:
+            self._agent.close()
 
     def _learn_probed(self, found: dict[BlockKey, int]) -> None:
         with self.publisher.learned():
             self.manager.index.learn(self.shared, found)
 
     def _apply_peer(self, peer: PeerFollower, batch: p.EventBatch) -> None:
-        """A peer's G4 stores and removals are this daemon's too (same bucket, same keys); the rest is its own."""
+        """A peer's G4 stores and removals are this daemon's too (same bucket, same keys); its G2/G3 ones are
+        what it could serve a peer read from (:class:`~kvbm.fleet.peers.Residency`); the rest is its own."""
+        for ev in batch.events:
+            if ev.tier in Residency.TIERS and not isinstance(ev, p.BlocksOnboarded):
+                keys = [BlockKey(ev.namespace, h) for h in ev.hashes]
+                if isinstance(ev, p.BlocksStored):
+                    peer.residency.stored(ev.tier, keys)
+                else:
+                    peer.residency.removed(ev.tier, keys)
         if not self.shared:
             return
         with self.publisher.learned():
@@ -196,6 +255,11 @@ class FleetMember:
             "peers": [peer.describe() for peer in self.peers],
             "probe": self.probe.describe() if self.probe is not None else None,
             "discovery": self.discovery.describe() if self.discovery is not None else None,
+            "p2p": None if self.peer_reads is None else {
+                "error": self.p2p_error,
+                "serve": self.p2p_server.describe() if self.p2p_server is not None else None,
+                "read": self.peer_reads.describe(),
+            },
         }
 
 
@@ -222,6 +286,11 @@ def announced_endpoint(dc: DaemonConfig, bound: str) -> str:
     address replaced by this host's name."""
     if dc.announce_endpoint:
         return dc.announce_endpoint
+    return wildcard_to_host(bound)
+
+
+def wildcard_to_host(bound: str) -> str:
+    """``bound`` with a wildcard address replaced by this host's name (what another host can dial)."""
     for wild in ("0.0.0.0", "[::]", "*"):
         if f"//{wild}:" in bound:
             return bound.replace(f"//{wild}:", f"//{socket.getfqdn()}:")

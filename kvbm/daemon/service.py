@@ -26,6 +26,7 @@ from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.indexing import BucketIndexer
 from kvbm.daemon.logs import logj
 from kvbm.daemon.metrics import Metrics
+from kvbm.daemon.peer_reads import PeerReads
 from kvbm.daemon.prefetch import Prefetcher
 from kvbm.daemon.sessions import Sessions, WorkerSession
 from kvbm.daemon.stats import DaemonStats
@@ -65,6 +66,7 @@ class Service:
         self.creds = Credentials()  # the admin and tenant tokens, set by the daemon at run(); never logged
         self.admin = AdminHandlers(manager)  # Evict, Reindex (authorised for admin sessions only: kvbm.daemon.auth)
         self._snapshot = snapshot
+        self.peer_reads: PeerReads | None = None  # fleet.p2p: a lookup reads a peer's G2 blocks (set by the daemon)
         # Quick requests are answered inline by the receive loop; the others each get a task.
         self.inline: dict[type, Callable[[Any, Any], Any]] = {
             p.Unregister: self.unregister, p.Ping: self.ping, p.Release: self.release, p.Stats: self.stats_reply,
@@ -207,6 +209,8 @@ class Service:
         t0 = time.perf_counter()
         # Matched straight from the request's hashes; BlockKeys only where a probe or a prefetch needs them.
         tiers = self.manager.lookup_hashes(msg.namespace, msg.hashes)
+        if self.peer_reads is not None:  # blocks a peer holds in G2/G3 and this daemon only in the bucket
+            tiers = await self.peer_reads.fill(msg.namespace, msg.hashes, tiers)
         keys: list[BlockKey] = []
         if len(tiers) < len(msg.hashes) and self.probe is not None:
             keys = msg.keys()

@@ -26,6 +26,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvbm import protocol as p
+from kvbm.blocks import BlockKey
+from kvbm.fleet.p2p import HELLO_TOPIC, P2P_VERSION, Hello, decode_hello
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,34 @@ class PeerStats(msgspec.Struct):
     last_event_at: float = 0.0  # unix time of the last batch
     failures: int = 0  # handshakes the peer refused (or that failed)
     error: str = ""  # why the last handshake failed; "" once one succeeds
+    resident: int = 0  # its G2/G3 blocks known from its events (what a peer read may ask it for)
+    p2p_endpoint: str = ""  # its peer-read socket, from its Hello ("" : it serves no peer reads)
+
+
+class Residency:
+    """Which blocks a peer holds in its G2 and G3, learned from its events: hints for peer reads (a stale one
+    costs a refused pin, never wrong bytes: every block read is checksummed)."""
+
+    TIERS = ("G2", "G3")
+
+    def __init__(self) -> None:
+        self._held: dict[str, set[BlockKey]] = {t: set() for t in self.TIERS}
+
+    def stored(self, tier: str, keys: list[BlockKey]) -> None:
+        self._held[tier].update(keys)
+
+    def removed(self, tier: str, keys: list[BlockKey]) -> None:
+        self._held[tier].difference_update(keys)
+
+    def holds(self, key: BlockKey) -> bool:
+        return any(key in held for held in self._held.values())
+
+    def clear(self) -> None:
+        for held in self._held.values():
+            held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held["G2"] | self._held["G3"])
 
 
 class PeerFollower:
@@ -71,6 +101,14 @@ class PeerFollower:
         self._sock: zmq.asyncio.Socket | None = None
         self._mon: zmq.asyncio.Socket | None = None
         self._seen = False
+        self.residency = Residency()
+        self.hello: Hello | None = None  # its last Hello (peer reads), None until one arrives
+
+    @property
+    def curve(self) -> tuple[str, str, str] | None:
+        """(server public key, own public key, own secret key) this follower connects with: what a peer read's
+        socket to the same peer uses too."""
+        return self._curve
 
     def open(self) -> None:
         sock = self._ctx.socket(zmq.SUB)
@@ -171,7 +209,10 @@ class PeerFollower:
         return "handshake failed (no detail: a wrong CURVE server key, daemon.peer_curve_server_key?)"
 
     def handle(self, frames: list[bytes]) -> None:
-        """One published message: ``[topic, seq (8 bytes), EventBatch]``."""
+        """One published message: ``[topic, seq (8 bytes), EventBatch]``, or ``[HELLO_TOPIC, Hello]``."""
+        if len(frames) == 2 and frames[0] == HELLO_TOPIC:
+            self._hello(frames[1])
+            return
         if len(frames) != 3 or frames[0] != p.EVENTS_TOPIC or len(frames[1]) != 8:
             self.stats.bad += 1
             return
@@ -187,6 +228,7 @@ class PeerFollower:
             gap = True
         elif seq <= last:
             self.stats.resets += 1
+            self.residency.clear()  # a restarted peer's G2 is a new pool
             gap = True  # what it published between dying and our reconnect is lost
         self.stats.last_seq = seq
         if gap:
@@ -204,5 +246,20 @@ class PeerFollower:
         self.stats.last_event_at = time.time()
         self._apply(self, batch)
 
+    def _hello(self, buf: bytes) -> None:
+        try:
+            hello = decode_hello(buf)
+        except msgspec.DecodeError:
+            self.stats.bad += 1
+            return
+        if hello.v != P2P_VERSION:
+            self.stats.bad += 1
+            return
+        if self.hello is not None and hello.instance != self.hello.instance:
+            self.residency.clear()  # another process: what the old one held is gone
+        self.hello = hello
+        self.stats.p2p_endpoint = hello.endpoint
+
     def describe(self) -> dict[str, object]:
+        self.stats.resident = len(self.residency)
         return msgspec.structs.asdict(self.stats)

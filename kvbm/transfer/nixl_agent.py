@@ -76,14 +76,14 @@ def new_agent(api: Any, prefix: str, backend: str) -> Any:
     return agent
 
 
-def wait_xfer(agent: Any, handle: Any, what: str) -> None:
-    """Post ``handle`` and poll until DONE; raise on ERR or timeout. Releases the handle."""
+def wait_xfer(agent: Any, handle: Any, what: str, timeout_s: float = _XFER_TIMEOUT_S) -> None:
+    """Post ``handle`` and poll until DONE; raise on ERR or after ``timeout_s``. Releases the handle."""
     try:
         try:
             state = agent.transfer(handle)
         except Exception as e:
             raise OSError(errno.EIO, f"NIXL {what} transfer failed: {e}") from e
-        deadline = time.monotonic() + _XFER_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         spins = 0
         while state not in ("DONE", "ERR"):
             try:
@@ -94,7 +94,7 @@ def wait_xfer(agent: Any, handle: Any, what: str) -> None:
             if spins > 64:
                 time.sleep(2e-5)  # don't hog one of few cores while a long transfer runs
                 if time.monotonic() > deadline:
-                    raise TransferBackendError(f"NIXL {what} did not finish in {_XFER_TIMEOUT_S:.0f} s")
+                    raise TransferBackendError(f"NIXL {what} did not finish in {timeout_s:.3g} s")
         if state == "ERR":
             raise OSError(errno.EIO, f"NIXL {what} transfer failed")
     finally:

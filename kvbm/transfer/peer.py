@@ -1,0 +1,78 @@
+"""The NIXL agent a daemon reads other daemons' G2 pools with (peer reads, :mod:`kvbm.daemon.peer_reads`).
+
+One UCX agent per daemon, its G2 pool registered once: its metadata (handed to a peer over the authenticated
+peer-read socket, never through the bucket) lets that peer READ from this pool; a peer's metadata added here lets
+this daemon READ from the peer's. A READ is one-sided: the serving daemon's CPU does not copy the bytes. Every
+call blocks (run it in a thread); the agent is in strict thread-sync mode, so threads may share it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from kvbm.transfer.nixl_agent import TransferBackendError, new_agent, require_nixl, wait_xfer
+
+
+class PeerAgent:
+    """This daemon's NIXL UCX agent for peer reads, with ``pool`` (its G2) registered."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        api = require_nixl()
+        try:
+            self._agent = new_agent(api, f"kvbm-p2p-{secrets.token_hex(4)}", "UCX")  # unique across hosts too
+        except Exception as e:
+            raise TransferBackendError(f"NIXL UCX backend does not create (peer reads): {e}") from e
+        self.name: str = self._agent.name
+        self.pool_addr = pool.data_ptr()
+        self._reg = self._agent.register_memory(pool)
+        self._lock = threading.Lock()
+        self._remotes: set[str] = set()
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Know a peer's agent (its registered pool); returns its name."""
+        with self._lock:
+            name = self._agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._remotes.add(name)
+            return name
+
+    def remove_remote(self, name: str) -> None:
+        with self._lock:
+            if name in self._remotes:
+                self._remotes.discard(name)
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception:  # already gone: nothing to forget
+                    pass
+
+    def read(self, remote: str, pairs: Sequence[tuple[int, int, int]], timeout_s: float) -> None:
+        """One READ of ``(local address, remote address, bytes)`` triples from agent ``remote``'s registered
+        memory into this pool; raises OSError (the transfer failed: a dead peer) or TransferBackendError (not
+        done within ``timeout_s``)."""
+        if not pairs:
+            return
+        local = [(la, n, 0) for la, _ra, n in pairs]
+        far = [(ra, n, 0) for _la, ra, n in pairs]
+        with self._lock:
+            handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
+                                                 self._agent.get_xfer_descs(far, "DRAM"), remote)
+        wait_xfer(self._agent, handle, f"peer READ of {len(pairs)} blocks from {remote}", timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self._remotes):
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception:
+                    pass
+            self._remotes.clear()
+            if self._reg is not None:
+                self._agent.deregister_memory(self._reg)
+                self._reg = None

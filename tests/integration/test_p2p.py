@@ -1,0 +1,391 @@
+"""Peer reads: two real daemons (``kvbm serve`` subprocesses) sharing one SeaweedFS bucket, each with its own G2;
+node B reads the blocks node A holds in G2 with a one-sided NIXL (UCX) READ instead of the bucket's GET.
+
+Covered: byte-exact blocks with no GET for them; a block whose bytes do not match the peer's checksum is a miss
+(read from the bucket instead); a stopped peer costs at most the budget and, once it runs again, holds no pin; a
+peer killed mid-read leaves no slot reserved on the reader; a peer refuses a namespace the asker's credential
+does not cover."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from needs import require
+from serve_proc import ServeProc, wait_until
+
+from kvbm.blocks import BlockKey
+from kvbm.blocks.layout import KVLayout
+from kvbm.client import WorkerClient
+from kvbm.tiers.host import shm_path
+from kvbm.transfer import nixl_available
+
+LAYOUT = KVLayout(model="p2p", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)
+WAIT_S = 30.0  # generous deadline for poll loops; never a timing assertion
+
+
+@pytest.fixture(autouse=True)
+def _nixl() -> None:
+    ok, why = nixl_available()
+    require("nixl", ok, f"peer reads are NIXL UCX READs: {why}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Node:
+    """One daemon: its own G2 (1 MiB of 64 KiB blocks), disk and sockets; the shared bucket and prefix."""
+
+    def __init__(self, tmp: Path, name: str, srv: Any, prefix: str, fleet: dict[str, Any] | None = None,
+                 **daemon: Any) -> None:
+        self.name = name
+        self.dir = tmp / name
+        self.dir.mkdir()
+        self.events = f"tcp://127.0.0.1:{free_port()}"
+        self.cfg: dict[str, Any] = {
+            "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
+            "disk": {"dir": str(self.dir / "disk"), "capacity": "16MiB", "fsync": False},
+            "s3": {"endpoint": srv.endpoint, "bucket": srv.bucket, "prefix": prefix, "access_key": srv.access_key,
+                   "secret_key": srv.secret_key},
+            "embedded_s3": {"enabled": False},
+            "daemon": {"endpoint": f"ipc://{self.dir}/d.sock", "events_endpoint": self.events, "metrics_port": 0,
+                       "node_id": name, "prefetch": False, **daemon},
+            "fleet": {"p2p": True, "peer_read_budget_ms": 5000, **(fleet or {})},
+        }
+        self.proc: ServeProc | None = None
+
+    def start(self) -> Node:
+        self.proc = ServeProc(self.dir, self.cfg).start()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.proc is not None and self.proc.proc.poll() is None:
+                os.kill(self.proc.proc.pid, signal.SIGCONT)
+            self.proc.stop()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None and self.proc.proc is not None
+        return self.proc.proc.pid
+
+    def client(self, *, admin: bool = False, keypair: tuple[bytes, bytes] | None = None) -> WorkerClient:
+        assert self.proc is not None
+        c = self.proc.client(admin=admin, curve_server_key=self.cfg["daemon"].get("curve_public_key", ""),
+                             curve_keypair=keypair)
+        c.register(LAYOUT, worker_id=f"w-{self.name}-{admin}")
+        return c
+
+
+def prompt(n: int) -> list[BlockKey]:
+    return [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(n)]
+
+
+def payload(k: BlockKey) -> np.ndarray:
+    rng = np.random.default_rng(int.from_bytes(k.hash[:8], "little"))
+    return rng.integers(0, 256, LAYOUT.block_nbytes, dtype=np.uint8)
+
+
+def store(c: WorkerClient, keys: list[BlockKey]) -> None:
+    assert c.store(keys, [payload(k) for k in keys], durable=True).durable == len(keys)
+
+
+def loads_exact(c: WorkerClient, keys: list[BlockKey]) -> int:
+    bufs = [np.zeros(LAYOUT.block_nbytes, dtype=np.uint8) for _ in keys]
+    n = c.load(keys, bufs)
+    for k, b in zip(keys[:n], bufs[:n], strict=True):
+        assert np.array_equal(b, payload(k)), f"wrong bytes served for {k}"
+    return n
+
+
+def tier(c: WorkerClient, name: str) -> dict[str, Any]:
+    return next(t for t in c.stats()["tiers"] if t["tier"] == name)
+
+
+def p2p(c: WorkerClient) -> dict[str, Any]:
+    return c.stats()["daemon"]["fleet"]["p2p"]
+
+
+def peer(c: WorkerClient) -> dict[str, Any]:
+    return c.stats()["daemon"]["fleet"]["peers"][0]
+
+
+def pair(tmp: Path, srv: Any, prefix: str, nodes: list, *, a_daemon: dict[str, Any] | None = None,
+         b_daemon: dict[str, Any] | None = None, b_fleet: dict[str, Any] | None = None,
+         a_fleet: dict[str, Any] | None = None, before_b: Any = None) -> tuple[Node, Node]:
+    """A (serving) and B (following A, reading from it), both up, B knowing A's peer-read socket."""
+    a = Node(tmp, "a", srv, prefix, a_fleet, **(a_daemon or {}))
+    nodes.append(a.start())
+    if before_b is not None:
+        before_b(a)
+    b = Node(tmp, "b", srv, prefix, b_fleet, peers=[a.events], **(b_daemon or {}))
+    nodes.append(b.start())
+    return a, b
+
+
+def ready(cb: WorkerClient) -> bool:
+    """B follows A, knows A's peer-read socket, and has its own NIXL agent up (created after daemon.started)."""
+    got = peer(cb)
+    return bool(got["connected"] and got["p2p_endpoint"] and p2p(cb)["serve"] is not None)
+
+
+def learned(cb: WorkerClient, n: int) -> bool:
+    return peer(cb)["resident"] >= n
+
+
+def p2p_log(n: Node) -> str:
+    """The node's peer-read log lines (what an assertion shows when a read did not happen)."""
+    return "".join(line for line in (n.dir / "daemon.log").read_text().splitlines(True) if "p2p" in line)
+
+
+def corrupt_in_shm(shm_name: str, data: np.ndarray) -> None:
+    """Flip a byte of ``data``'s copy in a G2 pool file (what a stray write into shared memory would do)."""
+    path = shm_path(shm_name)
+    raw = path.read_bytes()
+    at = raw.find(data[:4096].tobytes())
+    assert at >= 0, "block not found in the peer's G2 pool"
+    with open(path, "r+b") as f:
+        f.seek(at + 100)
+        f.write(bytes([raw[at + 100] ^ 0xFF]))
+
+
+# -- tests -------------------------------------------------------------------------------------------------
+def test_blocks_a_peer_holds_are_read_from_its_g2_byte_exact_with_no_get(tmp_path, s3_server, s3_prefix, nodes):
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes)
+    keys = prompt(6)
+    with a.client() as ca, b.client() as cb:
+        assert wait_until(lambda: ready(cb), WAIT_S)
+        store(ca, keys)
+        assert wait_until(lambda: learned(cb, 6), WAIT_S), peer(cb)
+        gets = tier(cb, "G4")["stats"]["gets"]
+        got = cb.lookup(keys)
+        assert got.tiers == ["G2"] * 6, (got, p2p_log(b))  # read from A into B's G2 within the lookup
+        assert loads_exact(cb, keys) == 6
+        assert tier(cb, "G4")["stats"]["gets"] == gets  # no GET for them
+        read = p2p(cb)["read"]
+        assert read["blocks"] == 6 and read["bytes"] == 6 * LAYOUT.block_nbytes and read["checksum_failures"] == 0
+        assert read["peers"]["a"]["blocks"] == 6 and read["reading_slots"] == 0
+        assert wait_until(lambda: p2p(ca)["serve"]["pinned_slots"] == 0, WAIT_S)
+        serve = p2p(ca)["serve"]
+        assert serve["pins"] == 1 and serve["pinned_blocks"] == 6 and serve["unpins"] == 1 and serve["leases"] == 0
+
+
+def test_a_block_on_the_peers_disk_is_staged_to_its_g2_and_read(tmp_path, s3_server, s3_prefix, nodes):
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes)
+    keys = prompt(3)
+    with a.client() as ca, a.client(admin=True) as admin_a, b.client() as cb:
+        assert wait_until(lambda: ready(cb), WAIT_S)
+        store(ca, keys)
+        admin_a.evict(keys, tiers=["G2"])  # A keeps them on its disk (G3) and in the bucket
+        assert ca.lookup(keys).tiers == ["G3"] * 3
+        assert wait_until(lambda: learned(cb, 3), WAIT_S)
+        gets = tier(cb, "G4")["stats"]["gets"]
+        assert cb.lookup(keys).tiers == ["G2"] * 3, p2p_log(b)
+        assert loads_exact(cb, keys) == 3
+        assert tier(cb, "G4")["stats"]["gets"] == gets
+        assert p2p(ca)["serve"]["pinned_blocks"] == 3
+
+
+def test_a_block_failing_its_checksum_is_a_miss_read_from_the_bucket(tmp_path, s3_server, s3_prefix, nodes):
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes)
+    keys = prompt(4)
+    with a.client() as ca, b.client() as cb, b.client(admin=True) as admin_b:
+        assert wait_until(lambda: ready(cb), WAIT_S)
+        store(ca, keys)
+        assert wait_until(lambda: learned(cb, 4), WAIT_S)
+        assert cb.lookup(keys).tiers == ["G2"] * 4  # A computed (and kept) each block's checksum at this pin
+        # A's copy of keys[1] changes in its shared memory; B forgets its own copies and asks A again.
+        corrupt_in_shm(tier(ca, "G2")["shm_name"], payload(keys[1]))
+        admin_b.evict(keys, tiers=["G2", "G3"])
+        assert wait_until(lambda: p2p(ca)["serve"]["leases"] == 0, WAIT_S)
+        gets = tier(cb, "G4")["stats"]["gets"]
+        got = cb.lookup(keys)
+        assert got.tiers == ["G2", "G4", "G2", "G2"], got  # the bad block is not taken: the bucket's copy is
+        assert p2p(cb)["read"]["checksum_failures"] == 1
+        assert loads_exact(cb, keys) == 4
+        assert tier(cb, "G4")["stats"]["gets"] == gets + 1
+        assert p2p(cb)["read"]["reading_slots"] == 0 and tier(cb, "G2")["detached_slots"] == 0
+
+
+def test_a_stopped_peer_costs_the_budget_and_keeps_no_pin(tmp_path, s3_server, s3_prefix, nodes):
+    budget_ms = 300
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes, b_fleet={"peer_read_budget_ms": budget_ms,
+                                                                "peer_read_lease_ms": 2000})
+    warm, keys, other = prompt(1), prompt(4), prompt(4)
+    with a.client() as ca, b.client() as cb:
+        assert wait_until(lambda: ready(cb), WAIT_S)
+        store(ca, warm)  # a first read links B to A (Connect, NIXL metadata): the Pin below reaches A's socket
+        assert wait_until(lambda: learned(cb, 1), WAIT_S)
+        assert cb.lookup(warm).tiers == ["G2"]
+        store(ca, keys + other)
+        assert wait_until(lambda: learned(cb, 9), WAIT_S)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            got = cb.lookup(keys)
+            took = time.monotonic() - t0
+            assert got.tiers == ["G4"] * 4  # answered with the bucket's copies
+            # The bound the budget promises (plus room for a loaded 2-core machine), not a speed measurement.
+            assert took < budget_ms / 1000 + 1.0, took
+            assert p2p(cb)["read"]["late"] == 1
+            # While that read is stuck, other lookups do not wait on A again (one budget, not one per lookup).
+            assert cb.lookup(other).tiers == ["G4"] * 4
+            assert cb.lookup(keys).tiers == ["G4"] * 4
+            assert p2p(cb)["read"]["reads"] == 2 and p2p(cb)["read"]["late"] == 2
+            assert loads_exact(cb, keys) == 4
+            # The read gives up when its pin has no answer (peer_read_lease_ms): no slot of B's is held for it.
+            assert wait_until(lambda: p2p(cb)["read"]["failed"] == 1, WAIT_S)
+            assert p2p(cb)["read"]["reading_slots"] == 0 and tier(cb, "G2")["detached_slots"] == 0
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        # A reads the stale Pin once it runs again: its pin is released (B's Unpin, else its lease deadline).
+        assert wait_until(lambda: p2p(ca)["serve"]["pins"] == 2, WAIT_S)
+        assert wait_until(lambda: p2p(ca)["serve"]["pinned_slots"] == 0 and p2p(ca)["serve"]["leases"] == 0, WAIT_S)
+
+
+def test_a_peer_killed_mid_read_leaves_no_slot_reserved(tmp_path, s3_server, s3_prefix, nodes):
+    budget_ms = 300
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes, b_fleet={"peer_read_budget_ms": budget_ms,
+                                                                "peer_read_lease_ms": 2000})
+    keys = prompt(4)
+    with a.client() as ca, b.client() as cb:
+        assert wait_until(lambda: ready(cb), WAIT_S)
+        store(ca, keys)
+        assert wait_until(lambda: learned(cb, 4), WAIT_S)
+        ca.abandon()
+        os.kill(a.pid, signal.SIGSTOP)  # the Pin is sent and never answered: A dies with it in flight
+        t0 = time.monotonic()
+        got = cb.lookup(keys)
+        took = time.monotonic() - t0
+        assert a.proc is not None
+        a.proc.kill9()
+        assert got.tiers == ["G4"] * 4 and took < budget_ms / 1000 + 1.0, (got, took)
+        assert loads_exact(cb, keys) == 4
+        assert wait_until(lambda: p2p(cb)["read"]["failed"] == 1, WAIT_S)
+        assert p2p(cb)["read"]["reading_slots"] == 0 and tier(cb, "G2")["detached_slots"] == 0
+        assert cb.stats()["daemon"]["pins"] == 0
+
+
+def test_a_peer_refuses_a_namespace_the_askers_credential_does_not_cover(tmp_path, s3_server, s3_prefix, nodes):
+    """A has tenants; B presents tenant t1's token, whose namespaces do not include the blocks'. A follower of a
+    daemon with tenants and no CURVE subscribes with its admin token (daemon.peer_token_file)."""
+    t1 = tmp_path / "t1.token"
+    t1.write_text("t1-" + os.urandom(16).hex())
+    t1.chmod(0o600)
+    tenants = [{"name": "t1", "token_file": str(t1), "namespaces": ["someone-else"]}]
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes, a_daemon={"tenants": tenants},
+                b_daemon={"peer_token_file": str(tmp_path / "a" / "admin.token")},
+                b_fleet={"peer_read_token_file": str(t1)})
+    keys = prompt(3)
+    with a.client(admin=True) as ca, b.client() as cb:
+        assert wait_until(lambda: ready(cb), WAIT_S), peer(cb)
+        store(ca, keys)
+        assert wait_until(lambda: learned(cb, 3), WAIT_S)
+        gets = tier(cb, "G4")["stats"]["gets"]
+        got = cb.lookup(keys)
+        assert got.tiers == ["G4"] * 3
+        assert p2p(cb)["read"]["refused"] == 1 and p2p(cb)["read"]["blocks"] == 0
+        assert p2p(ca)["serve"]["refused_forbidden"] == 1 and p2p(ca)["serve"]["pins"] == 0
+        assert loads_exact(cb, keys) == 3
+        assert tier(cb, "G4")["stats"]["gets"] == gets + 3
+
+
+def test_peer_reads_over_curve_and_the_socket_refuses_an_unlisted_key(tmp_path, s3_server, s3_prefix, nodes):
+    """A fleet sharing one CURVE key pair with a client allow-list: B connects to A's peer-read socket with the
+    fleet's (listed) keys and reads; a client with a key not on the list gets no answer (ZAP refuses it)."""
+    import zmq
+
+    from kvbm.fleet import p2p as m
+    from kvbm.security import load_keypair, write_keypair
+
+    pub, sec = (k.decode() for k in zmq.curve_keypair())
+    allowed = tmp_path / "clients"
+    allowed.mkdir()
+    (allowed / "fleet.key").write_text(f'metadata\ncurve\n    public-key = "{pub}"\n')
+    worker_pub, _ = write_keypair(tmp_path / "keys", "worker")
+    (allowed / "worker.key").write_text(worker_pub.read_text())
+    worker = load_keypair(tmp_path / "keys" / "worker.key_secret")
+    keys = {"curve_public_key": pub, "curve_secret_key": sec, "curve_clients_dir": str(allowed)}
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes, a_daemon=keys, b_daemon=keys)
+    blocks = prompt(3)
+    with a.client(keypair=worker) as ca, b.client(keypair=worker) as cb:
+        assert wait_until(lambda: ready(cb), WAIT_S), peer(cb)
+        store(ca, blocks)
+        assert wait_until(lambda: learned(cb, 3), WAIT_S)
+        gets = tier(cb, "G4")["stats"]["gets"]
+        assert cb.lookup(blocks).tiers == ["G2"] * 3, p2p_log(b)
+        assert loads_exact(cb, blocks) == 3 and tier(cb, "G4")["stats"]["gets"] == gets
+        ctx = zmq.Context()
+
+        def answered(public: bytes, secret: bytes) -> bool:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.curve_serverkey, s.curve_publickey, s.curve_secretkey = pub.encode(), public, secret
+            s.connect(peer(cb)["p2p_endpoint"])
+            s.send_multipart([b"\0" * 8, m.encode(m.Connect(node_id="probe", agent=b"not NIXL metadata"))])
+            got = bool(s.poll(3000))
+            if got:
+                assert isinstance(m.decode_reply(s.recv_multipart()[1]), m.Refused)  # bad metadata: refused
+            s.close(0)
+            return got
+
+        assert answered(pub.encode(), sec.encode())  # a listed key reaches the socket (here: bad metadata)
+        assert not answered(*zmq.curve_keypair()), "an unlisted CURVE key was answered"
+        ctx.term()
+        assert p2p(ca)["serve"]["connects"] == 1  # B alone
+
+
+def test_the_serving_side_caps_pins_in_flight_and_refuses_another_version(tmp_path, s3_server, s3_prefix, nodes):
+    """A client speaking the peer-read protocol to A directly (a real NIXL agent's metadata): with
+    peer_read_max_inflight 1 a second Pin while one is held is answered busy, and served again after Unpin."""
+    import torch
+    import zmq
+
+    from kvbm.fleet import p2p as m
+    from kvbm.transfer.peer import PeerAgent
+
+    a = Node(tmp_path, "a", s3_server, s3_prefix, {"peer_read_max_inflight": 1})
+    nodes.append(a.start())
+    keys = prompt(2)
+    with a.client() as ca:
+        store(ca, keys)
+        assert wait_until(lambda: p2p(ca)["serve"] is not None, WAIT_S)
+        agent = PeerAgent(torch.zeros(1 << 20, dtype=torch.uint8))
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(p2p(ca)["serve"]["endpoint"])
+
+        def ask(msg: object) -> object:
+            s.send_multipart([b"\0" * 8, m.encode(msg)])
+            assert s.poll(10_000), "no reply"
+            return m.decode_reply(s.recv_multipart()[1])
+
+        try:
+            assert isinstance(ask(m.Connect(node_id="t", agent=agent.metadata())), m.Connected)
+            first = ask(m.Pin(namespace=LAYOUT.namespace, hashes=[keys[0].hash]))
+            assert isinstance(first, m.Pinned) and len(first.slots) == 1 and first.lease
+            busy = ask(m.Pin(namespace=LAYOUT.namespace, hashes=[keys[1].hash]))
+            assert isinstance(busy, m.Refused) and busy.code == m.E_BUSY
+            other = ask(m.Pin(namespace=LAYOUT.namespace, hashes=[keys[1].hash], v=99))
+            assert isinstance(other, m.Refused) and other.code == m.E_VERSION
+            assert p2p(ca)["serve"]["pinned_slots"] == 1
+            assert ask(m.Unpin(lease=first.lease)) == m.Unpinned(count=1)
+            again = ask(m.Pin(namespace=LAYOUT.namespace, hashes=[keys[1].hash]))
+            assert isinstance(again, m.Pinned) and len(again.slots) == 1
+            assert ask(m.Unpin(lease=again.lease)) == m.Unpinned(count=1)
+            serve = p2p(ca)["serve"]
+            assert serve["refused_busy"] == 1 and serve["pinned_slots"] == 0 and serve["leases"] == 0
+        finally:
+            s.close(0)
+            ctx.term()
+            agent.close()
