@@ -170,11 +170,16 @@ def settle(llm: Any) -> None:
         time.sleep(0.05)
 
 
+_stepped_runs = 0
+
+
 def stepped(llm: Any, plan: dict) -> dict:
     """Requests stepped one engine step at a time, with ``reset_prefix_cache(reset_running_requests=True)``
     (every running request preempted and admitted again in the next step, as an RL weight sync's
-    ``pause_generation(mode="keep")`` does) after ``reset_after`` steps; steps are capped, so a request that
-    never finishes shows as stuck instead of hanging the test."""
+    ``pause_generation(mode="keep")`` does) after ``reset_after`` steps. The run is capped in wall-clock
+    seconds, not steps, so a request that never finishes shows as stuck instead of hanging the test: a step that
+    schedules nothing (every request waiting for its async load) takes well under a millisecond, so a step cap
+    (it was 2,000) called a load that took a second on a busy machine stuck."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=plan["max_tokens"], ignore_eos=True, temperature=0.0, detokenize=False)
@@ -182,12 +187,15 @@ def stepped(llm: Any, plan: dict) -> dict:
 
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
-    ids = [f"stepped-{i}" for i in range(len(plan["batch"]))]
+    global _stepped_runs
+    _stepped_runs += 1  # request ids unique per run: a later run never reuses an earlier one's
+    ids = [f"stepped{_stepped_runs}-{i}" for i in range(len(plan["batch"]))]
     for rid, q in zip(ids, plan["batch"], strict=True):
         engine.add_request(rid, {"prompt_token_ids": q}, params)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     steps = resets = 0
-    while engine.has_unfinished_requests() and steps < plan.get("max_steps", 2000):
+    t0 = time.monotonic()
+    while engine.has_unfinished_requests() and time.monotonic() - t0 < plan.get("max_seconds", 120.0):
         # vLLM cannot reset while a request waits for its async load: the reset comes once none does.
         if steps >= plan["reset_after"] >= 0 and not resets and not any(
                 r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in sched.requests.values()):
@@ -199,7 +207,7 @@ def stepped(llm: Any, plan: dict) -> dict:
         steps += 1
     settle(llm)
     return {"batch_tokens": [tokens[r] for r in ids], "steps": steps, "resets": resets,
-            "stuck": engine.has_unfinished_requests()}
+            "seconds": round(time.monotonic() - t0, 3), "stuck": engine.has_unfinished_requests()}
 
 
 def main(spec_path: str, out_path: str) -> None:
