@@ -134,7 +134,7 @@ class Daemon:
             self._spawn(sub.run())
         if self.cfg.router_events.endpoint:
             self.router_events.bind(self._ctx, self._spawn)
-                self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn, self.publisher.endpoint, peer_token,
+        self.fleet_member.follow(self._ctx, self._curve_keys, self._spawn, self.publisher.endpoint, peer_token,
                                  self.service.creds)
         if self._metrics is not None:
             await self._metrics.start()
