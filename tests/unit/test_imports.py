@@ -140,7 +140,6 @@ SPLITS_IN_FLIGHT = frozenset({
     "kvbm.daemon.service.Service",
     "kvbm.index.registry.Registry",
     "kvbm.manager.owed.OwedWrites",
-    "kvbm.integrations.vllm.scheduler.SchedulerSide",
 })
 
 
