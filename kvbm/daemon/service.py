@@ -273,8 +273,11 @@ class Service:
         t0 = time.perf_counter()
         keys = msg.keys()
         run = self.manager.held_run(keys)
-        if why := self.sessions.no_room(w, len(run)):  # what it would pin: the leading held run
-            raise Handled(p.E_FULL, why)
+        room = self.sessions.room(w, len(run))  # what it may pin: the leading held run, as far as the budgets go
+        if run and not room:
+            raise Handled(p.E_FULL, self.sessions.no_room(w, len(run)))
+        if room < len(run):
+            keys, run = keys[:room], run[:room]
         source = self.metrics.slowest(run)  # the tier the onboard's latency comes from
         self.sessions.reserve(w, len(run))
         try:
