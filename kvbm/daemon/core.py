@@ -80,7 +80,7 @@ class Daemon:
                 tier.observe = self.metrics.observe_s3  # type: ignore[attr-defined]
         self.service = Service(dc, manager, self.sessions, self.stats, self.metrics, indexer=self.indexer,
                                probe=self.probe, prefetcher=Prefetcher(manager, self.stats, dc.max_prefetch,
-                                                                       self._spawn),
+                                                                       self._spawn, self.sessions),
                                publisher=self.publisher, snapshot=lambda resident: self.snapshot(resident=resident))
 
     @property

@@ -199,7 +199,7 @@ class Service:
         return await self.barriers.arrive(msg, msg.world_size or w.tp_size, w.principal)
 
     # -- blocks ----------------------------------------------------------------------------------------
-    async def lookup(self, msg: p.Lookup, _w: WorkerSession) -> p.LookupReply:
+    async def lookup(self, msg: p.Lookup, w: WorkerSession) -> p.LookupReply:
         """The fastest tier of each block of the leading run held anywhere. A run that ends short of the request
         while G4 is enabled starts a bucket probe of the next blocks (another node may have stored them); the
         reply waits for it up to ``probe_budget_ms``: a probe done by then is in this reply, a slower one fills
@@ -219,11 +219,11 @@ class Service:
                 else:
                     self.probe.stats.late += 1
                     if self.dc.prefetch:
-                        probe.add_done_callback(lambda _t: self.prefetcher.after_probe(keys))
+                        probe.add_done_callback(lambda _t: self.prefetcher.after_probe(keys, w))
         self.stats.lookup_seconds += time.perf_counter() - t0
         self.metrics.lookup.labels(tier=self.metrics.slowest(tiers)).observe(time.perf_counter() - t0)
         if self.dc.prefetch and any(t not in FAST for t in tiers):
-            self.prefetcher.after_lookup(keys or msg.keys(), tiers)
+            self.prefetcher.after_lookup(keys or msg.keys(), tiers, w)
         return p.LookupReply(matched=len(tiers), tiers=tiers)
 
     async def prepare(self, msg: p.PrepareStore, w: WorkerSession) -> p.Slots:

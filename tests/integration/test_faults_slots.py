@@ -120,3 +120,41 @@ def test_a_durable_store_gives_its_slots_back_before_the_s3_write(s3_server, s3_
     finally:
         d.stop()
         proxy.stop()
+
+
+@pytest.mark.s3
+def test_a_tenants_prefetch_stays_within_its_budget(s3_server, s3_prefix: str, tmp_path: Path) -> None:
+    """G2 of 32 slots; tenant a may hold 8, tenant b 24. a's lookup of 16 blocks held only in S3 (answering after
+    3 s) starts a prefetch: it may take a's 8 slots, not half of G2, so b's store of its 24 is not refused
+    ``full`` meanwhile."""
+    proxy = FaultProxy(("127.0.0.1", int(s3_server.endpoint.rsplit(":", 1)[1]))).start()
+    s3 = {"endpoint": proxy.endpoint, "bucket": s3_server.bucket, "prefix": s3_prefix,
+          "access_key": s3_server.access_key, "secret_key": s3_server.secret_key, "max_retries": 0,
+          "read_timeout_s": 30.0}
+    tenants = [{"name": t, "token_file": str(tmp_path / f"{t}.token"), "models": [m], "max_slots": n}
+               for t, m, n in (("a", "budget", 8), ("b", "other", 24))]
+    d = ServeProc(tmp_path, cfg(tmp_path, s3, tenants=tenants)).start()
+    other = KVLayout(model="other", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=SLOT)
+    try:
+        tok = {t: (tmp_path / f"{t}.token").read_text().strip() for t in "ab"}
+        ks = blocks(16)
+        theirs = [BlockKey(other.namespace, os.urandom(32)) for _ in range(24)]
+        with d.client(tenant_token=tok["a"]) as a, d.client(tenant_token=tok["b"]) as b, d.client(admin=True) as op:
+            a.register(LAYOUT, worker_id="a")
+            b.register(other, worker_id="b")
+            op.register(LAYOUT, worker_id="op")
+            for i in range(0, 16, 8):
+                assert a.store(ks[i:i + 8], [payload(k) for k in ks[i:i + 8]], durable=True).durable == 8
+            op.evict(ks, tiers=["G2", "G3"])
+            assert set(a.lookup(ks).tiers) == {"G4"}
+            proxy.rates = FaultRates(latency=1.0, latency_s=(3.0, 3.0))
+            assert a.lookup(ks).matched == 16  # starts the prefetch, which waits on S3
+            ack = b.store(theirs, [payload(k) for k in theirs])
+            assert ack.stored == 24
+            proxy.heal()
+            outs = [np.zeros(NB, np.uint8) for _ in ks]
+            n = a.load(ks, outs)
+            assert n == 8 and loaded_right(outs[:n], ks)
+    finally:
+        d.stop()
+        proxy.stop()
