@@ -158,3 +158,38 @@ def test_a_tenants_prefetch_stays_within_its_budget(s3_server, s3_prefix: str, t
     finally:
         d.stop()
         proxy.stop()
+
+
+@pytest.mark.s3
+def test_one_tenants_durable_commits_on_a_slow_s3_do_not_shed_another_tenants_stores(
+        s3_server, s3_prefix: str, tmp_path: Path) -> None:
+    """``max_queue`` 2: tenant a's two durable stores wait on S3 (3 s an answer) with their CommitStores in
+    flight; tenant b's store is not shed meanwhile, and a's stores end durable."""
+    proxy = FaultProxy(("127.0.0.1", int(s3_server.endpoint.rsplit(":", 1)[1]))).start()
+    s3 = {"endpoint": proxy.endpoint, "bucket": s3_server.bucket, "prefix": s3_prefix,
+          "access_key": s3_server.access_key, "secret_key": s3_server.secret_key, "max_retries": 0,
+          "read_timeout_s": 30.0}
+    tenants = [{"name": t, "token_file": str(tmp_path / f"{t}.token"), "models": [m]}
+               for t, m in (("a", "budget"), ("b", "other"))]
+    d = ServeProc(tmp_path, cfg(tmp_path, s3, tenants=tenants, max_queue=2)).start()
+    other = KVLayout(model="other", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16", block_bytes=SLOT)
+    tok = {t: (tmp_path / f"{t}.token").read_text().strip() for t in "ab"}
+
+    async def go() -> None:
+        ks = blocks(2)
+        theirs = [BlockKey(other.namespace, os.urandom(32))]
+        async with AsyncWorkerClient(d.endpoint, timeout_s=30.0, tenant_token=tok["a"]) as a:
+            await a.register(LAYOUT, worker_id="a")
+            proxy.rates = FaultRates(latency=1.0, latency_s=(3.0, 3.0))
+            stores = [asyncio.ensure_future(a.store([k], [payload(k)], durable=True)) for k in ks]
+            await asyncio.sleep(0.5)  # their CommitStores wait on S3
+            with d.client(tenant_token=tok["b"]) as b:
+                b.register(other, worker_id="b")
+                assert b.store(theirs, [payload(k) for k in theirs]).stored == 1
+            assert [ack.durable for ack in await asyncio.gather(*stores)] == [1, 1]
+
+    try:
+        asyncio.run(go())
+    finally:
+        d.stop()
+        proxy.stop()
