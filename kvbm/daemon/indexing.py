@@ -87,16 +87,21 @@ class BucketIndexer:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, cap)
 
-    async def index_namespace(self, namespace: str) -> None:
+    async def index_namespace(self, namespace: str, wait_s: float | None = None) -> bool:
         """Before a worker's first Registered reply: list its namespace in the bucket (once). If S3 cannot
-        be listed now the worker is registered anyway and the namespace is listed later."""
+        be listed now the worker is registered anyway and the namespace is listed later. ``wait_s``: wait no
+        longer than that (a slow S3) and leave the listing running; returns whether it is done."""
         if self.indexed.is_set() or namespace in self.namespaces:
-            return
+            return True
         listing = self._listing.get(namespace)
         if listing is None:
             listing = self._listing[namespace] = self._spawn(self._list_namespace(namespace))
             listing.add_done_callback(lambda _f: self._listing.pop(namespace, None))
-        await asyncio.shield(listing)
+        if wait_s is None:
+            await asyncio.shield(listing)
+            return True
+        await asyncio.wait({listing}, timeout=wait_s)
+        return listing.done()
 
     async def _list_namespace(self, namespace: str) -> None:
         try:

@@ -145,7 +145,8 @@ class Service:
                 raise Handled(p.E_LIMIT, f"layout.{name} is longer than {p.MAX_STR} characters")
         who = self.creds.principal(msg)  # checked by authorize already: this only names it
         self._check_place(msg, who)  # before the bucket is listed: a refused Register costs no LIST
-        await self.indexer.index_namespace(layout.namespace)
+        if not await self.indexer.index_namespace(layout.namespace, self.dc.register_index_wait_s):
+            logj("register.index_pending", namespace=layout.namespace, waited_s=self.dc.register_index_wait_s)
         self._check_place(msg, who)  # again: others registered while we listed. No await from here to add.
         t = who.tenant
         for old in self.sessions.by_worker_id(msg.worker_id):
