@@ -45,6 +45,7 @@ from kvbm.manager.policy import PERSISTENT
 from kvbm.manager.reads import Reads
 from kvbm.manager.room import Room
 from kvbm.manager.state import CopyObserver, ManagerState, ManagerStats, StateField
+from kvbm.manager.tiers_off import off_rows, start_tiers
 from kvbm.tiers.base import Tier
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
@@ -102,11 +103,11 @@ class BlockManager:
     observe_copy: StateField[CopyObserver] = StateField()
 
     # -- lifecycle ------------------------------------------------------------------------------------
-    async def start(self, *, index: bool | tuple[str, ...] = True) -> None:
+    async def start(self, *, index: bool | tuple[str, ...] = True, optional: tuple[str, ...] = ()) -> None:
         """Start every tier and index what the persistent ones already hold: all tiers (True), none
-        (False), or the tiers of the given kinds (e.g. ``("disk",)``, leaving a big bucket for later)."""
-        for tier in self.tiers:
-            await tier.start()
+        (False), or the tiers of the given kinds (e.g. ``("disk",)``, leaving a big bucket for later). A tier of
+        a kind in ``optional`` that cannot start is turned off (:mod:`kvbm.manager.tiers_off`)."""
+        await start_tiers(self.state, optional)
         if self.mover is not None and not self._pools_registered:
             for tier in self.tiers:
                 if isinstance(tier, SlotPoolTier):
@@ -299,6 +300,7 @@ class BlockManager:
             d = t.describe()
             d["blocks"] = self.registry.count(t.name)
             tiers.append(d)
+        tiers += off_rows(self.state)
         s = msgspec.structs.asdict(self.stats)
         s["errors"] = dict(self.stats.errors)
         s["hit_rate"] = (self.stats.lookup_hit_blocks / self.stats.lookup_blocks) if self.stats.lookup_blocks else 0.0
