@@ -44,6 +44,7 @@ from kvbm.manager.placement import PlacementPolicy
 from kvbm.manager.policy import PERSISTENT
 from kvbm.manager.reads import Reads
 from kvbm.manager.room import Room
+from kvbm.manager.scopes import Reconciled
 from kvbm.manager.state import CopyObserver, ManagerState, ManagerStats, StateField
 from kvbm.manager.tiers_off import off_rows, start_tiers
 from kvbm.tiers.base import Tier
@@ -89,7 +90,7 @@ class BlockManager:
         self.reads = Reads(self.state, self.moves, self.write_through)  # onboards and reads (kvbm.manager.reads)
         self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
         self._pools_registered = False
-        self._reconciled: set[str | None] = set()  # bucket scopes (a namespace, None: all) reconciled with the disk
+        self.reconciled = Reconciled()  # bucket scopes (a namespace, None: all) reconciled with the disk, bounded
 
     def _move(self, key: BlockKey, dst: str) -> Awaitable[bool]:
         return self.moves.move(key, dst)
@@ -131,9 +132,8 @@ class BlockManager:
         return n
 
     async def _reconcile(self, name: str, namespace: str | None) -> int:
-        if self.by_name[name].kind != "s3" or None in self._reconciled or namespace in self._reconciled:
+        if self.by_name[name].kind != "s3" or not self.reconciled.first(namespace):
             return 0
-        self._reconciled.add(namespace)
         n = 0
         for tier in self.tiers:
             if tier.name == name:

@@ -335,7 +335,7 @@ class OwedWrites:
         reg = self.s.registry
         owed = self._owed.setdefault(dst, {})
         n = 0
-        for i, key in enumerate(reg.keys(src)):
+        for i, key in enumerate(reg.iter_keys(src)):
             if i and i % RECONCILE_YIELD == 0:
                 await asyncio.sleep(0)  # a big disk: let requests in between
             if (namespace is not None and key.namespace != namespace) or key in owed or reg.holds(dst, key):
