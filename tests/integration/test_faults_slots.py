@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,12 @@ def cfg(tmp: Path, s3: dict | None = None, **daemon) -> dict:
         "s3": s3 or {"enabled": False}, "embedded_s3": {"enabled": False}, "transfer": {"backend": "plain"},
         "daemon": {"metrics_port": 0, "endpoint": f"ipc://{tmp}/d.sock", "events_endpoint": "", **daemon},
     }
+
+
+def stop(proxy: FaultProxy) -> None:
+    """Stop the proxy once the answers it holds back (3 s) have gone: its loop then closes with none pending."""
+    time.sleep(3.5)
+    proxy.stop()
 
 
 def blocks(n: int) -> list[BlockKey]:
@@ -119,7 +126,7 @@ def test_a_durable_store_gives_its_slots_back_before_the_s3_write(s3_server, s3_
         assert store_pending, "the load waited for the durable store's S3 write to end"
     finally:
         d.stop()
-        proxy.stop()
+        stop(proxy)
 
 
 @pytest.mark.s3
@@ -157,7 +164,7 @@ def test_a_tenants_prefetch_stays_within_its_budget(s3_server, s3_prefix: str, t
             assert n == 8 and loaded_right(outs[:n], ks)
     finally:
         d.stop()
-        proxy.stop()
+        stop(proxy)
 
 
 @pytest.mark.s3
@@ -192,4 +199,4 @@ def test_one_tenants_durable_commits_on_a_slow_s3_do_not_shed_another_tenants_st
         asyncio.run(go())
     finally:
         d.stop()
-        proxy.stop()
+        stop(proxy)
