@@ -24,7 +24,10 @@ still look into a full daemon. Expired and unregistered workers free their place
 Slot budgets: the G2 slots a session holds (pinned + prepared + reserved by a slot request in progress) are
 capped per session (``slots``, stated in Registered.session_slots) and, summed over its sessions and its
 quarantines, per principal (a tenant's ``max_slots``), so one tenant pinning and pinging cannot hold all of
-G2. :meth:`Sessions.no_room` says why a request for more is refused (the daemon answers ``full``: load).
+G2. :meth:`Sessions.no_room` says why a request for more is refused (the daemon answers ``full``: load), and
+:meth:`Sessions.room` how much more fits (an Onboard pins that much of its run). A worker_id that registers again
+(a restarted engine) is no longer charged for its earlier sessions' quarantines (their slots stay referenced until
+the grace ends), at most its principal's budget forgiven at once.
 """
 
 from __future__ import annotations
