@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import zmq
@@ -79,9 +79,11 @@ class AsyncWorkerClient(_Core):
         super()._attach(reg)  # raises on an Error reply
         self._slots.resize(reg)
 
-    async def request(self, msg: Any, expect: type[R], timeout_s: float | None = None) -> R:
-        """Send ``msg`` and await the reply with its rid (registering again if the daemon forgot us)."""
-        reply = await self._roundtrip(msg, timeout_s)
+    async def request(self, msg: Any, expect: type[R], timeout_s: float | None = None,
+                      sent: Callable[[], Awaitable[None]] | None = None) -> R:
+        """Send ``msg`` and await the reply with its rid (registering again if the daemon forgot us); ``sent`` is
+        awaited once ``msg`` is on the wire (the daemon reads this session's requests in order)."""
+        reply = await self._roundtrip(msg, timeout_s, sent)
         if self._reregister(msg, reply):
             async with self._registering:
                 if msg.token == self.token:  # nobody registered again meanwhile
@@ -89,13 +91,16 @@ class AsyncWorkerClient(_Core):
             reply = await self._roundtrip(msg, timeout_s)
         return self._check(reply, expect)
 
-    async def _roundtrip(self, msg: Any, timeout_s: float | None) -> Any:
+    async def _roundtrip(self, msg: Any, timeout_s: float | None,
+                         sent: Callable[[], Awaitable[None]] | None = None) -> Any:
         buf = self._prep(msg)
         sock = self._socket()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[msg.rid] = fut
         try:
             await sock.send(buf)
+            if sent is not None:
+                await sent()
             reply = await asyncio.wait_for(fut, self.timeout_s if timeout_s is None else timeout_s)
         except (TimeoutError, asyncio.TimeoutError):  # distinct classes on Python 3.10
             self._reset()
@@ -152,8 +157,10 @@ class AsyncWorkerClient(_Core):
         while True:
             reserved = False
             try:
-                async with self._slots.taking(len(hashes), self.timeout_s), \
-                        areserving(self, hashes, n, durable=durable, namespace=ns) as res:
+                # The slots come back as the CommitStore goes out: the daemon frees them on reading it, before
+                # any durable write (which may wait on S3 for seconds).
+                async with self._slots.holding(len(hashes), self.timeout_s) as held, \
+                        areserving(self, hashes, n, durable=durable, namespace=ns, sent=held.give_back) as res:
                     reserved = True
                     token = self.token  # the session these slots were reserved in
                     await _in_thread(self._copy_in, res.slots, bufs, n)

@@ -23,7 +23,7 @@ from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
 from kvbm.client.core import Buffer, R, _Core
 from kvbm.client.errors import DaemonError, DaemonUnavailable
-from kvbm.client.lease import onboarded, reserving
+from kvbm.client.lease import onboarded, reserving, session_budget
 from kvbm.client.wire import Wire
 
 __all__ = ["WorkerClient"]
@@ -196,8 +196,11 @@ class WorkerClient(_Core):
                     self._await(c)
 
     def load(self, keys: Sequence[BlockKey | bytes], outs: Sequence[Buffer]) -> int:
-        """onboard -> copy the leading held run out of G2 -> release; returns blocks loaded."""
+        """onboard -> copy the leading held run out of G2 -> release; returns blocks loaded (at most this
+        session's slot budget: the daemon would pin no more)."""
         ns, hashes = self._ns(keys)
+        if self.registered is not None:
+            hashes = hashes[: session_budget(self.registered)]
         with onboarded(self, hashes, ns) as got:
             self._copy_out(got.reply, outs)
         return got.count

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -63,20 +63,45 @@ class SlotGate:
     @asynccontextmanager
     async def taking(self, n: int, timeout_s: float) -> AsyncIterator[int]:
         """Hold ``min(n, cap)`` slots for the body (yielded: the most blocks the body may ask for)."""
+        async with self.holding(n, timeout_s) as held:
+            yield held.n
+
+    @asynccontextmanager
+    async def holding(self, n: int, timeout_s: float) -> AsyncIterator[Held]:
+        """:meth:`taking`, yielding a :class:`Held` the body may give back before it ends."""
         if not self.cap or n <= 0:
-            yield n
+            yield Held(self, n, 0)
             return
         n = min(n, self.cap)
         async with self._cond:
             with contextlib.suppress(TimeoutError, asyncio.TimeoutError):  # distinct classes on Python 3.10
                 await asyncio.wait_for(self._cond.wait_for(lambda: self.held + n <= self.cap), timeout_s)
             self.held += n
+        held = Held(self, n, n)
         try:
-            yield n
+            yield held
         finally:
-            async with self._cond:
-                self.held -= n
-                self._cond.notify_all()
+            await held.give_back()
+
+    async def release(self, n: int) -> None:
+        """Give back ``n`` slots taken by :meth:`holding` (through its :class:`Held`, once)."""
+        async with self._cond:
+            self.held -= n
+            self._cond.notify_all()
+
+
+class Held:
+    """Slots taken from a :class:`SlotGate`: ``n`` blocks may be asked for; :meth:`give_back` returns them once
+    (a store's, as soon as its CommitStore is on the wire: the daemon frees them as it reads it, before any
+    durable write)."""
+
+    def __init__(self, gate: SlotGate, n: int, counted: int) -> None:
+        self.n, self._gate, self._counted = n, gate, counted
+
+    async def give_back(self) -> None:
+        counted, self._counted = self._counted, 0
+        if counted:
+            await self._gate.release(counted)
 
 
 class Reservation:
@@ -115,8 +140,10 @@ def reserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: bool = 
 
 @asynccontextmanager
 async def areserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: bool = False,
-                     namespace: str = "") -> AsyncIterator[Reservation]:
-    """:func:`reserving` for the asyncio client (``await client.request``)."""
+                     namespace: str = "", sent: Callable[[], Awaitable[None]] | None = None,
+                     ) -> AsyncIterator[Reservation]:
+    """:func:`reserving` for the asyncio client (``await client.request``); ``sent`` is awaited once the
+    CommitStore is on the wire."""
     ns = namespace or client.namespace
     slots = (await client.request(p.PrepareStore(namespace=ns, hashes=hashes, nbytes=nbytes), p.Slots)).slots
     res = Reservation(client.g2, slots, nbytes)
@@ -128,7 +155,7 @@ async def areserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: 
             await client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=False), p.Ack)
         raise
     res.ack = await client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=res.ok, durable=durable and res.ok),
-                                   p.Ack)
+                                   p.Ack, sent=sent)
 
 
 class Loaded:

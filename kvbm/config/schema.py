@@ -268,6 +268,9 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     # at once and lists in the background (a registering worker's namespace is listed first, before its
     # Registered reply); "lazy" only lists the namespaces of workers that register.
     index_bucket: Literal["start", "background", "lazy"] = "background"
+    # How long a Register waits for its namespace's first bucket listing (a slow S3); then it is answered and the
+    # listing goes on in the background (lookups find the namespace's G4 blocks as it lands).
+    register_index_wait_s: float = 5.0
     prefetch: bool = True  # a lookup that hits G3/G4 starts bringing the blocks up to G2
     max_prefetch: int = 16  # prefetches in flight at once; more lookups are not prefetched
     # Fleet: many daemons sharing one bucket (same s3.bucket and s3.prefix). See kvbm.fleet.

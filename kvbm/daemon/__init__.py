@@ -6,6 +6,7 @@ One module per job:
 * :mod:`~kvbm.daemon.transport`: the ROUTER socket: bind, CURVE, framing, admission (``max_queue``,
   ``max_inflight``), the receive loop, replies and error codes.
 * :mod:`~kvbm.daemon.service`: the request handlers, plain methods taking a message and a session.
+* :mod:`~kvbm.daemon.slots`: the slot requests (PrepareStore, CommitStore, Onboard, Release) within the budgets.
 * :mod:`~kvbm.daemon.auth`: who may make which request (credentials: admin, tenants; namespaces).
 * :mod:`~kvbm.daemon.barrier`: step barriers between the ranks of an engine.
 * :mod:`~kvbm.daemon.events`: the block-event publisher (PUB socket, topic ``kvbm``).

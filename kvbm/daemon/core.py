@@ -83,7 +83,7 @@ class Daemon:
                 tier.observe = self.metrics.observe_s3  # type: ignore[attr-defined]
         self.service = Service(dc, manager, self.sessions, self.stats, self.metrics, indexer=self.indexer,
                                probe=self.probe, prefetcher=Prefetcher(manager, self.stats, dc.max_prefetch,
-                                                                       self._spawn),
+                                                                       self._spawn, self.sessions),
                                publisher=self.publisher, snapshot=lambda resident: self.snapshot(resident=resident))
         self.service.peer_reads = self.fleet_member.peer_reads
 
@@ -116,7 +116,10 @@ class Daemon:
             self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
             self.metrics_port = await self._metrics.bind()
         # The bucket is listed apart from the other tiers: S3 being down must not stop G2/G3 serving.
-        await self.manager.start(index=("device", "host", "disk"))
+        # A G3 it cannot write (read-only, not its own) is turned off and logged: G2 and G4 still serve.
+        await self.manager.start(index=("device", "host", "disk"), optional=("disk",))
+        for name, why in self.manager.state.off.items():
+            logj("tier.off", level=logging.ERROR, tier=name, why=why)
         await self.indexer.start()
         self.transport.bind(*self._curve_keys)
         if self.dc.events_endpoint:

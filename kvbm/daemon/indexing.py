@@ -3,6 +3,10 @@
 ``daemon.index_bucket``: ``start`` lists it before serving (then in the background if that fails),
 ``background`` lists it while serving, ``lazy`` lists only each worker's namespace at its first Register.
 Failed listings are retried with backoff; until one completes the snapshot says ``bucket_indexed: false``.
+
+A lazy start after a crash (the owed-write journal may lack what was owed, :mod:`kvbm.manager.owed`) also lists,
+in the background, each namespace the disk holds, so the start-up reconcile covers the namespaces no worker
+registers again; once all are listed the disk counts as reconciled.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class BucketIndexer:
         self._names = [t.name for t in manager.tiers if t.kind == "s3"]
         self._listing: dict[str, asyncio.Future[None]] = {}  # namespace -> its listing in progress
         self._retry: asyncio.Task[None] | None = None
+        self._disk_spaces: set[str] = set()  # a lazy start's namespaces on disk still to reconcile (kept retrying)
 
     async def start(self) -> None:
         """Before serving: list the bucket now (``start``) or note that there is none to list."""
@@ -57,6 +62,16 @@ class BucketIndexer:
         """While serving: list the bucket in the background unless it is listed or lazily indexed."""
         if self._names and not self.indexed.is_set() and self.mode != "lazy":
             self._spawn(self._index_bucket())
+        elif self._names and self.mode == "lazy" and not self.manager.owed_writes.settled:
+            self._spawn(self._reconcile_disk())
+
+    async def _reconcile_disk(self) -> None:
+        """A lazy start after a crash: list every namespace the disk holds (each one reconciled with the disk)."""
+        self._disk_spaces = await self.manager.index.local_namespaces()
+        for ns in sorted(self._disk_spaces):
+            await self.index_namespace(ns)  # one that fails is retried while it is in _disk_spaces
+        if not self._disk_spaces:
+            self.manager.owed_writes.settle()
 
     async def _list(self) -> None:
         """List the whole bucket once (raises TierUnavailableError if it cannot be listed to the end)."""
@@ -87,16 +102,21 @@ class BucketIndexer:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, cap)
 
-    async def index_namespace(self, namespace: str) -> None:
+    async def index_namespace(self, namespace: str, wait_s: float | None = None) -> bool:
         """Before a worker's first Registered reply: list its namespace in the bucket (once). If S3 cannot
-        be listed now the worker is registered anyway and the namespace is listed later."""
+        be listed now the worker is registered anyway and the namespace is listed later. ``wait_s``: wait no
+        longer than that (a slow S3) and leave the listing running; returns whether it is done."""
         if self.indexed.is_set() or namespace in self.namespaces:
-            return
+            return True
         listing = self._listing.get(namespace)
         if listing is None:
             listing = self._listing[namespace] = self._spawn(self._list_namespace(namespace))
             listing.add_done_callback(lambda _f: self._listing.pop(namespace, None))
-        await asyncio.shield(listing)
+        if wait_s is None:
+            await asyncio.shield(listing)
+            return True
+        await asyncio.wait({listing}, timeout=wait_s)
+        return listing.done()
 
     async def _list_namespace(self, namespace: str) -> None:
         try:
@@ -110,6 +130,10 @@ class BucketIndexer:
             return
         self.pending.discard(namespace)
         self.namespaces[namespace] = None
+        if namespace in self._disk_spaces:
+            self._disk_spaces.discard(namespace)
+            if not self._disk_spaces:
+                self.manager.owed_writes.settle()
         while len(self.namespaces) > MAX_NAMESPACES:
             del self.namespaces[next(iter(self.namespaces))]
         if not self.pending:
@@ -123,7 +147,7 @@ class BucketIndexer:
             while self.pending and not self.indexed.is_set():
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, cap)
-                self.pending = {ns for ns in self.pending if self._wanted(ns)}
+                self.pending = {ns for ns in self.pending if self._wanted(ns) or ns in self._disk_spaces}
                 for ns in list(self.pending):
                     await self.index_namespace(ns)
                     if ns in self.pending:

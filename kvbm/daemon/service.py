@@ -1,6 +1,6 @@
 """Request handlers: one plain async (or quick sync) method per request type, taking the message and the
 worker's session and returning the reply. No ZeroMQ here (see :mod:`kvbm.daemon.transport`), so the
-handlers can be called directly.
+handlers can be called directly. The slot requests (stores' and loads' G2 slots) are :mod:`kvbm.daemon.slots`'.
 
 Pins: blocks onboarded for a worker stay pinned in G2 until it sends Release or Unregister, or its lease
 runs out: the manager hands out read leases (``reserve_read``, as ``prepare_store`` on the store path) and
@@ -20,7 +20,7 @@ from kvbm import protocol as p
 from kvbm.blocks import BlockKey
 from kvbm.config import DaemonConfig, TenantConfig
 from kvbm.daemon.admin import AdminHandlers
-from kvbm.daemon.auth import Credentials, Principal, authorize, check_store
+from kvbm.daemon.auth import Credentials, Principal, authorize
 from kvbm.daemon.barrier import Barriers
 from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.indexing import BucketIndexer
@@ -29,22 +29,13 @@ from kvbm.daemon.metrics import Metrics
 from kvbm.daemon.peer_reads import PeerReads
 from kvbm.daemon.prefetch import Prefetcher
 from kvbm.daemon.sessions import Sessions, WorkerSession
+from kvbm.daemon.slots import SlotHandlers, g2_of
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import Handled
-from kvbm.errors import KvbmError
 from kvbm.fleet import BucketProbe
 from kvbm.manager.core import BlockManager
 from kvbm.security import token_matches
-from kvbm.tiers.names import FAST, TierName
-from kvbm.tiers.pool import SlotPoolTier
-
-
-def g2_of(manager: BlockManager) -> SlotPoolTier:
-    """The host slot pool workers share: the daemon cannot serve without one."""
-    tier = manager.by_name.get(TierName.G2)
-    if not isinstance(tier, SlotPoolTier):
-        raise KvbmError("the daemon needs a G2 host tier (workers share its slots)")
-    return tier
+from kvbm.tiers.names import FAST
 
 
 class Service:
@@ -67,14 +58,15 @@ class Service:
         self.admin = AdminHandlers(manager)  # Evict, Reindex (authorised for admin sessions only: kvbm.daemon.auth)
         self._snapshot = snapshot
         self.peer_reads: PeerReads | None = None  # fleet.p2p: a lookup reads a peer's G2 blocks (set by the daemon)
+        self.slots = SlotHandlers(manager, sessions, stats, metrics, publisher)  # stores' and loads' G2 slots
         # Quick requests are answered inline by the receive loop; the others each get a task.
         self.inline: dict[type, Callable[[Any, Any], Any]] = {
-            p.Unregister: self.unregister, p.Ping: self.ping, p.Release: self.release, p.Stats: self.stats_reply,
+            p.Unregister: self.unregister, p.Ping: self.ping, p.Release: self.slots.release, p.Stats: self.stats_reply,
         }
         self.handlers: dict[type, Callable[[Any, Any], Any]] = {
             p.Register: self.register,
             p.Lookup: self.lookup,  # a task: it may wait (probe_budget_ms) for a bucket probe
-            p.PrepareStore: self.prepare, p.CommitStore: self.commit, p.Onboard: self.onboard,
+            p.PrepareStore: self.slots.prepare, p.CommitStore: self.slots.commit, p.Onboard: self.slots.onboard,
             p.Barrier: self.barrier, p.Evict: self.admin.evict, p.Reindex: self.admin.reindex,
         }
 
@@ -118,15 +110,6 @@ class Service:
                     return f"tenant:{t.name}", t.max_inflight
         return conn, self.dc.max_inflight_per_client
 
-    @property
-    def generation(self) -> str:
-        return getattr(g2_of(self.manager), "generation", "")
-
-    def _check_generation(self, msg: p._SlotReq) -> None:
-        if msg.generation != self.generation:
-            raise Handled(p.E_STALE, f"G2 pool generation {msg.generation!r} is not this daemon's "
-                                     f"({self.generation!r}): register again and map the new pool")
-
     def drop_worker(self, w: WorkerSession, why: str, *, quarantine: bool = True) -> int:
         """Forget a worker: release its pins and abort its unfinished stores (its slots quarantined
         unless it said it is done: Unregister, or the daemon is shutting down)."""
@@ -147,7 +130,8 @@ class Service:
                 raise Handled(p.E_LIMIT, f"layout.{name} is longer than {p.MAX_STR} characters")
         who = self.creds.principal(msg)  # checked by authorize already: this only names it
         self._check_place(msg, who)  # before the bucket is listed: a refused Register costs no LIST
-        await self.indexer.index_namespace(layout.namespace)
+        if not await self.indexer.index_namespace(layout.namespace, self.dc.register_index_wait_s):
+            logj("register.index_pending", namespace=layout.namespace, waited_s=self.dc.register_index_wait_s)
         self._check_place(msg, who)  # again: others registered while we listed. No await from here to add.
         t = who.tenant
         for old in self.sessions.by_worker_id(msg.worker_id):
@@ -162,9 +146,9 @@ class Service:
         logj("worker.registered", worker=msg.worker_id, engine=msg.engine_id, rank=msg.tp_rank,
              namespace=layout.namespace, admin=admin, tenant=t.name if t else "")
         return p.Registered(
-            token=token, namespace=layout.namespace, shm_name=getattr(g2, "shm_name", ""), generation=self.generation,
-            slot_bytes=g2.slot_bytes, num_slots=g2.num_slots, capacity_bytes=g2.capacity_bytes,
-            block_nbytes=layout.block_nbytes, session_slots=slots or g2.num_slots,
+            token=token, namespace=layout.namespace, shm_name=getattr(g2, "shm_name", ""),
+            generation=self.slots.generation, slot_bytes=g2.slot_bytes, num_slots=g2.num_slots,
+            capacity_bytes=g2.capacity_bytes, block_nbytes=layout.block_nbytes, session_slots=slots or g2.num_slots,
         )
 
     def slot_budgets(self, tenant: TenantConfig | None, ranks: int) -> tuple[int, int]:
@@ -201,7 +185,7 @@ class Service:
         return await self.barriers.arrive(msg, msg.world_size or w.tp_size, w.principal)
 
     # -- blocks ----------------------------------------------------------------------------------------
-    async def lookup(self, msg: p.Lookup, _w: WorkerSession) -> p.LookupReply:
+    async def lookup(self, msg: p.Lookup, w: WorkerSession) -> p.LookupReply:
         """The fastest tier of each block of the leading run held anywhere. A run that ends short of the request
         while G4 is enabled starts a bucket probe of the next blocks (another node may have stored them); the
         reply waits for it up to ``probe_budget_ms``: a probe done by then is in this reply, a slower one fills
@@ -223,82 +207,22 @@ class Service:
                 else:
                     self.probe.stats.late += 1
                     if self.dc.prefetch:
-                        probe.add_done_callback(lambda _t: self.prefetcher.after_probe(keys))
+                        probe.add_done_callback(lambda _t: self.prefetcher.after_probe(keys, w))
         self.stats.lookup_seconds += time.perf_counter() - t0
         self.metrics.lookup.labels(tier=self.metrics.slowest(tiers)).observe(time.perf_counter() - t0)
         if self.dc.prefetch and any(t not in FAST for t in tiers):
-            self.prefetcher.after_lookup(keys or msg.keys(), tiers)
+            self.prefetcher.after_lookup(keys or msg.keys(), tiers, w)
         return p.LookupReply(matched=len(tiers), tiers=tiers)
 
+    # -- slot requests (kvbm.daemon.slots; here too for callers of the handlers by name) ------------------
     async def prepare(self, msg: p.PrepareStore, w: WorkerSession) -> p.Slots:
-        check_store(msg, w)
-        self._check_generation(msg)
-        slot_bytes = g2_of(self.manager).slot_bytes
-        if not 0 < msg.nbytes <= slot_bytes:
-            raise Handled(p.E_BAD_REQUEST, f"nbytes {msg.nbytes} outside (0, {slot_bytes}]")
-        t0 = time.perf_counter()
-        keys = msg.keys()
-        need = self.manager.store_need(keys, TierName.G2)
-        if why := self.sessions.no_room(w, need):
-            raise Handled(p.E_FULL, why)
-        self.sessions.reserve(w, need)  # counted while we wait for room: a concurrent request sees it
-        try:
-            slots = await self.manager.prepare_store(keys, msg.nbytes, TierName.G2)
-        finally:
-            self.sessions.unreserve(w, need)
-            self.stats.offload_seconds += time.perf_counter() - t0
-            self.metrics.store.labels(op="prepare").observe(time.perf_counter() - t0)
-        if not self.sessions.alive(w):  # dropped while we waited (nothing copied yet): give the slots back
-            self.manager.complete_store([k for k, s in zip(keys, slots, strict=True) if s is not None], ok=False)
-            raise Handled(p.E_UNREGISTERED, "worker left")
-        self.sessions.prepared(w, keys, slots)
-        return p.Slots(slots=slots)
+        return await self.slots.prepare(msg, w)
 
     async def commit(self, msg: p.CommitStore, w: WorkerSession) -> p.Ack:
-        check_store(msg, w)
-        self._check_generation(msg)
-        t0 = time.perf_counter()
-        keys = msg.keys()
-        mine = self.sessions.take_prepared(w, keys)
-        stored = self.manager.complete_store(mine, msg.ok, cascade=not msg.durable)
-        durable = 0
-        try:
-            if msg.ok and msg.durable:
-                held = [k for k in keys if self.manager.where(k)]
-                durable = await self.manager.offload(held, durable=True)
-        finally:
-            self.stats.offload_seconds += time.perf_counter() - t0
-            op = "commit_durable" if msg.ok and msg.durable else "commit"
-            self.metrics.store.labels(op=op).observe(time.perf_counter() - t0)
-        return p.Ack(stored=stored, durable=durable)
+        return await self.slots.commit(msg, w)
 
     async def onboard(self, msg: p.Onboard, w: WorkerSession) -> p.Onboarded:
-        self._check_generation(msg)
-        t0 = time.perf_counter()
-        keys = msg.keys()
-        run = self.manager.held_run(keys)
-        if why := self.sessions.no_room(w, len(run)):  # what it would pin: the leading held run
-            raise Handled(p.E_FULL, why)
-        source = self.metrics.slowest(run)  # the tier the onboard's latency comes from
-        self.sessions.reserve(w, len(run))
-        try:
-            # The worker's leases: each block pinned in G2 and its very slot referenced until it releases it.
-            leases = await self.manager.reserve_read(keys, TierName.G2)
-        finally:
-            self.sessions.unreserve(w, len(run))
-        if self.sessions.alive(w):
-            self.sessions.pin(w, leases)
-        else:  # dropped while we waited: nobody will release them
-            self.manager.release(leases)
-            leases = []
-        n = len(leases)
-        self.stats.onboard_seconds += time.perf_counter() - t0
-        self.metrics.onboard.labels(tier=source).observe(time.perf_counter() - t0)
-        if n:
-            self.publisher.publish(p.BlocksOnboarded(namespace=msg.namespace, hashes=msg.hashes[:n],
-                                                     worker_id=w.worker_id))
-        return p.Onboarded(count=n, slots=[lease.slot for lease in leases], nbytes=[lease.nbytes for lease in leases])
+        return await self.slots.onboard(msg, w)
 
     def release(self, msg: p.Release, w: WorkerSession) -> p.Released:
-        self._check_generation(msg)
-        return p.Released(count=self.sessions.release(w, msg.keys()))
+        return self.slots.release(msg, w)

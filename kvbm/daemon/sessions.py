@@ -24,7 +24,10 @@ still look into a full daemon. Expired and unregistered workers free their place
 Slot budgets: the G2 slots a session holds (pinned + prepared + reserved by a slot request in progress) are
 capped per session (``slots``, stated in Registered.session_slots) and, summed over its sessions and its
 quarantines, per principal (a tenant's ``max_slots``), so one tenant pinning and pinging cannot hold all of
-G2. :meth:`Sessions.no_room` says why a request for more is refused (the daemon answers ``full``: load).
+G2. :meth:`Sessions.no_room` says why a request for more is refused (the daemon answers ``full``: load), and
+:meth:`Sessions.room` how much more fits (an Onboard pins that much of its run). A worker_id that registers again
+(a restarted engine) is no longer charged for its earlier sessions' quarantines (their slots stay referenced until
+the grace ends), at most its principal's budget forgiven at once.
 """
 
 from __future__ import annotations
@@ -73,8 +76,10 @@ class _Quarantine:
     """The slots of a dropped worker that may still be copying."""
 
     def __init__(self, pins: dict[BlockKey, list[Lease]], prepared: dict[BlockKey, Lease], until: float, why: str,
-                 principal: str = ""):
-        self.principal = principal  # still charged for these slots
+                 principal: str = "", worker_id: str = ""):
+        self.principal = principal  # charged for these slots, until its worker_id registers again (``charged``)
+        self.worker_id = worker_id
+        self.charged = True
         self.pins = pins
         self.prepared = prepared
         self.until = until
@@ -106,7 +111,22 @@ class Sessions:
         w = WorkerSession(token, msg, admin=admin, principal=principal, max_inflight=max_inflight, slots=slots,
                           principal_slots=principal_slots)
         self.workers[token] = w
+        self._forgive(w)
         return w
+
+    def _forgive(self, w: WorkerSession) -> None:
+        """Stop charging ``w``'s principal for the quarantines of earlier sessions of ``w``'s worker_id: it
+        registered again (a restarted engine), so it would otherwise start up to ``grace_s`` short of its budget.
+        The slots stay referenced until their quarantine ends (a stalled old process may still copy), and a
+        principal is forgiven at most its budget at once (re-registering in a loop cannot take all of G2)."""
+        forgiven = sum(q.slots() for q in self._quarantine.values() if q.principal == w.principal and not q.charged)
+        for q in self._quarantine.values():
+            if q.charged and q.worker_id == w.worker_id and q.principal == w.principal:
+                if w.principal_slots and forgiven + q.slots() > w.principal_slots:
+                    continue
+                q.charged = False
+                forgiven += q.slots()
+                self._charge(q.principal, -q.slots())
 
     def refusal(self, msg: p.Register, *, admin: bool = False, principal: str = "", cap: int = 0,
                 field: str = "daemon.max_workers") -> str:
@@ -173,6 +193,15 @@ class Sessions:
                     f"(Registered.session_slots, daemon.max_session_slots); release or commit first")
         return ""
 
+    def room(self, w: WorkerSession, n: int) -> int:
+        """How many of ``n`` more G2 slots ``w`` may be given within its session's and its principal's budgets
+        (an Onboard pins that much of its run: a shorter run is a hit, a refusal is a recompute)."""
+        if w.principal_slots:
+            n = min(n, w.principal_slots - self.held.get(w.principal, 0))
+        if w.slots:
+            n = min(n, w.slots - w.held())
+        return max(0, n)
+
     def reserve(self, w: WorkerSession, n: int) -> None:
         """Count ``n`` slots for a request in progress (checked with :meth:`no_room` first)."""
         w.reserved += n
@@ -231,7 +260,7 @@ class Sessions:
         if quarantine and (w.pins or prepared):
             self.manager.detach_read(leases)  # evictable again; the slots stay referenced until the grace ends
             detached = self.manager.detach_store(prepared)
-            q = _Quarantine(w.pins, detached, time.monotonic() + self.grace_s, why, w.principal)
+            q = _Quarantine(w.pins, detached, time.monotonic() + self.grace_s, why, w.principal, w.worker_id)
             self._quarantine[w.token] = q
             self._charge(w.principal, q.slots())
         else:
@@ -262,7 +291,8 @@ class Sessions:
     def _unquarantine(self, q: _Quarantine, pins: Iterable[BlockKey], prepared: Iterable[BlockKey]) -> None:
         before = q.slots()
         self._release_quarantined(q, pins, prepared)
-        self._charge(q.principal, q.slots() - before)
+        if q.charged:
+            self._charge(q.principal, q.slots() - before)
 
     def _release_quarantined(self, q: _Quarantine, pins: Iterable[BlockKey], prepared: Iterable[BlockKey]) -> None:
         done = [lease for k in pins for lease in q.pins.pop(k, [])]

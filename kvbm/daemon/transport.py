@@ -1,10 +1,11 @@
 """The request socket: bind (CURVE, client allow-list), framing, admission, the receive loop and replies.
 
 Request logic lives in :mod:`kvbm.daemon.service`; this module only moves frames. Admission: with
-``max_queue`` PrepareStore/CommitStore requests in flight a new PrepareStore is answered
-:class:`~kvbm.protocol.Shed`; with ``max_inflight`` requests of any kind in flight the loop stops reading
-(ZeroMQ queues, then the clients time out). Before that, each client (a tenant, a worker session, an
-unregistered connection: :meth:`RequestService.client_of`) has its own cap: a request beyond it is answered
+``max_queue`` PrepareStore/CommitStore requests of one principal (a tenant, or the sessions without one) in
+flight, a new PrepareStore of that principal is answered :class:`~kvbm.protocol.Shed` (one tenant's durable
+commits waiting on a slow S3 do not shed another's stores); with ``max_inflight`` requests of any kind in flight
+the loop stops reading (ZeroMQ queues, then the clients time out). Before that, each client (a tenant, a worker
+session, an unregistered connection: :meth:`RequestService.client_of`) has its own cap: a request beyond it is answered
 ``busy`` at once (load: retry later; ``limit`` means a field out of bounds), so one client's flood (say
 Barriers that wait) neither stops the loop nor delays others.
 Bad frames get an Error reply (or are dropped) and are counted;
@@ -71,6 +72,7 @@ class Transport:
         self.endpoint = dc.endpoint
         self.inflight = 0  # requests of any kind in flight
         self.offloads = 0  # PrepareStore/CommitStore in flight (the queue depth)
+        self.offloads_of: dict[str, int] = {}  # the same, per principal: each has its own max_queue
         self.per_client: dict[object, int] = {}  # requests in flight per client (RequestService.client_of)
         self._ctx = ctx
         self._spawn = spawn
@@ -185,7 +187,8 @@ class Transport:
                 self._send(route, reply)
             return
         offload = isinstance(msg, (p.PrepareStore, p.CommitStore))
-        if isinstance(msg, p.PrepareStore) and self.offloads >= self.dc.max_queue:
+        queue = worker.principal if worker is not None else ""
+        if isinstance(msg, p.PrepareStore) and self.offloads_of.get(queue, 0) >= self.dc.max_queue:
             self.stats.shed += 1
             self._send(route, p.Shed(rid=msg.rid))
             return
@@ -199,28 +202,35 @@ class Transport:
         self.per_client[client] = held + 1
         self.inflight += 1
         self.offloads += offload
-        self._spawn(self._handle(route, msg, worker, service.handlers[type(msg)], offload, client))
+        if offload:
+            self.offloads_of[queue] = self.offloads_of.get(queue, 0) + 1
+        self._spawn(self._handle(route, msg, worker, service.handlers[type(msg)],
+                                 queue if offload else None, client))
 
     async def _handle(self, route: list[bytes], msg: Any, worker: WorkerSession | None, handler: Any,
-                      offload: bool, client: object) -> None:
+                      queue: str | None, client: object) -> None:
         try:
             reply = await handler(msg, worker)
         except Exception as e:
-            self._done(offload, client)
+            self._done(queue, client)
             self._fail(route, msg, e)
             return
         except BaseException:
-            self._done(offload, client)
+            self._done(queue, client)
             raise
         # Counted out before the reply leaves: a request the client sends once it has the reply (a Stats,
         # read in the same loop turn) must not see this one still in flight.
-        self._done(offload, client)
+        self._done(queue, client)
         reply.rid = msg.rid
         self._send(route, reply)
 
-    def _done(self, offload: bool, client: object) -> None:
+    def _done(self, queue: str | None, client: object) -> None:
+        """A request ended; ``queue``: the principal of an offload (PrepareStore/CommitStore), None otherwise."""
         self.inflight -= 1
-        self.offloads -= offload
+        if queue is not None:
+            self.offloads -= 1
+            if left := self.offloads_of.pop(queue, 1) - 1:
+                self.offloads_of[queue] = left
         left = self.per_client.pop(client, 1) - 1
         if left:
             self.per_client[client] = left

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from itertools import takewhile
 
 from kvbm.blocks import BlockKey
 from kvbm.index.footprints import Footprints
-from kvbm.index.keycodes import KeyCodes, Pins
+from kvbm.index.keycodes import KeyCodes
+from kvbm.index.pinning import PinTable
 
 
 class Registry:
@@ -37,7 +38,8 @@ class Registry:
         self._kc = KeyCodes(self._lock)
         # The key codes' methods, bound once: they run per block on every hot path.
         self._code, self._peek, self._key, self._codes = self._kc.code, self._kc.peek, self._kc.key, self._kc.codes
-        self._pins = Pins()
+        self._pin_table = PinTable(self._lock, self._ti, self._codes, self._peek)
+        self._pins = self._pin_table.pins  # read by victims() under the lock
         self._hits: dict[int, int] = {}
         # Called as listener(kind, tier, keys) with kind "stored" or "removed" and the blocks that changed (one
         # call per batch: a store of 64 blocks is one call, not 64), outside the lock.
@@ -207,26 +209,18 @@ class Registry:
     def hits(self, key: BlockKey) -> int:
         return self._hits.get(self._peek(key), 0)  # type: ignore[arg-type]
 
-    # -- pins ---------------------------------------------------------------------------------------
+    # -- pins (kvbm.index.pinning) -------------------------------------------------------------------
     def pin(self, keys: Iterable[BlockKey], tier: str | None = None, *, unpin: bool = False) -> None:
-        """Keep ``keys`` from being evicted from ``tier`` (None: from every tier); ``unpin``: undo one pin."""
-        ti, codes = None if tier is None else self._ti[tier], self._codes(list(keys))
-        with self._lock:
-            (self._pins.drop if unpin else self._pins.add)(ti, codes)
+        self._pin_table.pin(keys, tier, unpin=unpin)
 
     def unpin(self, keys: Iterable[BlockKey], tier: str | None = None) -> None:
-        self.pin(keys, tier, unpin=True)
+        self._pin_table.pin(keys, tier, unpin=True)
 
-    @contextmanager
-    def pinned(self, keys: Sequence[BlockKey], tier: str | None = None) -> Iterator[None]:
-        self.pin(keys, tier)
-        try:
-            yield
-        finally:
-            self.unpin(keys, tier)
+    def pinned(self, keys: Sequence[BlockKey], tier: str | None = None) -> AbstractContextManager[None]:
+        return self._pin_table.pinned(keys, tier)
 
     def is_pinned(self, key: BlockKey, tier: str | None = None) -> bool:
-        return self._pins.holds(None if tier is None else self._ti[tier], self._peek(key))
+        return self._pin_table.is_pinned(key, tier)
 
     # -- capacity -------------------------------------------------------------------------------------
     def used(self, tier: str) -> int:
@@ -240,9 +234,14 @@ class Registry:
         return len(self._lru[self._ti[tier]])
 
     def keys(self, tier: str) -> list[BlockKey]:
+        return list(self.iter_keys(tier))
+
+    def iter_keys(self, tier: str) -> Iterator[BlockKey]:
+        """``tier``'s keys as of the call (LRU order), each made only when reached: a caller walking a big tier
+        in batches (yielding to the event loop between them) pays for one batch at a time."""
         with self._lock:
             codes = list(self._lru[self._ti[tier]])
-        return [self._key(c) for c in codes]
+        return map(self._key, codes)
 
     def victims(self, tier: str, need: int, capacity: int) -> list[BlockKey]:
         """Least-recently-used unpinned blocks of ``tier`` whose removal frees room for ``need`` bytes.

@@ -39,12 +39,15 @@ from kvbm.manager.failures import FAILURE_LOG_EVERY_S, FailureLog
 from kvbm.manager.knowledge import IndexSync
 from kvbm.manager.leases import Lease, ReadLeases
 from kvbm.manager.moves import Moves
-from kvbm.manager.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED, JOURNAL_NAME
+from kvbm.manager.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED
+from kvbm.manager.owed_journal import JOURNAL_NAME
 from kvbm.manager.placement import PlacementPolicy
 from kvbm.manager.policy import PERSISTENT
 from kvbm.manager.reads import Reads
 from kvbm.manager.room import Room
+from kvbm.manager.scopes import Reconciled
 from kvbm.manager.state import CopyObserver, ManagerState, ManagerStats, StateField
+from kvbm.manager.tiers_off import off_rows, start_tiers
 from kvbm.tiers.base import Tier
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
@@ -88,7 +91,7 @@ class BlockManager:
         self.reads = Reads(self.state, self.moves, self.write_through)  # onboards and reads (kvbm.manager.reads)
         self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
         self._pools_registered = False
-        self._reconciled: set[str | None] = set()  # bucket scopes (a namespace, None: all) reconciled with the disk
+        self.reconciled = Reconciled()  # bucket scopes (a namespace, None: all) reconciled with the disk, bounded
 
     def _move(self, key: BlockKey, dst: str) -> Awaitable[bool]:
         return self.moves.move(key, dst)
@@ -102,11 +105,11 @@ class BlockManager:
     observe_copy: StateField[CopyObserver] = StateField()
 
     # -- lifecycle ------------------------------------------------------------------------------------
-    async def start(self, *, index: bool | tuple[str, ...] = True) -> None:
+    async def start(self, *, index: bool | tuple[str, ...] = True, optional: tuple[str, ...] = ()) -> None:
         """Start every tier and index what the persistent ones already hold: all tiers (True), none
-        (False), or the tiers of the given kinds (e.g. ``("disk",)``, leaving a big bucket for later)."""
-        for tier in self.tiers:
-            await tier.start()
+        (False), or the tiers of the given kinds (e.g. ``("disk",)``, leaving a big bucket for later). A tier of
+        a kind in ``optional`` that cannot start is turned off (:mod:`kvbm.manager.tiers_off`)."""
+        await start_tiers(self.state, optional)
         if self.mover is not None and not self._pools_registered:
             for tier in self.tiers:
                 if isinstance(tier, SlotPoolTier):
@@ -130,9 +133,8 @@ class BlockManager:
         return n
 
     async def _reconcile(self, name: str, namespace: str | None) -> int:
-        if self.by_name[name].kind != "s3" or None in self._reconciled or namespace in self._reconciled:
+        if self.by_name[name].kind != "s3" or not self.reconciled.first(namespace):
             return 0
-        self._reconciled.add(namespace)
         n = 0
         for tier in self.tiers:
             if tier.name == name:
@@ -299,6 +301,7 @@ class BlockManager:
             d = t.describe()
             d["blocks"] = self.registry.count(t.name)
             tiers.append(d)
+        tiers += off_rows(self.state)
         s = msgspec.structs.asdict(self.stats)
         s["errors"] = dict(self.stats.errors)
         s["hit_rate"] = (self.stats.lookup_hit_blocks / self.stats.lookup_blocks) if self.stats.lookup_blocks else 0.0

@@ -14,12 +14,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import KvbmError, TierUnavailableError
 from kvbm.manager.state import ManagerState
 from kvbm.tiers.base import SharedTier
+
+YIELD_EVERY = 4096  # blocks walked per event-loop turn by the passes over a whole tier
 
 
 class IndexSync:
@@ -44,11 +47,26 @@ class IndexSync:
             n += 1
         if isinstance(tier, SharedTier):
             # A listing is the bucket's word: what it no longer holds (another node purged it) leaves the registry
-            # too, not only the tier's own index (which the scan already dropped it from).
-            for key in self.s.registry.keys(name):
+            # too, not only the tier's own index (which the scan already dropped it from). The whole index is
+            # walked, in batches between which requests are served (a fresh namespace's listing must not stall
+            # the daemon for every block another namespace holds).
+            for i, key in enumerate(self.s.registry.iter_keys(name)):
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    await asyncio.sleep(0)
                 if (namespace is None or key.namespace == namespace) and tier.nbytes(key) is None:
                     self.s.registry.remove(name, key)
         return n
+
+    async def local_namespaces(self) -> set[str]:
+        """The namespaces of the blocks the local (disk) tiers hold, yielding to the loop between batches."""
+        out: set[str] = set()
+        for tier in self.s.tiers:
+            if tier.local_dir is not None:
+                for i, key in enumerate(self.s.registry.iter_keys(tier.name)):
+                    if i % YIELD_EVERY == 0:
+                        await asyncio.sleep(0)
+                    out.add(key.namespace)
+        return out
 
     async def real_copies(self, name: str, keys: Sequence[BlockKey]) -> set[BlockKey]:
         """Of ``keys``, those tier ``name`` really holds as far as this node knows now (see the module docstring).

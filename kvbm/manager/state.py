@@ -65,10 +65,17 @@ class ManagerState:
     placement: Any = None  # kvbm.manager.placement.PlacementPolicy (None: LRU, the registry's own order)
     failures: FailureLog = field(init=False)
     by_name: dict[str, Tier] = field(init=False)
+    off: dict[str, str] = field(default_factory=dict)  # tiers turned off at start (kvbm.manager.tiers_off) -> why
 
     def __post_init__(self) -> None:
         self.by_name = {t.name: t for t in self.tiers}
         self.failures = FailureLog(self.stats.errors)
+
+    def turn_off(self, tier: Tier, why: str) -> None:
+        """Take ``tier`` out of the tier order (before serving: nothing of it is indexed yet)."""
+        self.tiers = [t for t in self.tiers if t is not tier]
+        self.by_name.pop(tier.name, None)
+        self.off[tier.name] = why
 
     def below(self, name: str) -> list[Tier]:
         """The tiers below tier ``name``, fastest first."""

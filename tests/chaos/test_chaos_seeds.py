@@ -26,10 +26,9 @@ SEEDS = [32, 104, 102, 105, 108]
 FAULT_KINDS = {"sigkill", "sigstop", "restart", "disk_full", "journal_delete", "s3_outage", "fuzz_random",
                "fuzz_truncated", "fuzz_out_of_range", "fuzz_oversized", "raw_stream", "events_subscriptions",
                "flood_requests", "register_storm"}
-OPEN = {  # invariant -> why it fails today, and the seeds that show it (D1's and D2's seeds pass since their fixes)
-    "daemon_alive": "a G3 directory it cannot write stops the start (seed 104; with an error naming disk.dir since "
-                    "tiers/dirlock.py says so): serving without G3 then is not built",
-}
+# invariant -> why it fails today, and the seeds that show it. None open: D1's and D2's seeds pass since their fixes,
+# seed 104's daemon_alive (a G3 directory it cannot write) since the daemon serves with G3 off.
+OPEN: dict[str, str] = {}
 
 
 def _target(srv) -> S3Target:

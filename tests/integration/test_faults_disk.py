@@ -82,25 +82,3 @@ def test_an_unlink_refused_read_only_is_reported_and_the_block_stays(fs: Path, t
             assert g3_blocks(c) == 0 and not any((fs / "disk").rglob("*.kvb"))
     finally:
         d.stop()
-
-
-def test_a_g3_directory_it_cannot_write_stops_the_start_with_an_error_naming_disk_dir(fs: Path, tmp_path: Path) -> None:
-    """A G3 directory on a read-only filesystem (found by the chaos harness, seed 104: an unwritable G3): the
-    daemon used to die with a raw PermissionError / OSError traceback from the lock file; it says which setting
-    names the directory and what to do."""
-    disk = fs / "disk"
-    disk.mkdir()
-    r = mount("-o", "remount,ro", str(fs))
-    assert r.returncode == 0, r.stderr
-    cfg = {
-        "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
-        "disk": {"dir": str(disk), "capacity": "8MiB", "fsync": False, "o_direct": False},
-        "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
-        "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "events_endpoint": "", "metrics_port": 0},
-    }
-    d = ServeProc(tmp_path, cfg)
-    with pytest.raises(RuntimeError) as err:
-        d.start()
-    d.stop()
-    text = str(err.value)
-    assert "disk.dir" in text and "Traceback" not in text, text

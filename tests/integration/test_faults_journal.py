@@ -22,7 +22,7 @@ from serve_proc import ServeProc, wait_until
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
 from kvbm.config import S3Config
-from kvbm.manager.owed import JOURNAL_NAME
+from kvbm.manager.owed_journal import JOURNAL_NAME
 from kvbm.s3server import EmbeddedS3
 from kvbm.tiers.s3 import make_s3_tier
 
@@ -253,5 +253,28 @@ def test_a_clean_restart_does_not_upload_again_what_the_bucket_dropped(srv: Embe
         d.start()
         with d.client() as c:
             assert c.stats()["manager"]["owed_reconciled"] == 5
+    finally:
+        d.stop()
+
+
+def test_a_lazy_start_reconciles_namespaces_nobody_registers_again(srv: EmbeddedS3, tmp_path: Path) -> None:
+    """S3 down, 10 blocks durable on G3 and owed; the daemon is SIGKILLed and its journal lost. Restarted with
+    ``index_bucket: lazy`` and S3 back, the start-up reconcile lists the namespaces the disk holds, so the 10 reach
+    the bucket though no worker of that namespace registers again (before: only registered namespaces were)."""
+    disk = tmp_path / "disk"
+    cfg = daemon_cfg(tmp_path, disk, srv, "lazy")
+    cfg["daemon"]["index_bucket"] = "lazy"
+    d = ServeProc(tmp_path, cfg).start()
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(10)]
+    try:
+        srv.stop(force=True)
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            assert c.store(ks, [payload(k) for k in ks], durable=True).durable == 10
+        d.kill9()
+        (disk / JOURNAL_NAME).unlink(missing_ok=True)
+        srv.start()
+        d.start()
+        assert wait_until(lambda: missing_from_bucket(srv, "lazy", ks) == 0, timeout=30), "never reconciled"
     finally:
         d.stop()

@@ -9,11 +9,11 @@ import threading
 import time
 from pathlib import Path
 
-import kvbm.manager.owed as owed_mod
+import kvbm.manager.owed_journal as owed_mod
 from kvbm.blocks import BlockKey
 from kvbm.config import TransferConfig
 from kvbm.manager import BlockManager
-from kvbm.manager.owed import JOURNAL_NAME
+from kvbm.manager.owed_journal import JOURNAL_NAME
 from kvbm.tiers.disk import DiskTier
 from kvbm.tiers.host import HostTier
 from kvbm.transfer import make_file_io
