@@ -155,6 +155,12 @@ class FaultProxy:
             self._server.close()
             for w in list(self._conns):
                 w.transport.abort()
+            # Requests still sleeping out an injected latency end here, before the loop closes (destroyed pending,
+            # their cleanup would run on a closed loop).
+            pending = asyncio.all_tasks(loop)
+            for t in pending:
+                t.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(self._server.wait_closed())
             loop.close()
 

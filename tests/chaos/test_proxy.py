@@ -71,3 +71,35 @@ def test_an_outage_refuses_every_request_until_it_ends(proxy) -> None:
     time.sleep(1.1)
     assert _get(proxy.port)[0] < 500
     assert proxy.counts.injected == {"outage": 1}
+
+
+def test_stopping_with_a_request_held_back_leaves_nothing_running(s3_server, caplog) -> None:
+    """stop() while a request sleeps out its injected latency: the proxy's loop used to close with that task still
+    pending, and its destruction later raised 'Event loop is closed' (an unraisable error; sometimes a pytest
+    INTERNALERROR). Every task ends before the loop closes."""
+    import contextlib
+    import gc
+    import sys
+    import threading
+
+    host, port = s3_server.endpoint.split("//")[1].rsplit(":", 1)
+    px = FaultProxy((host, int(port)), seed=7).start()
+    px.rates = FaultRates(latency=1.0, latency_s=(3.0, 3.0))
+    def request() -> None:
+        with contextlib.suppress(OSError, http.client.HTTPException):  # the connection is cut at stop
+            _get(px.port)
+
+    client = threading.Thread(target=request, daemon=True)
+    client.start()
+    time.sleep(0.5)  # the request is in, sleeping out its latency
+    unraisable: list[str] = []
+    old, sys.unraisablehook = sys.unraisablehook, lambda u: unraisable.append(f"{u.exc_type.__name__}: {u.exc_value}")
+    try:
+        px.stop()
+        client.join(10)
+        gc.collect()
+    finally:
+        sys.unraisablehook = old
+    assert not unraisable, unraisable
+    destroyed = [r.getMessage() for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
+    assert not destroyed, destroyed
