@@ -61,6 +61,9 @@ class ServeStats(msgspec.Struct):
     pinned_slots: int = 0  # G2 slots those leases hold now
 
 
+MAX_ASKERS = 1024  # connected askers remembered at most (the oldest forgotten: it connects again)
+
+
 class _Asker:
     __slots__ = ("admin", "agent_name", "namespaces", "node_id", "open")
 
@@ -168,9 +171,14 @@ class PeerReadServer:
             return m.Refused(code=m.E_FORBIDDEN, message=why)
         assert self.agent is not None
         name = await asyncio.to_thread(self.agent.add_remote, msg.agent)
-        old = self._askers.get(ident)
-        if old is not None and old.agent_name != name:
-            self.agent.remove_remote(old.agent_name)
+        # A node that connects again (restarted: a new socket identity) replaces its old entry, and the entries
+        # are capped: neither grows with reconnections. Its old leases still end at their deadline.
+        stale = [i for i, a in self._askers.items() if i == ident or a.node_id == msg.node_id]
+        stale += list(self._askers)[: max(0, len(self._askers) - len(stale) + 1 - MAX_ASKERS)]
+        for i in stale:
+            old = self._askers.pop(i, None)
+            if old is not None and old.agent_name != name:
+                self.agent.remove_remote(old.agent_name)
         self._askers[ident] = _Asker(msg.node_id, name, admin, namespaces)
         self.stats.connects += 1
         logj("p2p.connected", peer=msg.node_id, agent=name, admin=admin)

@@ -389,3 +389,21 @@ def test_the_serving_side_caps_pins_in_flight_and_refuses_another_version(tmp_pa
             s.close(0)
             ctx.term()
             agent.close()
+
+
+def test_a_peer_that_restarts_and_reads_again_is_remembered_once(tmp_path, s3_server, s3_prefix, nodes):
+    """B reads from A, restarts (a new process: a new socket identity and NIXL agent) and reads again: A keeps one
+    entry for B, not one per connection it ever had (they grew without bound, each with a NIXL remote agent)."""
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes)
+    with a.client() as ca:
+        for _ in range(2):
+            keys = prompt(2)
+            with b.client() as cb:
+                assert wait_until(lambda cb=cb: ready(cb), WAIT_S)
+                store(ca, keys)
+                assert wait_until(lambda cb=cb, n=len(keys): learned(cb, n), WAIT_S), peer(cb)
+                assert cb.lookup(keys).tiers == ["G2"] * 2, p2p_log(b)
+            b.stop()
+            b.start()
+        assert p2p(ca)["serve"]["connects"] == 2
+        assert p2p(ca)["serve"]["askers"] == 1
