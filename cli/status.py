@@ -78,6 +78,7 @@ def daemon_report(link: DaemonLink) -> dict[str, Any]:
                                        "errors": s3.get("errors")},
         "engines": stats.get("engines", {}),
         "fleet": _fleet(d.get("fleet")),
+        "router_events": d.get("router_events"),  # the vLLM-format residency stream's counters (None: off)
     }
 
 
@@ -95,6 +96,7 @@ def _fleet(f: dict[str, Any] | None) -> dict[str, Any] | None:
         "probe": None if probe is None else {k: probe.get(k) for k in (
             "probes", "probed", "found", "missed", "hit_rate", "negative_cache", "negative_hits", "late", "failed")},
         "discovery": f.get("discovery"),
+        "p2p": f.get("p2p"),  # peer reads: this node's reads from peers and what it served them (None: off)
     }
 
 

@@ -8,6 +8,7 @@ does not cover."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -407,3 +408,12 @@ def test_a_peer_that_restarts_and_reads_again_is_remembered_once(tmp_path, s3_se
             b.start()
         assert p2p(ca)["serve"]["connects"] == 2
         assert p2p(ca)["serve"]["askers"] == 1
+    # what an operator sees: `kvbm status --json` carries the peer reads (they were only in the Stats reply)
+    from click.testing import CliRunner
+
+    from kvbm.cli.main import main
+
+    assert a.proc is not None
+    r = CliRunner().invoke(main, ["status", "--json"], env={"KVBM_CONFIG": str(a.proc.cfg_path)},
+                           catch_exceptions=False)
+    assert json.loads(r.output)["fleet"]["p2p"]["serve"]["askers"] == 1, r.output

@@ -211,6 +211,11 @@ def test_router_sees_g2_g3_g4_through_stores_evictions_purge_and_restart(node):
             assert wait_until(lambda: agrees(view, c, keys), WAIT_S)
             st = c.stats()["daemon"]["router_events"]
             assert st["dropped"] == 0 and st["stored"] >= 24 * 3 and st["removed"] >= 8
+            # and an operator sees the stream's counters in `kvbm status --json`
+            r = CliRunner().invoke(main, ["status", "--json"], env={"KVBM_CONFIG": str(proc.cfg_path)},
+                                   catch_exceptions=False)
+            shown = json.loads(r.output)["router_events"]
+            assert shown["endpoint"] == rc["endpoint"] and shown["stored"] >= st["stored"], shown
             # (G2 evictions since the purge demoted to G3, which no longer held them: G3 may hold more than G4.)
             persistent = {t: set(view.tier(t)) for t in ("G3", "G4")}
             assert len(persistent["G4"]) == 4
