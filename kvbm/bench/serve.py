@@ -25,12 +25,13 @@ from kvbm.bench.openai_server import KVBM_CONNECTOR, write_model
 from kvbm.bench.runner import BenchRun
 from kvbm.bench.serve_daemon import BenchDaemon, timeline
 from kvbm.bench.serve_options import MiB, ServeBenchOptions
-from kvbm.bench.serve_report import goals, plot_serve, serve_table, ttft_rows
+from kvbm.bench.serve_report import goals, plot_serve, serve_table, stage_rows, ttft_rows
 from kvbm.bench.serve_requests import error_line
 from kvbm.bench.serve_workloads import Run, long_doc, multi_turn, peer_attempt, ttft_length_kvbm, ttft_length_vllm
 
 # The bench's public names, wherever they live (the CLI and the suite import them from here).
-__all__ = ["ServeBenchOptions", "error_line", "plot_serve", "run_serve", "serve_table", "timeline", "ttft_rows"]
+__all__ = ["ServeBenchOptions", "error_line", "plot_serve", "run_serve", "serve_table", "stage_rows", "timeline",
+           "ttft_rows"]
 
 
 async def _serve_source(run: Run, source: str, report: dict[str, Any]) -> None:
