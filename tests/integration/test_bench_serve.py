@@ -70,7 +70,9 @@ def test_bench_serve_smoke(s3_server, tmp_path: Path) -> None:
     assert g3["G3"] >= 2 and g4["G4"] >= 2 and g4["G3"] == 0, (g3, g4)
     # The load path stage by stage: every kvbm hit copied exactly its cached tokens' bytes into vLLM's paged KV,
     # in its vLLM blocks, inside the synchronous load's hook time; the rest of the prompt was computed.
-    bpt, vbs = report["model"]["kv_bytes_per_token"], report["options"]["block_size"]
+    # (the model's "kv_token_bytes": a key ending in "_token" is masked as a credential in the JSON)
+    bpt, vbs = report["model"]["kv_token_bytes"], report["options"]["block_size"]
+    assert bpt == report["kvbm_block_bytes"] // report["kvbm_block_tokens"], report["model"]
     stages = {(r["source"], r["tokens"]): r for r in stage_rows(report)}
     assert {("G2", 600), ("G3", 600), ("G4-http", 600), ("long-doc-qa queries", None)} <= set(stages), stages
     for src in ("G2", "G3", "G4-http"):
