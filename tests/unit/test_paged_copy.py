@@ -79,3 +79,23 @@ def test_runs_group_consecutive_ids_and_leave_out_the_null_block() -> None:
     assert runs([0, 1, 2], True) == [(1, 1, 2)]
     assert runs([0, 1, 2], False) == [(0, 0, 3)]
     assert runs([5, 0, 6], True) == [(0, 5, 1), (2, 6, 1)]
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_part_of_a_stored_block_loads_into_its_own_vllm_blocks_only(flash: bool) -> None:
+    # A full block of 4 vLLM blocks stored; vLLM already holds the first (its own prefix hit) and the last must be
+    # computed (the prompt's last token): blocks 1 and 2 of the slot go to vLLM blocks 8 and 9.
+    kv = caches(flash)
+    bdim = 1 if flash else 0
+    pc = PagedCache(kv, NB, stages=Stages())
+    slot = torch.zeros(4 * pc.vblock_bytes, dtype=torch.uint8)
+    pc.copy(slot, [2, 3, 4, 5], False)
+    other = {name: torch.zeros_like(t) for name, t in kv.items()}
+    PagedCache(other, NB, stages=Stages()).copy(slot, [8, 9], True, slot_k=4, skip=1)
+    for name in kv:
+        for b in range(NB):
+            want = {8: kv[name].select(bdim, 3), 9: kv[name].select(bdim, 4)}.get(b)
+            got = other[name].select(bdim, b)
+            assert torch.equal(got, want if want is not None else torch.zeros_like(got)), (name, b)
+    with pytest.raises(ValueError, match=r"vLLM blocks 3\.\.5 of a slot holding 4 per layer"):
+        pc.copy(slot, [8, 9], True, slot_k=4, skip=3)

@@ -55,19 +55,27 @@ class PagedCache:
         self.flat = bool(self.layers) and all(
             t.device.type == "cpu" and bdim == 0 and t.is_contiguous() for _, t, bdim, _, _ in self.layers)
 
-    def copy(self, slot_view: torch.Tensor, vblocks: list[int], to_engine: bool, non_blocking: bool = False) -> None:
+    def copy(self, slot_view: torch.Tensor, vblocks: list[int], to_engine: bool, non_blocking: bool = False,
+             slot_k: int | None = None, skip: int = 0) -> None:
         """Copy ``vblocks`` (every layer, in order) from ``slot_view`` into the engine, or the other way.
 
         ``vblocks`` holds ``k`` ids per KV-cache group, group after group. The slot holds, layer after layer,
         that layer's blocks in order; a run of consecutive block ids is one copy per layer (vLLM hands out a
         fresh request's blocks mostly in runs). A load skips vLLM's null block (a sliding-window block outside
-        the hit's window); a save never reads one."""
+        the hit's window); a save never reads one.
+
+        Part of a stored block: the slot holds ``slot_k`` vLLM blocks per layer (default ``k``) and ``vblocks``
+        are its blocks ``skip`` to ``skip + k`` (a full block loaded past vLLM's own hit, or short of a prompt's
+        last token)."""
         t0 = time.perf_counter()
         k = len(vblocks) // self.groups
-        need = sum(len(vblocks[g * k : (g + 1) * k]) * n for _, _, _, g, n in self.layers)
+        slot_k = k if slot_k is None else slot_k
+        if skip < 0 or skip + k > slot_k:
+            raise ValueError(f"kvbm: vLLM blocks {skip}..{skip + k} of a slot holding {slot_k} per layer")
+        need = sum(slot_k * n for _, _, _, _, n in self.layers)
         have = slot_view.numel() * slot_view.element_size()
         if have < need:
-            raise ValueError(f"kvbm: a slot of {have} B cannot hold {len(vblocks)} vLLM blocks ({need} B)")
+            raise ValueError(f"kvbm: a slot of {have} B cannot hold {slot_k * self.groups} vLLM blocks ({need} B)")
         flat = self.flat and slot_view.device.type == "cpu" and slot_view.is_contiguous()
         slot = slot_view.data_ptr()
         off = copied = 0
@@ -77,7 +85,7 @@ class PagedCache:
                 raise ValueError(f"kvbm: a save of layer {name} names vLLM's null block")
             base = cache.data_ptr()
             for pos, first, count in runs(ids, self.windowed):
-                a = off + pos * n
+                a = off + (skip + pos) * n
                 if flat:
                     # One memmove on this thread, the GIL released: a torch copy_ of this size forks the
                     # intra-op threads and joins them per layer and run, which costs milliseconds when the
@@ -96,7 +104,7 @@ class PagedCache:
                     else:
                         host.copy_(blk, non_blocking=non_blocking)
                 copied += count * n
-            off += len(ids) * n
+            off += slot_k * n
         d = "in" if to_engine else "out"
         # With non_blocking (a GPU save on a side stream) the seconds are the enqueue's, not the copy's.
         self.stages.add(**{f"copy_{d}_bytes": copied, f"copy_{d}_s": time.perf_counter() - t0,
