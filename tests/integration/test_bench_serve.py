@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from needs import needs
 
-from kvbm.bench.serve import error_line, timeline, ttft_rows
+from kvbm.bench.serve import error_line, stage_rows, timeline, ttft_rows
 from kvbm.cli.bench import bench
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -68,6 +68,24 @@ def test_bench_serve_smoke(s3_server, tmp_path: Path) -> None:
     g3 = report["ttft_length"]["G3"]["600"][0]["tier_hits"]
     g4 = report["ttft_length"]["G4-http"]["600"][0]["tier_hits"]
     assert g3["G3"] >= 2 and g4["G4"] >= 2 and g4["G3"] == 0, (g3, g4)
+    # The load path stage by stage: every kvbm hit copied exactly its cached tokens' bytes into vLLM's paged KV,
+    # in its vLLM blocks, inside the synchronous load's hook time; the rest of the prompt was computed.
+    # (the model's "kv_token_bytes": a key ending in "_token" is masked as a credential in the JSON)
+    bpt, vbs = report["model"]["kv_token_bytes"], report["options"]["block_size"]
+    assert bpt == report["kvbm_block_bytes"] // report["kvbm_block_tokens"], report["model"]
+    stages = {(r["source"], r["tokens"]): r for r in stage_rows(report)}
+    assert {("G2", 600), ("G3", 600), ("G4-http", 600), ("long-doc-qa queries", None)} <= set(stages), stages
+    for src in ("G2", "G3", "G4-http"):
+        st = stages[(src, 600)]
+        assert st["copy_in_bytes"] == st["cached_tokens"] * bpt == 512 * bpt, st
+        assert st["copy_in_vblocks"] == st["cached_tokens"] // vbs and st["copy_in_gbps"] > 0, st
+        assert st["computed_after_hit_tokens"] == st["prompt_tokens"] - st["cached_tokens"] > 0, st
+        assert st["load_hook_ms"] >= st["copy_in_ms"] > 0 and st["onboard_ms_derived"] >= 0, st
+        assert st["ttft_ms"] > 0 and st["tier_hits"] == report["ttft_length"][src]["600"][0]["tier_hits"], st
+    ld = stages[("long-doc-qa queries", None)]
+    assert ld["copy_in_bytes"] % (vbs * bpt) == 0, ld  # whole vLLM blocks (none if vLLM kept the documents)
+    assert ld["copy_in_bytes"] <= q["cached_tokens_mean"] * q["requests"] * bpt, ld  # G1 hits copy nothing
+    assert ld["computed_after_hit_tokens_mean"] == q["prompt_tokens_mean"] - q["cached_tokens_mean"], ld
     turns = report["multi_turn"]["kvbm"][0]
     assert turns[0]["cached_tokens"] == 0 and turns[1]["cached_tokens"] >= 256, turns
     assert not list(tmp_path.glob("kvbm-bench-serve-*")), "temp dirs left behind"

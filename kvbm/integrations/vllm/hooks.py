@@ -4,7 +4,9 @@ vLLM calls the connector's hooks on its engine thread; whatever they spend is ad
 (the scheduler, each worker) times its hooks; a step's total above ``hook_warn_ms`` is logged (at most every
 10 s, with how many steps did so). The figures go to vLLM's connector stats (the worker side, through
 :class:`KvbmConnectorStats`), and, where ``KVBM_HOOK_TIMES_DIR`` is set, to ``<dir>/<side>-<pid>.json``
-(written at most once a second and at shutdown) for benchmarks and tests.
+(written at most once a second, after a step whose load-path stages moved, and at shutdown) for benchmarks
+and tests. The load path's stage counters (:mod:`kvbm.integrations.vllm.stages`: lookups, Onboards by tier, the
+copy into the paged KV, tokens computed after a hit) go the same ways, under ``stages``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvbm.integrations.vllm.stages import Stages, diff, rates, stages_of
 
 log = logging.getLogger("kvbm.vllm")
 
@@ -48,10 +52,13 @@ class Histogram:
 
 
 class HookTimes:
-    """The hook and step histograms of one side of the connector."""
+    """The hook and step histograms of one side of the connector, and its load-path stage counters."""
 
-    def __init__(self, side: str, warn_ms: float) -> None:
+    def __init__(self, side: str, warn_ms: float, stages: Stages | None = None) -> None:
         self.side, self.warn_ms = side, warn_ms
+        self.stages = stages if stages is not None else stages_of(side)
+        self._interval_stages = self.stages.snapshot()  # the counters at the last take_interval
+        self._dumped_version = -1
         self.hooks: dict[str, Histogram] = {}
         self._interval: dict[str, Histogram] = {}  # since the last take_interval (vLLM's stats interval)
         self._interval_slow = 0
@@ -93,26 +100,31 @@ class HookTimes:
                             "%.0f ms since the last such line)", self.side, ms, slowest[1], slowest[0],
                             self._unwarned, self.warn_ms)
                 self._warned_at, self._unwarned = now, 0
-        if self._dump_to is not None and now - self._dumped_at >= DUMP_EVERY_S:
-            self.dump()
+        if self._dump_to is not None and (now - self._dumped_at >= DUMP_EVERY_S
+                                          or self.stages.version != self._dumped_version):
+            self.dump()  # a load's stages are on disk once its step ends (a bench reads them per request)
 
     def snapshot(self) -> dict[str, Any]:
         return {"side": self.side, "bounds_ms": list(BOUNDS_MS), "warn_ms": self.warn_ms,
                 "slow_steps": self.slow_steps, "step": self.step.to_dict(),
-                "hooks": {name: h.to_dict() for name, h in sorted(self.hooks.items())}}
+                "hooks": {name: h.to_dict() for name, h in sorted(self.hooks.items())},
+                "stages": self.stages.snapshot()}
 
     def take_interval(self) -> dict[str, Any]:
         """The hooks observed since the last call (what vLLM's connector stats aggregate), then forgotten."""
         hooks, self._interval = self._interval, {}
         slow, self._interval_slow = self._interval_slow, 0
-        if not hooks:
+        now = self.stages.snapshot()
+        stages, self._interval_stages = diff(now, self._interval_stages), now
+        if not hooks and not stages:
             return {}
-        return {"slow_steps": slow, "hooks": {name: h.to_dict() for name, h in hooks.items()}}
+        return {"slow_steps": slow, "hooks": {name: h.to_dict() for name, h in hooks.items()}, "stages": stages}
 
     def dump(self) -> None:
         if self._dump_to is None:
             return
         self._dumped_at = time.monotonic()
+        self._dumped_version = self.stages.version
         tmp = self._dump_to.with_suffix(".tmp")
         with contextlib.suppress(OSError):
             tmp.write_text(json.dumps(self.snapshot()))
@@ -121,8 +133,9 @@ class HookTimes:
 
 @dataclass
 class KvbmConnectorStats(KVConnectorStats):
-    """The worker side's hook times in vLLM's connector stats: ``data`` is :meth:`HookTimes.snapshot`, and an
-    interval's figures reduce to each hook's max and the steps over the threshold."""
+    """The worker side's hook times in vLLM's connector stats: ``data`` is :meth:`HookTimes.take_interval`, and an
+    interval's figures reduce to each hook's max, the steps over the threshold and the load path's stages (mean
+    Onboard ms, the copy's GB/s, blocks per tier)."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -141,13 +154,25 @@ class KvbmConnectorStats(KVConnectorStats):
                 "max_ms": max(cur["max_ms"], h["max_ms"]),
                 "buckets": [a + b for a, b in zip(cur["buckets"], h["buckets"], strict=True)]}
         self.data["slow_steps"] = self.data.get("slow_steps", 0) + other.data.get("slow_steps", 0)
+        st = self.data.setdefault("stages", {})
+        for name, v in other.data.get("stages", {}).items():
+            st[name] = st.get(name, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {"kvbm slow steps": self.data.get("slow_steps", 0)}
         for name, h in self.data.get("hooks", {}).items():
             out[f"kvbm {name} max ms"] = round(h["max_ms"], 2)
+        st = self.data.get("stages", {})
+        for name, v in rates(st).items():
+            out[f"kvbm {name.replace('_', ' ')}"] = v
+        for name in ("copy_in_bytes", "onboard_blocks", "computed_after_hit_tokens"):
+            if name in st:
+                out[f"kvbm {name.replace('_', ' ')}"] = st[name]
+        for name, v in st.items():
+            if name.startswith("onboard_blocks_"):
+                out[f"kvbm onboard blocks {name.rsplit('_', 1)[1]}"] = v
         return out
 
     def is_empty(self) -> bool:
-        return not self.data.get("hooks")
+        return not self.data.get("hooks") and not self.data.get("stages")
