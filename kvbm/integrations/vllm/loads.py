@@ -11,6 +11,7 @@ asks for: the vLLM block ids that did not arrive (vLLM recomputes from the first
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,7 @@ from kvbm.client.lease import Onboarding, pin_window
 from kvbm.integrations.vllm.groups import NULL_BLOCK
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link
 from kvbm.integrations.vllm.metadata import BlockTransfer
+from kvbm.integrations.vllm.stages import stages_of
 
 log = logging.getLogger("kvbm.vllm")
 
@@ -50,6 +52,7 @@ class Loader:
         # nbytes_of(ids): the bytes of a kvbm block of those vLLM blocks (a partial block has fewer than k).
         self._link, self._async_link, self._copy, self._nbytes_of = link, async_link, copy, nbytes_of
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")
+        self._stages = stages_of("worker")
         self._loading: dict[str, Future[set[int]]] = {}
         self._errors: set[int] = set()  # vLLM block ids that did not load, until vLLM reads them
         self._failed: set[str] = set()  # requests whose load came up short, until vLLM reads them
@@ -140,7 +143,10 @@ class Loader:
             got_all = loaded[tr.req_id] == a  # every earlier piece came in whole: this one continues the run
             if job is not None and live():
                 try:
+                    t0 = time.perf_counter()
                     with job.loaded() as got:
+                        self._stages.add(onboards=1, onboard_ms=(time.perf_counter() - t0) * 1e3,
+                                         onboard_blocks=got.count)
                         for i in range(got.count if got_all else 0):
                             if got.nbytes[i] != self._nbytes_of(tr.block_ids[a + i]):
                                 break

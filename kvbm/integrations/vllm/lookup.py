@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvbm.client.lease import PendingLookup, is_load
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link
+from kvbm.integrations.vllm.stages import stages_of
 
 log = logging.getLogger("kvbm.vllm")
 
@@ -60,6 +61,7 @@ class Lookups:
         self._jobs: dict[str, _Job] = {}  # asked and not yet returned (scheduler thread only)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.gave_up = 0
+        self._stages = stages_of("scheduler")
         self._thread = threading.Thread(target=self._run, name="kvbm-lookup", daemon=True)
         self._thread.start()
 
@@ -208,6 +210,7 @@ class Lookups:
             if id(job) in retry:
                 continue
             job.matched, job.partial, job.answered = m, j, now
+            self._stages.add(lookups=1, lookup_ms=(now - job.asked) * 1e3)  # queued + round trip, every rank
             job.done.set()
         return again
 

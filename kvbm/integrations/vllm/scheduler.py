@@ -127,6 +127,8 @@ class SchedulerSide:
             st.load.block_ids.append([b for ids in st.block_ids for b in ids[first : first + j]])
         st.load_from = local_blocks
         st.saved_blocks = local_blocks + n  # loaded blocks are already stored
+        self.hooks.stages.add(hit_tokens=num_external_tokens,
+                              computed_after_hit_tokens=request.num_tokens - st.local_tokens - num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmConnectorMetadata:
         self._lookups.new_step()  # the end of this step's scheduling: the next one may wait again
