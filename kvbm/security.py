@@ -76,15 +76,22 @@ def read_admin_token(path: Path) -> str:
 
 def read_tenant_token(path: str, field: str) -> str:
     """The tenant token a client presents ("" when ``path`` is empty); a file it cannot read is an error
-    naming ``field`` (registering without it would only be refused)."""
+    naming ``field`` (registering without it would only be refused). The file must be private."""
+    return read_token_file(path, field, private=True)
+
+
+def read_token_file(path: str, field: str, *, private: bool = False) -> str:
+    """The token in the file ``path`` names ("" when ``path`` is empty): an unreadable or empty file is a
+    ConfigError naming ``field``; ``private``: one readable by group or others is too. Blocking file read."""
     if not path:
         return ""
     p = Path(path).expanduser()
     try:
-        _check_private(p)
-        token = p.read_text().strip()
+        if private:
+            _check_private(p)
+        token = p.read_text(encoding="utf-8").strip()
     except OSError as e:
-        raise ConfigError(f"{field}: cannot read {p}: {e.strerror}") from None
+        raise ConfigError(f"{field}: cannot read {p}: {e.strerror or e}") from None
     if not token:
         raise ConfigError(f"{field}: {p} is empty")
     return token

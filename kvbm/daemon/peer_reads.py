@@ -18,7 +18,6 @@ import asyncio
 import errno
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,10 +31,11 @@ import zmq.asyncio
 from kvbm.blocks import BlockKey
 from kvbm.config.fleet import FleetConfig
 from kvbm.daemon.logs import logj
-from kvbm.errors import ConfigError, KvbmError
+from kvbm.errors import KvbmError
 from kvbm.fleet import p2p as m
 from kvbm.fleet.peers import PeerFollower
 from kvbm.manager.core import BlockManager
+from kvbm.security import read_token_file
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
 from kvbm.transfer.peer import PeerAgent
@@ -379,14 +379,4 @@ class PeerReads:
 
 def read_token(fc: FleetConfig) -> str:
     """``fleet.peer_read_token_file``'s token ("" without one). Blocking: call it in a thread."""
-    if not fc.peer_read_token_file:
-        return ""
-    path = os.path.expanduser(fc.peer_read_token_file)
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise ConfigError(f"fleet.peer_read_token_file: cannot read {path}: {e.strerror or e}") from e
-    if not token:
-        raise ConfigError(f"fleet.peer_read_token_file: {path} is empty")
-    return token
+    return read_token_file(fc.peer_read_token_file, "fleet.peer_read_token_file")

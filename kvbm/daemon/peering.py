@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 from typing import Any
 
@@ -31,6 +30,7 @@ from kvbm.fleet import BucketProbe, PeerFollower, p2p
 from kvbm.fleet.members import Discovery, Membership, host_local
 from kvbm.fleet.peers import Residency
 from kvbm.manager.core import BlockManager
+from kvbm.security import read_token_file
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
 from kvbm.tiers.s3 import S3Tier
@@ -268,17 +268,7 @@ def read_peer_token(dc: DaemonConfig) -> str:
     ``admin``): the token in ``daemon.peer_token_file`` (the peers' admin token); "" when none is configured.
     Never this daemon's own admin token by default: anyone who can write the bucket prefix can announce an
     endpoint, and PLAIN sends the token in clear. Blocking file read: call it in a thread."""
-    if not dc.peer_token_file:
-        return ""
-    path = os.path.expanduser(dc.peer_token_file)
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise ConfigError(f"daemon.peer_token_file: cannot read {path}: {e.strerror or e}") from e
-    if not token:
-        raise ConfigError(f"daemon.peer_token_file: {path} is empty")
-    return token
+    return read_token_file(dc.peer_token_file, "daemon.peer_token_file")
 
 
 def announced_endpoint(dc: DaemonConfig, bound: str) -> str:
