@@ -113,3 +113,26 @@ def test_a_conversations_next_turn_is_cached_to_the_vllm_block_and_computes_the_
         assert second["tokens"] == alone2["tokens"]
     finally:
         daemon.stop()
+
+
+def test_a_local_hit_ending_inside_a_kvbm_block_is_continued_from_kvbm(tmp_path, tiny_model):
+    """vLLM's own prefix cache holds the prompt's first 3 vLLM blocks (another request computed them): its hit
+    ends inside the second kvbm block (2 vLLM blocks each). kvbm used to give up on such a request (its lookup
+    asked only from a kvbm block boundary) and the 5 vLLM blocks after the hit were computed; now the second
+    block loads only its vLLM block past the hit and the rest load whole: every stored block is used, and the
+    tokens are those an engine computing everything gets."""
+    prompt = [(i * 29 + 5) % 947 + 3 for i in range(4 * BLOCK_TOKENS + 20)]
+    vbs = BLOCK_TOKENS // K
+    daemon = g2_daemon(tmp_path)
+    try:
+        daemon.start()
+        steps = [{"settle": True, "max_tokens": 1},
+                 {"prompt": prompt[: 3 * vbs + 5], "max_tokens": 1, "keep_prefix_cache": True, "settle": True},
+                 {"prompt": prompt, "max_tokens": 8}]
+        _, local, hit = run_vllm(tmp_path, "local", tiny_model, daemon, steps, prompt=prompt)
+        (alone,) = run_vllm(tmp_path, "alone", tiny_model, None, [{"max_tokens": 8}], prompt=prompt)
+        assert local["prefix_cache_reset"] is None  # vLLM kept the 3 blocks for the next request
+        assert hit["num_cached_tokens"] == 4 * BLOCK_TOKENS, (hit["num_cached_tokens"], hit["kv_transfer_params"])
+        assert hit["tokens"] == alone["tokens"]
+    finally:
+        daemon.stop()

@@ -327,7 +327,9 @@ def main(spec_path: str, out_path: str) -> None:
         if evictor is not None:
             res["evicted_before_load"] = evictor.evicted
         res["prompt_tokens"] = len(prompt)
-        res["prefix_cache_reset"] = llm.reset_prefix_cache() if prefix_cache else None
+        # keep_prefix_cache: the next step may hit vLLM's own cache too (a local hit before kvbm's)
+        res["prefix_cache_reset"] = llm.reset_prefix_cache() if prefix_cache and not step.get("keep_prefix_cache") \
+            else None
         results.append(res)
     with open(out_path, "w") as f:
         json.dump({"results": results}, f)

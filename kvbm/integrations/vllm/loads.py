@@ -46,10 +46,11 @@ def done_future(result: set[int]) -> Future[set[int]]:
 class Loader:
     """Runs a step's loads, on the engine's thread (sync) or a thread of their own (async)."""
 
-    def __init__(self, link: Link, async_link: Link, copy: Callable[[torch.Tensor, list[int]], None],
-                 nbytes_of: Callable[[list[int]], int]) -> None:
-        # copy(slot view, vLLM block ids): the paged cache's copy into vLLM's blocks.
-        # nbytes_of(ids): the bytes of a kvbm block of those vLLM blocks (a partial block has fewer than k).
+    def __init__(self, link: Link, async_link: Link, copy: Callable[[torch.Tensor, list[int], int], None],
+                 nbytes_of: Callable[[list[int], int], int]) -> None:
+        # copy(slot view, vLLM block ids, skip): the paged cache's copy into vLLM's blocks, from the stored block's
+        # vLLM block ``skip`` on. nbytes_of(ids, skip): the bytes of a stored kvbm block of ``skip`` + those vLLM
+        # blocks (a partial block has fewer than k).
         self._link, self._async_link, self._copy, self._nbytes_of = link, async_link, copy, nbytes_of
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")
         self._stages = stages_of("worker")
@@ -148,9 +149,10 @@ class Loader:
                         self._stages.add(onboards=1, onboard_ms=(time.perf_counter() - t0) * 1e3,
                                          onboard_blocks=got.count)
                         for i in range(got.count if got_all else 0):
-                            if got.nbytes[i] != self._nbytes_of(tr.block_ids[a + i]):
+                            ids, skip = tr.block_ids[a + i], tr.skip if a + i == 0 else 0
+                            if got.nbytes[i] != self._nbytes_of(ids, skip):
                                 break
-                            self._copy(got.view(i), tr.block_ids[a + i])
+                            self._copy(got.view(i), ids, skip)
                             loaded[tr.req_id] += 1
                     settled.append(job)
                 except LINK_ERRORS as e:

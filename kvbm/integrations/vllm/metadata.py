@@ -15,10 +15,13 @@ class BlockTransfer:
     hashes: list[bytes]
     block_ids: list[list[int]]
     final: bool = False  # a finished request's last save: vLLM keeps its blocks until the worker reports it
+    # A load's first block: its leading vLLM blocks vLLM holds already (its own prefix-cache hit ended inside
+    # the kvbm block); block_ids[0] lists only the others, copied from that far into the stored block.
+    skip: int = 0
 
     def head(self, n: int) -> BlockTransfer:
         """The first ``n`` blocks of this transfer."""
-        return BlockTransfer(self.req_id, self.hashes[:n], self.block_ids[:n], self.final)
+        return BlockTransfer(self.req_id, self.hashes[:n], self.block_ids[:n], self.final, self.skip)
 
 
 @dataclass

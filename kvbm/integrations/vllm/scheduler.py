@@ -64,11 +64,14 @@ class SchedulerSide:
         """The kvbm block hashes worth looking up for ``request`` beyond its ``num_computed_tokens``, and the
         vLLM block hashes a partial block after them may end at (empty without partial blocks)."""
         block_tokens = self.geometry.block_tokens  # 0 until a link resolved it (the lookup thread retries)
-        if (not self.cfg.load or not block_tokens or num_computed_tokens % block_tokens
-                or request.request_id in self._load_failed):
+        if not self.cfg.load or not block_tokens or request.request_id in self._load_failed:
+            return [], []
+        vbs, k = self.geometry.vllm_block_size, self.geometry.known_k
+        if num_computed_tokens % block_tokens and (num_computed_tokens % vbs or self.groups.count != 1):
+            # A local hit inside a kvbm block is continued from its next vLLM block (one KV-cache group: a
+            # sliding window's part-loaded block would need its own intactness rules).
             return [], []
         # Leave at least one token to compute: vLLM needs logits for the last prompt token.
-        vbs, k = self.geometry.vllm_block_size, self.geometry.known_k
         max_vblocks = min((request.num_tokens - 1) // vbs, len(request.block_hashes))
         if max_vblocks * vbs <= num_computed_tokens:
             return [], []
@@ -114,19 +117,24 @@ class SchedulerSide:
         st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if num_external_tokens <= 0:
             return
-        # External tokens follow the local prefix-cache hit (request.num_computed_tokens is still 0 here).
-        local_blocks = st.local_tokens // self.geometry.block_tokens
-        n = num_external_tokens // self.geometry.block_tokens
-        k = self.geometry.known_k
-        st.load = st.transfer(range(local_blocks, local_blocks + n), k)
-        j = num_external_tokens % self.geometry.block_tokens // self.geometry.vllm_block_size
+        # External tokens follow the local prefix-cache hit (request.num_computed_tokens is still 0 here), which
+        # may end inside a kvbm block (vLLM caches its own smaller blocks): that block loads only its vLLM blocks
+        # past the hit (``skip``). The matched run then always reaches past that block (get_num_new_matched_tokens).
+        k, vbs = self.geometry.known_k, self.geometry.vllm_block_size
+        v0 = st.local_tokens // vbs
+        first_block, skip = divmod(v0, k)
+        end_block, j = divmod(v0 + num_external_tokens // vbs, k)
+        st.load = st.transfer(range(first_block, end_block), k)
+        if skip and st.load.block_ids:
+            st.load.block_ids[0] = st.load.block_ids[0][skip:]
+            st.load.skip = skip
         if j:  # a partial block after the full ones: its own key, j vLLM blocks
-            first = (local_blocks + n) * k
+            first = end_block * k
             st.partial = bytes(request.block_hashes[first + j - 1])
             st.load.hashes.append(st.partial)
             st.load.block_ids.append([b for ids in st.block_ids for b in ids[first : first + j]])
-        st.load_from = local_blocks
-        st.saved_blocks = local_blocks + n  # loaded blocks are already stored
+        st.load_from = first_block
+        st.saved_blocks = end_block  # loaded blocks are already stored
         self.hooks.stages.add(hit_tokens=num_external_tokens,
                               computed_after_hit_tokens=request.num_tokens - st.local_tokens - num_external_tokens)
 

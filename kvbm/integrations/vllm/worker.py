@@ -44,14 +44,20 @@ class WorkerSide:
         # Async loads and saves each run on their own thread with their own daemon session (a client is
         # single-threaded).
         self.loader = Loader(self._link, links.open(tp_rank, f"loader-r{tp_rank}-{pid}"),
-                             lambda view, ids: self._cache.copy(view, ids, True), self._nbytes_of)
+                             self._load_copy, self._nbytes_of)
         self.saver = Saver(links.open(tp_rank, f"saver-r{tp_rank}-{pid}"),
                            lambda view, ids, stream: self._cache.copy(view, ids, False, stream is not None),
                            self._nbytes_of, saves, self.stats)
 
-    def _nbytes_of(self, ids: list[int]) -> int:
-        """The bytes of a kvbm block made of vLLM blocks ``ids`` (``k`` per group; fewer in a partial block)."""
-        return self._cache.vblock_bytes * len(ids) // max(1, self._cache.groups)
+    def _nbytes_of(self, ids: list[int], skip: int = 0) -> int:
+        """The bytes of a kvbm block made of vLLM blocks ``ids`` (``k`` per group; fewer in a partial block), and
+        ``skip`` more a load does not copy (vLLM's own hit holds them)."""
+        return self._cache.vblock_bytes * (len(ids) // max(1, self._cache.groups) + skip)
+
+    def _load_copy(self, view: Any, ids: list[int], skip: int) -> None:
+        """A stored block into vLLM's blocks ``ids``, from its vLLM block ``skip`` on."""
+        k = len(ids) // max(1, self._cache.groups)
+        self._cache.copy(view, ids, True, slot_k=k + skip if skip else None, skip=skip)
 
     @property
     def _block_bytes(self) -> int:
