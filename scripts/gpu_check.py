@@ -140,8 +140,8 @@ def paged(cuda: bool, geo: dict[str, int]) -> dict[str, Any]:
         if stream is not None:
             stream.synchronize()
     load = time.perf_counter() - t
-    exact = all(torch.equal(c.select(bd, d), c.select(bd, s))
-                for _n, c, bd, _g in cache.layers for r in range(rounds) for s, d in zip(src[r], dst[r], strict=True))
+    exact = all(torch.equal(c.select(bd, d), c.select(bd, s)) for _n, c, bd, _g, _nb in cache.layers
+                for r in range(rounds) for s, d in zip(src[r], dst[r], strict=True))
     total = rounds * nbytes
     asyncio.run(g2.close())
     return {"ran": True, "layout": list(next(iter(caches.values())).shape), "vblock_bytes": cache.vblock_bytes,
