@@ -344,7 +344,7 @@ def test_a_step_loading_more_blocks_than_g2_holds_loads_every_one(tmp_path):
         w.start_load_kv(KvbmConnectorMetadata(k=1, loads=loads))
         assert w.get_block_ids_with_load_errors() == set()
         for vb in range(6):  # every vLLM block holds its kvbm block's bytes
-            assert all(int(t[vb][0]) == vb + 1 for _name, t, _dim, _group in w._cache.layers), vb
+            assert all(int(t[vb][0]) == vb + 1 for _name, t, _dim, _group, _nbytes in w._cache.layers), vb
     finally:
         w.shutdown()
         daemon.stop()
