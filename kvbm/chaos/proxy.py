@@ -160,7 +160,8 @@ class FaultProxy:
             pending = asyncio.all_tasks(loop)
             for t in pending:
                 t.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            if pending:  # (gather of nothing looks for a current loop, which this thread does not set)
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(self._server.wait_closed())
             loop.close()
 

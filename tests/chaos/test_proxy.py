@@ -10,7 +10,8 @@ import pytest
 
 from kvbm.chaos.proxy import FaultProxy, FaultRates
 
-pytestmark = pytest.mark.s3
+# An exception in the proxy thread (its stop) is an error here, not a warning.
+pytestmark = [pytest.mark.s3, pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")]
 
 
 def _get(port: int, path: str = "/kvbm-test/none") -> tuple[int, bytes]:
