@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,12 @@ import numpy as np
 import pytest
 from needs import require
 from serve_proc import ServeProc, wait_until
+from test_fleet import LAYOUT, free_port, loads_exact, payload, prompt, store
 
-from kvbm.blocks import BlockKey
-from kvbm.blocks.layout import KVLayout
 from kvbm.client import WorkerClient
 from kvbm.tiers.host import shm_path
 from kvbm.transfer import nixl_available
 
-LAYOUT = KVLayout(model="p2p", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)
 WAIT_S = 30.0  # generous deadline for poll loops; never a timing assertion
 
 
@@ -35,12 +32,6 @@ WAIT_S = 30.0  # generous deadline for poll loops; never a timing assertion
 def _nixl() -> None:
     ok, why = nixl_available()
     require("nixl", ok, f"peer reads are NIXL UCX READs: {why}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Node:
@@ -85,27 +76,6 @@ class Node:
                              curve_keypair=keypair)
         c.register(LAYOUT, worker_id=f"w-{self.name}-{admin}")
         return c
-
-
-def prompt(n: int) -> list[BlockKey]:
-    return [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(n)]
-
-
-def payload(k: BlockKey) -> np.ndarray:
-    rng = np.random.default_rng(int.from_bytes(k.hash[:8], "little"))
-    return rng.integers(0, 256, LAYOUT.block_nbytes, dtype=np.uint8)
-
-
-def store(c: WorkerClient, keys: list[BlockKey]) -> None:
-    assert c.store(keys, [payload(k) for k in keys], durable=True).durable == len(keys)
-
-
-def loads_exact(c: WorkerClient, keys: list[BlockKey]) -> int:
-    bufs = [np.zeros(LAYOUT.block_nbytes, dtype=np.uint8) for _ in keys]
-    n = c.load(keys, bufs)
-    for k, b in zip(keys[:n], bufs[:n], strict=True):
-        assert np.array_equal(b, payload(k)), f"wrong bytes served for {k}"
-    return n
 
 
 def tier(c: WorkerClient, name: str) -> dict[str, Any]:
