@@ -6,8 +6,8 @@ Invariants (the names a report counts violations under):
 - ``daemon_alive``: the daemon never dies of its own accord, and answers a Ping after every step (after a kill,
   the restarted one does);
 - ``wrong_bytes``: a load returns exactly the bytes stored under that key (:func:`kvbm.chaos.schedule.content`);
-- ``acked_lost``: every block acknowledged durable (and not purged since) is in the bucket, with its bytes,
-  once S3 is back;
+- ``acked_lost``: every block acknowledged durable (and not purged since, nor named by a purge that failed: that
+  one's outcome is unknown to the client) is in the bucket, with its bytes, once S3 is back;
 - ``purge_undone``: a block purged (Evict answered) and not stored again is not in the bucket at the end;
 - ``cross_tenant``: no tenant registers, reads or writes another tenant's namespace;
 - ``unnamed_refusal``: every refusal (an Error reply) carries a known code and a message;
@@ -46,6 +46,9 @@ class Model:
     durable: set[BlockKey] = field(default_factory=set)  # acked durable, not purged since
     purged: set[BlockKey] = field(default_factory=set)  # purged (Evict answered), not stored again
     forged: set[BlockKey] = field(default_factory=set)  # keys another tenant wrote its own bytes under (let in)
+    # A purge refused or partly skipped may have removed some of its blocks (an owed write dropped, a delete that
+    # reached the bucket before the reply was lost): neither kept nor gone is owed for them until stored again.
+    undetermined: set[BlockKey] = field(default_factory=set)
     violations: list[Violation] = field(default_factory=list)
     step: int = 0
 
@@ -55,12 +58,19 @@ class Model:
 
     def stored(self, keys: list[BlockKey], durable: bool) -> None:
         self.purged.difference_update(keys)
+        self.undetermined.difference_update(keys)
         if durable:
             self.durable.update(keys)
 
     def purge(self, keys: list[BlockKey]) -> None:
         self.durable.difference_update(keys)
         self.purged.update(keys)
+
+    def purge_undetermined(self, keys: list[BlockKey]) -> None:
+        """A purge that failed or was not answered: its blocks may or may not be in the bucket now."""
+        self.durable.difference_update(keys)
+        self.purged.difference_update(keys)
+        self.undetermined.update(keys)
 
     # -- checks ---------------------------------------------------------------------------------------------
     def check_refusal(self, code: str, message: str, what: str) -> None:

@@ -133,6 +133,8 @@ class Harness:
         r = self.call("purge", lambda: self.world.admin_client().evict(ks))
         if isinstance(r, p.Evicted) and not r.skipped:
             self.model.purge(ks)
+        else:  # refused, unanswered or partly skipped (the reply names no keys): each block may be either way
+            self.model.purge_undetermined(ks)
 
     def op_register(self, op: Op) -> None:
         """An engine restarts: it unregisters and registers again."""

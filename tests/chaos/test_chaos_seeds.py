@@ -16,8 +16,8 @@ import pytest
 from needs import require
 
 from kvbm.chaos.invariants import INVARIANTS
-from kvbm.chaos.runner import S3Target, campaign, tmpfs_available
-from kvbm.chaos.schedule import plan
+from kvbm.chaos.runner import Harness, S3Target, campaign, tmpfs_available
+from kvbm.chaos.schedule import Op, Schedule, plan
 
 pytestmark = pytest.mark.s3
 
@@ -82,3 +82,23 @@ def test_a_seed_replays_through_kvbm_bench_chaos(s3_server, tmp_path: Path) -> N
     same = {"cross_tenant", "unnamed_refusal"}
     assert [{v["invariant"] for v in r["runs"][0]["violations"]} & same for r in runs].count(
         {v["invariant"] for v in runs[0]["runs"][0]["violations"]} & same) == 2
+
+
+def test_a_purge_refused_mid_outage_leaves_its_blocks_undetermined_not_acked(s3_server, tmp_path: Path) -> None:
+    """Seed 4000's acked_lost, directed: a block acked durable while S3 is out (owed), then purged while S3 is
+    still out. The daemon drops the owed write (a purge must not come back when S3 does) and answers
+    ``unavailable`` (the bucket delete failed). Whether the block is in the bucket afterwards is not known to the
+    client, so the model may expect it neither there nor gone: the end check must find no violation."""
+    require("tmpfs", *tmpfs_available())
+    sched = Schedule(seed=4000, index_bucket="background", final="kill", ops=[
+        Op("s3_outage", seconds=6.0),
+        Op("store", "a", 1, [12, 13], durable=True),
+        Op("purge", "a", 0, [12]),
+    ])
+    h = Harness(sched, _target(s3_server), tmp_path)
+    res = h.run()
+    assert not res.harness_errors, res.harness_errors
+    assert res.refusals.get("unavailable") == 1, (res.refusals, res.trace)  # the purge failed, as seed 4000's
+    assert not res.violations, res.violations
+    a12 = h.world.keys("a", [12])[0]
+    assert a12 not in h.model.durable and a12 not in h.model.purged and a12 in h.model.undetermined
