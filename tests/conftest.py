@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 from needs import (  # noqa: F401  (pytest hooks, found by name in this module)
+    pytest_collectreport,
     pytest_configure,
-    pytest_make_collect_report,
     pytest_runtest_makereport,
     pytest_sessionfinish,
     pytest_terminal_summary,
@@ -19,6 +19,23 @@ from needs import (  # noqa: F401  (pytest hooks, found by name in this module)
 )
 
 from kvbm.s3server import EmbeddedS3, weed_runs
+
+# The files that take minutes (a real vLLM, seeded campaigns), longest first (measured under pytest-xdist, 4
+# workers on 2 cores). scripts/test.sh hands whole files to its workers (--dist loadfile) in collection order:
+# these go out first, so that none of them starts last on an otherwise idle worker.
+LONG_FIRST = (
+    "integration/test_vllm_e2e.py", "fuzz/test_verify_seeds.py", "integration/test_vllm_preemption.py",
+    "integration/test_durability.py", "integration/test_vllm_hits.py", "integration/test_vllm_layouts.py",
+    "integration/test_vllm_server.py", "chaos/test_chaos_seeds.py", "integration/test_p2p.py",
+    "integration/test_bench_trace_serve.py", "integration/test_security.py", "integration/test_faults_journal.py",
+    "integration/test_fleet_durability.py", "integration/test_bench_serve.py", "integration/test_fleet.py",
+    "integration/test_vllm_conversation.py", "integration/test_bench_smoke.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {f"tests/{f}": i for i, f in enumerate(LONG_FIRST)}
+    items.sort(key=lambda it: rank.get(it.nodeid.split("::", 1)[0], len(LONG_FIRST)))  # stable: the rest keep order
 
 
 @pytest.fixture(scope="session")

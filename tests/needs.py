@@ -131,14 +131,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         report.outcome, report.longrepr = "failed", msg
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
-    # A module skipped at import stays a skip (failing a collection would abort the whole run);
-    # the session fails at the end instead.
-    outcome = yield
-    msg = _required_skip(outcome.get_result())
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    # A module skipped at import stays a skip (failing a collection would abort the whole run); the session fails
+    # at the end instead. This hook, not a wrapper of the collection, so that under pytest-xdist the controller
+    # sees the workers' skipped collections too (it replays their reports through this hook).
+    msg = _required_skip(report)
     if msg:
-        _collect_failures.append(f"{collector.nodeid}: {msg}")
+        _collect_failures.append(f"{report.nodeid}: {msg}")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

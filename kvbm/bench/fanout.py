@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbm.bench.common import DaemonProc, percentile, summary
+from kvbm.daemon.launch import ipc_endpoint
 
 
 def _cfg(root: Path, srv: dict[str, Any], endpoint: str, prefix: str, block_bytes: int, i: int, mode: str,
@@ -34,8 +35,8 @@ def _cfg(root: Path, srv: dict[str, Any], endpoint: str, prefix: str, block_byte
         "s3": {"endpoint": endpoint, "bucket": srv["bucket"], "prefix": prefix, "access_key": srv["access_key"],
                "secret_key": srv["secret_key"]},
         "embedded_s3": {"enabled": False}, "transfer": {"backend": "plain"},
-        "daemon": {"endpoint": f"ipc://{root}/{mode}-{i}.sock",
-                   "events_endpoint": f"ipc://{root}/{mode}-{i}-ev.sock" if events else "",
+        "daemon": {"endpoint": ipc_endpoint(root, f"{mode}-{i}.sock"),
+                   "events_endpoint": ipc_endpoint(root, f"{mode}-{i}-ev.sock") if events else "",
                    "metrics_port": 0, "node_id": f"{mode}-{i}", "prefetch": False, "access_log_interval_s": 0,
                    "probe_negative_ttl_s": negative_ttl_s, "discovery": events, "discovery_interval_s": 0.5,
                    "discovery_ttl_s": 10.0},

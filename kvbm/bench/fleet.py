@@ -34,6 +34,7 @@ from typing import Any
 from kvbm.bench.common import BenchTarget, CpuMeter, DaemonProc, delete_prefix, s3_server, summary
 from kvbm.bench.route import route_rows, run_route
 from kvbm.bench.runner import BenchRun
+from kvbm.daemon.launch import ipc_endpoint
 
 LIST_NS = "bench-list-0123456789abcdef"
 
@@ -74,7 +75,7 @@ def _daemon_cfg(root: Path, srv: dict[str, Any], prefix: str, block_bytes: int, 
         "s3": {"endpoint": srv["endpoint"], "bucket": srv["bucket"], "prefix": prefix,
                "access_key": srv["access_key"], "secret_key": srv["secret_key"]},
         "embedded_s3": {"enabled": False}, "transfer": {"backend": "plain"},
-        "daemon": {"endpoint": f"ipc://{root}/d{i}.sock", "events_endpoint": "", "metrics_port": 0,
+        "daemon": {"endpoint": ipc_endpoint(root, f"d{i}.sock"), "events_endpoint": "", "metrics_port": 0,
                    "node_id": f"bench-{i}"},
     }
 

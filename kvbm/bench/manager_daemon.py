@@ -13,6 +13,7 @@ import numpy as np
 
 from kvbm.bench.common import CpuMeter, DaemonProc, median, summary
 from kvbm.bench.manager_options import ManagerOptions, MiB, add_row, block_keys
+from kvbm.daemon.launch import ipc_endpoint, ipc_exists
 
 
 def _proc_rss(pid: int) -> int:
@@ -46,7 +47,7 @@ def _daemon(tmp: Path, slot: int, host_bytes: int) -> DaemonProc:
         "block_bytes": slot, "device": {"enabled": False}, "host": {"capacity": host_bytes, "pin": False},
         "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
         "transfer": {"backend": "plain"},
-        "daemon": {"endpoint": f"ipc://{tmp}/kvbm.sock", "events_endpoint": f"ipc://{tmp}/events.sock",
+        "daemon": {"endpoint": ipc_endpoint(tmp, "kvbm.sock"), "events_endpoint": ipc_endpoint(tmp, "events.sock"),
                    "metrics_port": 0, "max_inflight": 4096, "max_queue": 4096, "log_format": "json"},
     }
     return DaemonProc(tmp, cfg, args=("--log-level", "warning"))
@@ -65,7 +66,7 @@ def bench_daemon(opts: ManagerOptions, rows: list[dict[str, Any]], work: Path, e
     reps = max(1, opts.onboard_repeats)
     # G2 holds every block (1 KiB each), so the daemon's registry ends up with ``total`` blocks.
     d = _daemon(work, slot, (total + opts.prefix_blocks + 64) * slot)
-    d.start(marks=(), ready=(work / "kvbm.sock").exists)
+    d.start(marks=(), ready=ipc_exists(ipc_endpoint(work, "kvbm.sock")))
     try:
         with WorkerClient(d.endpoint, timeout_s=60.0) as c:
             c.register(layout, worker_id=f"bench-{os.getpid()}")

@@ -22,6 +22,7 @@ from typing import Any
 from kvbm.bench.common import DaemonProc, machine, median, temp_dir
 from kvbm.bench.native import KVBM_TIER, NativeEngine, chunk_bytes_of, chunk_keys, offloading_config
 from kvbm.bench.report import table
+from kvbm.daemon.launch import ipc_endpoint
 
 GB = 1_000_000_000
 
@@ -40,7 +41,7 @@ def _daemon_cfg(root: Path, opts: NativeOptions) -> dict[str, Any]:
     return {"block_bytes": opts.chunk_bytes, "device": {"enabled": False}, "host": {"capacity": g2},
             "disk": {"enabled": True, "dir": str(root / "g3"), "capacity": 4 * g2, "fsync": False},
             "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
-            "daemon": {"endpoint": f"ipc://{root}/kvbm.sock", "events_endpoint": f"ipc://{root}/ev.sock",
+            "daemon": {"endpoint": ipc_endpoint(root, "kvbm.sock"), "events_endpoint": ipc_endpoint(root, "ev.sock"),
                        "metrics_port": -1}}
 
 

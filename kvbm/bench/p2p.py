@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbm.bench.common import DaemonProc, delete_prefix, load_avg, machine, median, s3_server, temp_dir
+from kvbm.daemon.launch import ipc_endpoint
 
 TRANSPORTS = {"default": None, "tcp": "tcp"}  # name -> UCX_TLS (None: unset)
 
@@ -42,7 +43,7 @@ def _cfg(root: Path, srv: dict[str, Any], prefix: str, opts: P2POptions, name: s
         "s3": {"endpoint": srv["endpoint"], "bucket": srv["bucket"], "prefix": prefix,
                "access_key": srv["access_key"], "secret_key": srv["secret_key"]},
         "embedded_s3": {"enabled": False},
-        "daemon": {"endpoint": f"ipc://{root}/{name}.sock", "events_endpoint": "tcp://127.0.0.1:0",
+        "daemon": {"endpoint": ipc_endpoint(root, f"{name}.sock"), "events_endpoint": "tcp://127.0.0.1:0",
                    "metrics_port": 0, "node_id": name, "peers": peers, "admin_token_file": str(root / "admin.token"),
                    "prefetch": False},
         "fleet": {"p2p": p2p, "peer_read_budget_ms": 120_000, "peer_read_lease_ms": 120_000,

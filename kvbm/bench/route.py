@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +29,7 @@ import msgspec
 import zmq
 
 from kvbm.bench.common import DaemonProc, delete_prefix, summary
+from kvbm.daemon.launch import ipc_endpoint
 from kvbm.daemon.router_events import AllBlocksCleared, BlockStored, KVEventBatch
 
 WEIGHTS = {"kvbm/G2": 3, "kvbm/G3": 2, "kvbm/G4": 1}
@@ -99,9 +98,8 @@ class NodeView:
         return total
 
 
-def _cfg(root: Path, sock: Path, srv: dict[str, Any], prefix: str, block_bytes: int, i: int, g2_blocks: int,
+def _cfg(root: Path, srv: dict[str, Any], prefix: str, block_bytes: int, i: int, g2_blocks: int,
          g3_blocks: int) -> dict[str, Any]:
-    # Sockets live in their own short directory: an ipc path is at most 107 bytes, a work dir may be deeper.
     return {
         "block_bytes": block_bytes, "device": {"enabled": False},
         "host": {"capacity": g2_blocks * block_bytes, "pin": False},
@@ -110,9 +108,10 @@ def _cfg(root: Path, sock: Path, srv: dict[str, Any], prefix: str, block_bytes: 
         "s3": {"endpoint": srv["endpoint"], "bucket": srv["bucket"], "prefix": prefix,
                "access_key": srv["access_key"], "secret_key": srv["secret_key"]},
         "embedded_s3": {"enabled": False}, "transfer": {"backend": "plain"},
-        "daemon": {"endpoint": f"ipc://{sock}/d{i}.sock", "events_endpoint": "", "metrics_port": 0,
+        "daemon": {"endpoint": ipc_endpoint(root, f"d{i}.sock"), "events_endpoint": "", "metrics_port": 0,
                    "node_id": f"route-{i}", "prefetch": False},
-        "router_events": {"endpoint": f"ipc://{sock}/r{i}.sock", "replay_endpoint": f"ipc://{sock}/r{i}-replay.sock"},
+        "router_events": {"endpoint": ipc_endpoint(root, f"r{i}.sock"),
+                          "replay_endpoint": ipc_endpoint(root, f"r{i}-replay.sock")},
     }
 
 
@@ -137,9 +136,8 @@ def _one_policy(policy: str, opts: Any, srv: dict[str, Any], root: Path, say: Ca
     docs = [[BlockKey(ns, os.urandom(16)) for _ in range(opts.route_prefix_blocks)] for _ in range(opts.route_prefixes)]
     reqs = _requests(opts, opts.route_seed)
     base = root / policy
-    sock = Path(tempfile.mkdtemp(prefix="kvbm-route-"))
     prefix = f"{srv['prefix']}-route-{policy}"
-    daemons = [DaemonProc(base / f"n{i}", _cfg(base, sock, srv, prefix, opts.block_bytes, i, opts.route_g2_blocks,
+    daemons = [DaemonProc(base / f"n{i}", _cfg(base, srv, prefix, opts.block_bytes, i, opts.route_g2_blocks,
                                                opts.route_g3_blocks), f"n{i}") for i in range(NODES)]
     ctx: zmq.Context[Any] = zmq.Context()
     clients: list[WorkerClient] = []
@@ -158,7 +156,7 @@ def _one_policy(policy: str, opts: Any, srv: dict[str, Any], root: Path, say: Ca
             c = WorkerClient(d.endpoint, timeout_s=30.0)
             c.register(layout, worker_id=f"route-{i}")
             clients.append(c)
-            rc = _cfg(base, sock, srv, prefix, opts.block_bytes, i, 1, 1)["router_events"]
+            rc = _cfg(base, srv, prefix, opts.block_bytes, i, 1, 1)["router_events"]
             v = NodeView(ctx, rc["endpoint"], rc["replay_endpoint"])
             v.fill()
             views.append(v)
@@ -197,7 +195,6 @@ def _one_policy(policy: str, opts: Any, srv: dict[str, Any], root: Path, say: Ca
         ctx.destroy(linger=0)
         for d in daemons:
             d.stop()
-        shutil.rmtree(sock, ignore_errors=True)
         delete_prefix(srv, prefix + "/")
 
 

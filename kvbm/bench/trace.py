@@ -31,6 +31,7 @@ from kvbm.bench.common import (
 )
 from kvbm.bench.runner import BenchRun
 from kvbm.bench.trace_sim import SHIPPED_TRACE, TraceRequest, bounds, load_trace, purge_cost, trace_summary
+from kvbm.daemon.launch import ipc_endpoint, ipc_exists
 
 KiB = 1024
 FULL_RETRIES = 10
@@ -210,7 +211,7 @@ def _daemon_cfg(root: Path, o: TraceOptions, g2_blocks: int, g3_blocks: int, srv
                  "capacity": g3_blocks * (ALIGNED_HEADER_LEN + round_up(o.block_bytes)), "fsync": False},
         "policy": {"eviction": eviction},
         "s3": {"enabled": False}, "embedded_s3": {"enabled": False}, "transfer": {"backend": "plain"},
-        "daemon": {"endpoint": f"ipc://{root}/kvbm.sock", "events_endpoint": f"ipc://{root}/events.sock",
+        "daemon": {"endpoint": ipc_endpoint(root, "kvbm.sock"), "events_endpoint": ipc_endpoint(root, "events.sock"),
                    "metrics_port": 0, "access_log_interval_s": 0, "max_inflight": 4096, "max_queue": 4096,
                    "admin_token_file": str(root / "admin.token"), **o.daemon_overrides},
     }
@@ -243,7 +244,7 @@ async def run_one(reqs: Sequence[TraceRequest], o: TraceOptions, share: float, d
     say(f"trace: capacity {share:g} of distinct ({g2} G2 + {g3} G3 blocks), S3 {s3}, eviction {eviction}: "
         f"replaying {len(reqs)} requests")
     try:
-        d.start(marks=(), ready=(root / tag / "kvbm.sock").exists)
+        d.start(marks=(), ready=ipc_exists(ipc_endpoint(root / tag, "kvbm.sock")))
         cpu0 = d.cpu()
         st, wall, stats = await replay(d.endpoint, reqs, o, blocks, say)
         cpu = d.cpu() - cpu0

@@ -20,7 +20,7 @@ from kvbm.chaos.proxy import FaultProxy
 from kvbm.chaos.schedule import SLOT_BYTES, Schedule, block_hash, content, layout_of, tenants_config
 from kvbm.client import WorkerClient
 from kvbm.config import S3Config
-from kvbm.daemon.launch import DaemonLauncher
+from kvbm.daemon.launch import DaemonLauncher, ipc_endpoint
 from kvbm.tiers.s3 import make_s3_tier
 
 JOURNAL = ".kvbm-owed.journal"
@@ -103,7 +103,8 @@ class World:
                    "access_key": self.s3.access_key, "secret_key": self.s3.secret_key, "max_retries": 1,
                    "connect_timeout_s": 0.5, "read_timeout_s": 3.0, "breaker_failures": 3, "breaker_reset_s": 1.0},
             "embedded_s3": {"enabled": False}, "transfer": {"backend": "plain"},
-            "daemon": {"endpoint": f"ipc://{self.tmp}/d.sock", "events_endpoint": f"ipc://{self.tmp}/ev.sock",
+            "daemon": {"endpoint": ipc_endpoint(self.tmp, "d.sock"),
+                       "events_endpoint": ipc_endpoint(self.tmp, "ev.sock"),
                        "metrics_port": 0, "admin_token_file": str(self.tmp / "admin.token"),
                        "index_bucket": self.sched.index_bucket, "barrier_timeout_s": 1.0,
                        "worker_timeout_s": 30.0, "tenants": tenants_config(str(self.tmp))},
@@ -138,7 +139,7 @@ class World:
     @property
     def endpoint(self) -> str:
         assert self.daemon is not None
-        return str(self.daemon.info.get("endpoint") or f"ipc://{self.tmp}/d.sock")
+        return str(self.daemon.info.get("endpoint") or ipc_endpoint(self.tmp, "d.sock"))
 
     def token_of(self, tenant: str) -> str:
         return (self.tmp / f"{tenant}.token").read_text().strip()

@@ -5,18 +5,45 @@ verification and chaos harnesses (:mod:`kvbm.verify`, :mod:`kvbm.chaos`) and the
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbm.security import UNIX_PATH_MAX, ipc_path
+
 STARTED = "daemon.started"  # the event the daemon logs once it serves (kvbm.daemon.core)
+_short_dir: Path | None = None  # this process's directory for sockets whose own path is too long
+
+
+def ipc_endpoint(directory: Path, name: str) -> str:
+    """``ipc://directory/name``; where that path does not fit a unix socket (a deep work directory: a user's
+    ``--workdir``, pytest-xdist's temp dirs), a socket named for it in a short private directory of this process's
+    (removed at exit), the same endpoint each time for the same path."""
+    want = str(Path(directory).absolute() / name)
+    if len(os.fsencode(want)) <= UNIX_PATH_MAX:
+        return f"ipc://{want}"
+    global _short_dir
+    if _short_dir is None:
+        _short_dir = Path(tempfile.mkdtemp(prefix="kvbm-ipc-"))  # 0700, the daemon's ipc directory check
+        atexit.register(shutil.rmtree, _short_dir, True)
+    return f"ipc://{_short_dir / hashlib.sha256(want.encode()).hexdigest()[:16]}-{name[-24:]}"
+
+
+def ipc_exists(endpoint: str) -> Callable[[], bool]:
+    """A ``ready`` check for :meth:`DaemonLauncher.start`: the daemon has bound ``endpoint``'s socket file."""
+    path = Path(ipc_path(endpoint))
+    return path.exists
 
 
 class DaemonLauncher:

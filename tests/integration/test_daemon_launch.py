@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 from kvbm.bench.common import DaemonProc
+from kvbm.client import WorkerClient
+from kvbm.daemon.launch import ipc_endpoint, ipc_exists
 
 
 def _cfg(tmp: Path) -> dict:
@@ -42,3 +44,22 @@ def test_a_restart_is_ready_on_its_own_start_event_and_stop_removes_every_pool(t
     finally:
         d.stop()
     assert not glob.glob(f"/dev/shm/kvbm-g2-{first}-*") and not glob.glob(f"/dev/shm/kvbm-g2-{second}-*")
+
+
+def test_a_work_dir_too_deep_for_a_unix_socket_still_serves(tmp_path: Path) -> None:
+    """A bench or harness run under a deep directory (a user's --workdir, pytest-xdist's temp dirs): its daemons'
+    ipc sockets go to a short directory of the launching process's instead of failing to start (the path of a
+    unix socket is at most 107 bytes); the same directory and name give the same endpoint."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    ep = ipc_endpoint(deep, "d.sock")
+    assert ep == ipc_endpoint(deep, "d.sock") and len(ep) - len("ipc://") <= 107, ep
+    assert ipc_endpoint(tmp_path, "d.sock") == f"ipc://{tmp_path}/d.sock"  # one that fits stays where it was asked
+    cfg = _cfg(tmp_path) | {"daemon": {"endpoint": ep, "events_endpoint": ipc_endpoint(deep, "ev.sock"),
+                                       "metrics_port": 0, "admin_token_file": str(tmp_path / "admin.token")}}
+    d = DaemonProc(deep, cfg)
+    d.start(ready=ipc_exists(ep))
+    try:
+        with WorkerClient(ep, timeout_s=10.0) as c:
+            c.ping()
+    finally:
+        assert d.stop()

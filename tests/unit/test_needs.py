@@ -18,8 +18,8 @@ HERE = Path(__file__).parent.parent  # tests/, where needs.py lives
 HIDE = (HERE / "hide").resolve()  # sitecustomize.py: KVBM_HIDE's hiding
 
 CONFTEST = """
-from needs import (pytest_configure, pytest_make_collect_report, pytest_runtest_makereport,
-                   pytest_sessionfinish, pytest_terminal_summary)
+from needs import (pytest_collectreport, pytest_configure, pytest_runtest_makereport, pytest_sessionfinish,
+                   pytest_terminal_summary)
 """
 TESTS = """
 import pytest
@@ -99,6 +99,14 @@ def test_a_module_skipped_at_import_for_a_required_component_fails_the_run(tree)
     assert "FAILED (required component skipped) test_module_skip.py" in r.stdout, r.stdout
     optional = run_pytest(tree, "s3", "test_parts.py", "test_module_skip.py")
     assert optional.returncode == 0, optional.stdout + optional.stderr
+
+
+def test_under_pytest_xdist_a_required_skip_at_import_still_fails_the_run(tree):
+    """scripts/test.sh runs the suite on pytest-xdist workers: a module skipped at import on a worker must still
+    fail the run (the workers' collection reports reach the controller's hooks)."""
+    r = run_pytest(tree, "vllm", "-n", "2", "test_module_skip.py")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "FAILED (required component skipped) test_module_skip.py" in r.stdout, r.stdout
 
 
 def test_an_unknown_component_in_kvbm_require_is_a_usage_error(tree):
