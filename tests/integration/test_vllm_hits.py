@@ -136,3 +136,23 @@ def test_a_local_hit_ending_inside_a_kvbm_block_is_continued_from_kvbm(tmp_path,
         assert hit["tokens"] == alone["tokens"]
     finally:
         daemon.stop()
+
+
+def test_a_prompt_ending_on_a_kvbm_block_boundary_loads_all_but_its_last_vllm_block(tmp_path, tiny_model):
+    """A prompt of exactly 4 kvbm blocks (2 vLLM blocks each), stored by a first run. vLLM must compute the last
+    prompt token, so the last kvbm block cannot load whole: the connector used to load 3 blocks and compute the
+    whole 4th (k vLLM blocks); vLLM's own prefix cache computes only its last vLLM block. Now the 4th stored block
+    loads all but its last vLLM block: cached to the last vLLM block, as vLLM's own hit, with the KV bytes (the
+    engine's caches poisoned first: kvbm is the only source) and tokens of the first run."""
+    prompt = [(i * 47 + 19) % 941 + 3 for i in range(4 * BLOCK_TOKENS)]
+    vbs = BLOCK_TOKENS // K
+    daemon = g2_daemon(tmp_path)
+    try:
+        daemon.start()
+        first, second = run_vllm(tmp_path, "edge", tiny_model, daemon, [{"settle": True}, {"poison": True}],
+                                 prompt=prompt, digest_blocks=4 * K - 1)
+        assert second["num_cached_tokens"] == len(prompt) - vbs, (second["num_cached_tokens"], len(prompt) - vbs)
+        assert second["kv_digests"] == first["kv_digests"]
+        assert second["tokens"] == first["tokens"]
+    finally:
+        daemon.stop()

@@ -46,11 +46,12 @@ def done_future(result: set[int]) -> Future[set[int]]:
 class Loader:
     """Runs a step's loads, on the engine's thread (sync) or a thread of their own (async)."""
 
-    def __init__(self, link: Link, async_link: Link, copy: Callable[[torch.Tensor, list[int], int], None],
+    def __init__(self, link: Link, async_link: Link, copy: Callable[[torch.Tensor, list[int], int, int], None],
                  nbytes_of: Callable[[list[int], int], int]) -> None:
-        # copy(slot view, vLLM block ids, skip): the paged cache's copy into vLLM's blocks, from the stored block's
-        # vLLM block ``skip`` on. nbytes_of(ids, skip): the bytes of a stored kvbm block of ``skip`` + those vLLM
-        # blocks (a partial block has fewer than k).
+        # copy(slot view, vLLM block ids, skip, unused): the paged cache's copy into vLLM's blocks, from the stored
+        # block's vLLM block ``skip`` on, of a block holding ``unused`` vLLM blocks more than ``ids``.
+        # nbytes_of(ids, unused): the bytes of a stored kvbm block of those vLLM blocks and ``unused`` more (a
+        # partial block has fewer than k).
         self._link, self._async_link, self._copy, self._nbytes_of = link, async_link, copy, nbytes_of
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")
         self._stages = stages_of("worker")
@@ -149,10 +150,10 @@ class Loader:
                         self._stages.add(onboards=1, onboard_ms=(time.perf_counter() - t0) * 1e3,
                                          onboard_blocks=got.count)
                         for i in range(got.count if got_all else 0):
-                            ids, skip = tr.block_ids[a + i], tr.skip if a + i == 0 else 0
-                            if got.nbytes[i] != self._nbytes_of(ids, skip):
+                            ids, unused = tr.block_ids[a + i], tr.unused(a + i)
+                            if got.nbytes[i] != self._nbytes_of(ids, unused):
                                 break
-                            self._copy(got.view(i), ids, skip)
+                            self._copy(got.view(i), ids, tr.first_unused(a + i), unused)
                             loaded[tr.req_id] += 1
                     settled.append(job)
                 except LINK_ERRORS as e:

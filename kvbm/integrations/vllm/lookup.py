@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvbm.client.lease import PendingLookup, is_load
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link
@@ -33,6 +34,16 @@ log = logging.getLogger("kvbm.vllm")
 MAX_PIPELINED = 64
 
 
+class Hit(NamedTuple):
+    """A lookup's answer: what every rank holds."""
+
+    blocks: int  # the leading kvbm blocks of the ones asked
+    partial: int = 0  # the vLLM blocks of a partial block after them
+    # Those vLLM blocks are the head of the next full block (a prompt ending on its end: all of it but the last
+    # vLLM block may load), not a partial block of its own.
+    from_full: bool = False
+
+
 @dataclass
 class _Job:
     req_id: str
@@ -41,9 +52,13 @@ class _Job:
     # partial block that continues a run of m full blocks with j vLLM blocks is keyed by vhashes[m*k + j - 1].
     vhashes: list[bytes] = field(default_factory=list)
     k: int = 0
+    # The full block right after the loadable vLLM blocks when they end one vLLM block short of it (a prompt
+    # ending on a kvbm block's end): its head is a partial block's candidate too.
+    next_full: bytes = b""
     asked: float = field(default_factory=time.monotonic)
     matched: int | None = None  # kvbm blocks every rank holds, once answered
     partial: int = 0  # and the vLLM blocks of the partial block every rank holds after them
+    from_full: bool = False  # those are the head of ``next_full``
     answered: float = 0.0  # when it was (monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     stale: _Job | None = None  # the answer this job refreshes: it stands while this one is late
@@ -66,21 +81,23 @@ class Lookups:
         self._thread.start()
 
     # Scheduler thread.
-    def prefetch(self, req_id: str, hashes: list[bytes], vhashes: list[bytes] | None = None, k: int = 0) -> None:
+    def prefetch(self, req_id: str, hashes: list[bytes], vhashes: list[bytes] | None = None, k: int = 0,
+                 next_full: bytes = b"") -> None:
         """Queue the lookup of a request that just arrived; :meth:`ask` returns its answer later."""
         if req_id not in self._jobs:
-            self._queue_job(_Job(req_id, hashes, vhashes or [], k))
+            self._queue_job(_Job(req_id, hashes, vhashes or [], k, next_full))
 
     def ask(self, req_id: str, hashes: list[bytes], vhashes: list[bytes] | None = None,
-            k: int = 0) -> tuple[int, int] | None:
-        """(kvbm blocks of ``hashes`` every rank holds, vLLM blocks of the partial block after them), or None
-        while that is not known yet. ``vhashes`` and ``k`` name the partial blocks to look for (none if empty)."""
+            k: int = 0, next_full: bytes = b"") -> Hit | None:
+        """What every rank holds of ``hashes`` and the partial block after them, or None while that is not known
+        yet. ``vhashes`` and ``k`` name the partial blocks to look for (none if empty), ``next_full`` the full
+        block whose head is one too (see :class:`_Job`)."""
         job = self._jobs.get(req_id)
         vhashes = vhashes or []
-        if job is None or job.hashes != hashes or job.vhashes != vhashes:
-            job = self._queue_job(_Job(req_id, hashes, vhashes, k))
+        if job is None or job.hashes != hashes or job.vhashes != vhashes or job.next_full != next_full:
+            job = self._queue_job(_Job(req_id, hashes, vhashes, k, next_full))
         elif job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
-            job = self._queue_job(_Job(req_id, hashes, vhashes, k, stale=job))  # queued a while: ask again
+            job = self._queue_job(_Job(req_id, hashes, vhashes, k, next_full, stale=job))  # queued a while: again
         if not job.done.is_set() and self._budget > 0:
             t0 = time.monotonic()
             if job.done.wait(self._budget):
@@ -89,14 +106,14 @@ class Lookups:
                 self._budget = 0.0  # the daemon is slow now: the rest of this step does not wait
         if job.done.is_set():
             del self._jobs[req_id]
-            return job.matched or 0, job.partial
+            return Hit(job.matched or 0, job.partial, job.from_full)
         if job.stale is not None:
             del self._jobs[req_id]  # the thread's late answer goes nowhere
-            return job.stale.matched or 0, job.stale.partial
+            return Hit(job.stale.matched or 0, job.stale.partial, job.stale.from_full)
         if time.monotonic() - job.asked > self.give_up_s:
             del self._jobs[req_id]
             self.gave_up += 1
-            return 0, 0
+            return Hit(0)
         return None
 
     def _queue_job(self, job: _Job) -> _Job:
@@ -206,21 +223,20 @@ class Lookups:
             job.refusals += 1
         retry = {id(j) for j in again}
         partial = self._partials(batch, matched)
-        for job, m, j in zip(batch, matched, partial, strict=True):
+        for job, m, (j, from_full) in zip(batch, matched, partial, strict=True):
             if id(job) in retry:
                 continue
-            job.matched, job.partial, job.answered = m, j, now
+            job.matched, job.partial, job.from_full, job.answered = m, j, from_full, now
             self._stages.add(lookups=1, lookup_ms=(now - job.asked) * 1e3)  # queued + round trip, every rank
             job.done.set()
         return again
 
-    def _partials(self, batch: list[_Job], matched: list[int]) -> list[int]:
+    def _partials(self, batch: list[_Job], matched: list[int]) -> list[tuple[int, bool]]:
         """For each job, the longest partial block every rank holds right after its ``matched`` full blocks (its
-        vLLM blocks; 0: none). One more round trip, every candidate of every job pipelined on every link."""
-        cands = [[job.vhashes[m * job.k + j - 1] for j in range(min(job.k - 1, len(job.vhashes) - m * job.k), 0, -1)]
-                 if job.k > 1 and m >= 0 else [] for job, m in zip(batch, matched, strict=True)]
-        best = [len(c) for c in cands]  # candidates are longest first: index i is j = len(c) - i
-        found = [0] * len(batch)
+        vLLM blocks, 0: none; and whether it is the head of the job's ``next_full``). One more round trip, every
+        candidate of every job pipelined on every link."""
+        cands = [_candidates(job, m) for job, m in zip(batch, matched, strict=True)]
+        found: list[tuple[int, bool]] = [(0, False)] * len(batch)
         if not any(cands):
             return found
         held = [[True] * len(c) for c in cands]
@@ -230,7 +246,7 @@ class Lookups:
             if client is None:
                 return found
             try:
-                sent.append((link, [[PendingLookup(client, [h]) for h in c] for c in cands]))
+                sent.append((link, [[PendingLookup(client, [h]) for h, _, _ in c] for c in cands]))
             except LINK_ERRORS as e:
                 link.error(e)
                 return found
@@ -247,5 +263,20 @@ class Lookups:
                         link.error(e)
                         held[i][c] = False
         for i, h in enumerate(held):
-            found[i] = next((best[i] - c for c, ok in enumerate(h) if ok), 0)
+            found[i] = next(((j, full) for (_, j, full), ok in zip(cands[i], h, strict=True) if ok), (0, False))
         return found
+
+
+def _candidates(job: _Job, m: int) -> list[tuple[bytes, int, bool]]:
+    """The blocks that may continue ``job``'s run of ``m`` full blocks, longest first: (key, vLLM blocks, the head
+    of the next full block). A partial block of j vLLM blocks is keyed by ``vhashes[m*k + j - 1]``; where the
+    loadable vLLM blocks end one short of the next full block, its head (all but its last) comes right after the
+    partial block of as many (which holds exactly those bytes, no more)."""
+    k = job.k
+    if k <= 1 or m < 0:
+        return []
+    room = len(job.vhashes) - m * k
+    out = [(job.vhashes[m * k + j - 1], j, False) for j in range(min(k - 1, room), 0, -1)]
+    if job.next_full and room == k - 1:
+        out.insert(1, (job.next_full, k - 1, True))
+    return out

@@ -18,10 +18,23 @@ class BlockTransfer:
     # A load's first block: its leading vLLM blocks vLLM holds already (its own prefix-cache hit ended inside
     # the kvbm block); block_ids[0] lists only the others, copied from that far into the stored block.
     skip: int = 0
+    # A load's last block: its trailing vLLM blocks not copied (a prompt ending on the block's end: vLLM computes
+    # the last prompt token's block itself); block_ids[-1] lists only the leading ones.
+    tail: int = 0
 
     def head(self, n: int) -> BlockTransfer:
         """The first ``n`` blocks of this transfer."""
-        return BlockTransfer(self.req_id, self.hashes[:n], self.block_ids[:n], self.final, self.skip)
+        return BlockTransfer(self.req_id, self.hashes[:n], self.block_ids[:n], self.final, self.skip,
+                             self.tail if n >= len(self.hashes) else 0)
+
+    def unused(self, i: int) -> int:
+        """vLLM blocks of stored block ``i`` of a load that are not copied: the first block's ``skip``, the
+        last one's ``tail``."""
+        return (self.skip if i == 0 else 0) + (self.tail if i == len(self.hashes) - 1 else 0)
+
+    def first_unused(self, i: int) -> int:
+        """Where in stored block ``i`` the copy starts: the first block's ``skip``, else 0."""
+        return self.skip if i == 0 else 0
 
 
 @dataclass

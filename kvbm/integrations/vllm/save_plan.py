@@ -26,6 +26,7 @@ class ReqState:
     step: int = 0  # the scheduler step the state was made in (a preemption of that step is an earlier state's)
     stale: bool = False  # computed under weights before a cache reset: never saved
     partial: bytes = b""  # the partial block this request loaded or saved last (saved once)
+    partial_from_full: bool = False  # its lookup's partial block is the head of the next full block
 
     def full_blocks(self, k: int) -> int:
         """kvbm blocks whose every token is known (prompt and output alike)."""

@@ -60,49 +60,55 @@ class SchedulerSide:
         """The layout (and so the namespace) of each worker; empty until the daemon was reached."""
         return [link.layout for link in self._links if link.layout is not None]
 
-    def _wanted(self, request: Request, num_computed_tokens: int) -> tuple[list[bytes], list[bytes]]:
-        """The kvbm block hashes worth looking up for ``request`` beyond its ``num_computed_tokens``, and the
-        vLLM block hashes a partial block after them may end at (empty without partial blocks)."""
+    def _wanted(self, request: Request, num_computed_tokens: int) -> tuple[list[bytes], list[bytes], bytes]:
+        """The kvbm block hashes worth looking up for ``request`` beyond its ``num_computed_tokens``, the vLLM
+        block hashes a partial block after them may end at (empty without partial blocks), and the full block
+        whose head may load where the prompt ends on its end (vLLM computes the last token's vLLM block)."""
         block_tokens = self.geometry.block_tokens  # 0 until a link resolved it (the lookup thread retries)
         if not self.cfg.load or not block_tokens or request.request_id in self._load_failed:
-            return [], []
+            return [], [], b""
         vbs, k = self.geometry.vllm_block_size, self.geometry.known_k
         if num_computed_tokens % block_tokens and (num_computed_tokens % vbs or self.groups.count != 1):
             # A local hit inside a kvbm block is continued from its next vLLM block (one KV-cache group: a
             # sliding window's part-loaded block would need its own intactness rules).
-            return [], []
+            return [], [], b""
         # Leave at least one token to compute: vLLM needs logits for the last prompt token.
         max_vblocks = min((request.num_tokens - 1) // vbs, len(request.block_hashes))
         if max_vblocks * vbs <= num_computed_tokens:
-            return [], []
+            return [], [], b""
         hashes = [bytes(h) for h in request.block_hashes[k - 1 : max_vblocks // k * k : k]]
         vhashes = [bytes(h) for h in request.block_hashes[:max_vblocks]] if self._saves.partials else []
         if not vhashes and max_vblocks // k * block_tokens <= num_computed_tokens:
-            return [], []
-        return hashes, vhashes
+            return [], [], b""
+        nxt = max_vblocks  # the vLLM block after the loadable ones: a full block's last one?
+        next_full = bytes(request.block_hashes[nxt]) if vhashes and (nxt + 1) % k == 0 and \
+            len(request.block_hashes) > nxt else b""
+        return hashes, vhashes, next_full
 
     def on_new_request(self, request: Request) -> None:
         """A request arrived: its lookup goes to the daemon now, so the answer is there when it is scheduled."""
-        hashes, vhashes = self._wanted(request, 0)
+        hashes, vhashes, next_full = self._wanted(request, 0)
         if hashes or vhashes:
-            self._lookups.prefetch(request.request_id, hashes, vhashes, self.geometry.known_k)
+            self._lookups.prefetch(request.request_id, hashes, vhashes, self.geometry.known_k, next_full)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         block_tokens = self.geometry.block_tokens
         matched = partial = 0
-        hashes, vhashes = self._wanted(request, num_computed_tokens)
+        from_full = False
+        hashes, vhashes, next_full = self._wanted(request, num_computed_tokens)
         if hashes or vhashes:
-            got = self._lookups.ask(rid, hashes, vhashes, self.geometry.known_k)
+            got = self._lookups.ask(rid, hashes, vhashes, self.geometry.known_k, next_full)
             if got is None:
                 return None, False  # not known yet: vLLM asks again next step
-            matched, partial = got
+            matched, partial, from_full = got
             self._stats["lookups"] += 1
             self._stats["hit_blocks"] += matched
             self._stats["hit_partial_vblocks"] = self._stats.get("hit_partial_vblocks", 0) + partial
         # A new state, also for a preempted request coming back: its saves cut short by the preemption are
         # planned again (the daemon answers those already stored with no slot, so nothing is copied twice).
-        self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens, step=self._step)
+        self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens, step=self._step,
+                                   partial_from_full=from_full)
         ext = matched * block_tokens - num_computed_tokens
         if ext >= 0:
             ext += partial * self.geometry.vllm_block_size  # the partial block continues the full run
@@ -128,13 +134,15 @@ class SchedulerSide:
         if skip and st.load.block_ids:
             st.load.block_ids[0] = st.load.block_ids[0][skip:]
             st.load.skip = skip
-        if j:  # a partial block after the full ones: its own key, j vLLM blocks
+        if j:  # a partial block after the full ones: its own key, j vLLM blocks; or the next full block's head
             first = end_block * k
-            st.partial = bytes(request.block_hashes[first + j - 1])
+            st.partial = bytes(request.block_hashes[first + (k if st.partial_from_full else j) - 1])
             st.load.hashes.append(st.partial)
             st.load.block_ids.append([b for ids in st.block_ids for b in ids[first : first + j]])
+            if st.partial_from_full:  # vLLM computes its last k - j vLLM blocks: the same bytes, stored already
+                st.load.tail = k - j
         st.load_from = first_block
-        st.saved_blocks = end_block  # loaded blocks are already stored
+        st.saved_blocks = end_block + (1 if j and st.partial_from_full else 0)  # loaded blocks are stored already
         self.hooks.stages.add(hit_tokens=num_external_tokens,
                               computed_after_hit_tokens=request.num_tokens - st.local_tokens - num_external_tokens)
 

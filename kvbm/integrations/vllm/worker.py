@@ -49,15 +49,16 @@ class WorkerSide:
                            lambda view, ids, stream: self._cache.copy(view, ids, False, stream is not None),
                            self._nbytes_of, saves, self.stats)
 
-    def _nbytes_of(self, ids: list[int], skip: int = 0) -> int:
+    def _nbytes_of(self, ids: list[int], unused: int = 0) -> int:
         """The bytes of a kvbm block made of vLLM blocks ``ids`` (``k`` per group; fewer in a partial block), and
-        ``skip`` more a load does not copy (vLLM's own hit holds them)."""
-        return self._cache.vblock_bytes * (len(ids) // max(1, self._cache.groups) + skip)
+        ``unused`` more a load does not copy (vLLM's own hit holds them, or vLLM computes them)."""
+        return self._cache.vblock_bytes * (len(ids) // max(1, self._cache.groups) + unused)
 
-    def _load_copy(self, view: Any, ids: list[int], skip: int) -> None:
-        """A stored block into vLLM's blocks ``ids``, from its vLLM block ``skip`` on."""
+    def _load_copy(self, view: Any, ids: list[int], skip: int, unused: int) -> None:
+        """A stored block of ``ids`` and ``unused`` more vLLM blocks into vLLM's blocks ``ids``, from its vLLM
+        block ``skip`` on."""
         k = len(ids) // max(1, self._cache.groups)
-        self._cache.copy(view, ids, True, slot_k=k + skip if skip else None, skip=skip)
+        self._cache.copy(view, ids, True, slot_k=k + unused if unused else None, skip=skip)
 
     @property
     def _block_bytes(self) -> int:
