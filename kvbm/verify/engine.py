@@ -29,6 +29,11 @@ from kvbm.verify.schedule import VLLM_BLOCK, Schedule
 HASH_SEED = "0"  # PYTHONHASHSEED of the engine: vLLM's block hashes depend on it
 MAX_STEPS = 4000
 STUCK_S = 60.0  # a schedule that has not drained after this long has a stuck request (they take ~10 s)
+# vLLM refuses a reset with running requests (raises) while blocks stay held after it preempted them all: requests
+# waiting for an async load, a finished request's blocks kept for its last saves. What a caller (an RL framework's
+# weight sync) does then: keep stepping the engine and ask again. Still refused after this long is a violation.
+RESET_REFUSED = "Failed to reset KV cache"
+RESET_RETRY_S = 20.0
 
 
 class VerifyWorker:
@@ -108,6 +113,7 @@ class Pressure:
         self.new_hashes: set[bytes] = set()  # ... and since
         self.k = 0
         self.pending: list[tuple[int, str]] = []  # (step, what): resumes and retried ops
+        self.refused: list[tuple[float, str, str]] = []  # (first refused at, op, why): resets asked again each step
         self._hook()
 
     def _hook(self) -> None:
@@ -239,11 +245,31 @@ class Pressure:
             loading = sum(q.status == RequestStatus.WAITING_FOR_REMOTE_KVS for q in self.scheduler.requests.values())
             pool = self.scheduler.kv_cache_manager.block_pool
             held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
-            self.violations.append({"invariant": "engine_alive", "step": self.step, "request": None,
-                                    "detail": f"{kind} raised {e!r} ({loading} requests waiting for a remote load, "
-                                    f"{held} blocks not free, async_save {self.sched.engine.async_save})"})
+            why = (f"{kind} raised {e!r} ({loading} requests waiting for a remote load, {held} blocks not free, "
+                   f"async_save {self.sched.engine.async_save})")
+            if kind in ("reset_running", "reset_connector") and RESET_REFUSED in str(e):
+                self.refused.append((time.monotonic(), kind, why))  # asked again after the next steps (run)
+            else:
+                self.violations.append({"invariant": "engine_alive", "step": self.step, "request": None,
+                                        "detail": why})
         self.events.append(ev)
         return True
+
+    def _retry_refused(self) -> None:
+        """Ask again for each reset vLLM refused; one refused for :data:`RESET_RETRY_S` of steps is a violation
+        (the blocks that held it were never let go)."""
+        for item in list(self.refused):
+            self.refused.remove(item)
+            since, kind, _ = item
+            n = len(self.refused)
+            self._op(kind, 0)
+            if len(self.refused) > n:  # refused again: the first refusal's time stands
+                _, _, why = self.refused.pop()
+                if time.monotonic() - since < RESET_RETRY_S:
+                    self.refused.append((since, kind, why))
+                else:
+                    self.violations.append({"invariant": "engine_alive", "step": self.step, "request": None,
+                                            "detail": f"still refused after {RESET_RETRY_S:g} s of steps: {why}"})
 
     def run(self) -> None:
         todo = sorted(self.sched.requests, key=lambda r: (r.arrival, r.id))
@@ -261,7 +287,8 @@ class Pressure:
             for item in [p for p in self.pending if p[0] <= self.step]:
                 self.pending.remove(item)
                 self._op(item[1], 0)
-            if not todo and not self.live() and not self.pending and not ops:
+            self._retry_refused()
+            if not todo and not self.live() and not self.pending and not ops and not self.refused:
                 break
             for out in self.eng.step():
                 self.outputs[out.request_id] = list(out.outputs[0].token_ids)

@@ -2,7 +2,9 @@
 
 1. ``block_kv``: every block kvbm holds is the KV of its own tokens: relative error per block against the block a
    clean engine (one request at a time, nothing loaded) stored for the same tokens, within batching noise.
-2. ``engine_alive`` / ``none_stuck``: no exception out of a step or an op, every request finished or aborted.
+2. ``engine_alive`` / ``none_stuck``: no exception out of a step or an op, every request finished or aborted. A
+   reset vLLM refuses while blocks are held for async transfers is asked again as the engine steps; one still
+   refused after ``RESET_RETRY_S`` is the violation (:mod:`kvbm.verify.engine`).
 3. ``tokens_after_hit``: a finished request that loaded from kvbm answers what the clean engine answers, token
    for token (greedy, float32). Requests without a hit are the control: their mismatches measure the noise.
 4. ``blocks_stored``: every full block of a finished request is stored, unless a counted reason explains it
