@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from needs import skip
 from serve_proc import ServeProc
+from tmpfs_mount import mounted_tmpfs
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
@@ -32,16 +30,8 @@ def mount(*args: str) -> subprocess.CompletedProcess[bytes]:
 
 @pytest.fixture
 def fs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = mount("-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt))
-    if r.returncode != 0:
-        skip("tmpfs", f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    yield mnt
-    for _ in range(20):
-        if subprocess.run(["umount", "-R", str(mnt)], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.1)
+    with mounted_tmpfs(tmp_path, "16m") as mnt:
+        yield mnt
 
 
 def payload(k: BlockKey) -> np.ndarray:

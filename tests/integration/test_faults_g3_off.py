@@ -9,15 +9,13 @@ import json
 import os
 import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from needs import skip
 from serve_proc import ServeProc
+from tmpfs_mount import mounted_tmpfs
 
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
@@ -29,18 +27,10 @@ NB = LAYOUT.block_nbytes
 @pytest.fixture
 def ro_fs(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs holding an empty ``disk`` directory, remounted read-only."""
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        skip("tmpfs", f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    (mnt / "disk").mkdir()
-    assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode == 0
-    yield mnt
-    for _ in range(20):
-        if subprocess.run(["umount", "-R", str(mnt)], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.1)
+    with mounted_tmpfs(tmp_path, "16m") as mnt:
+        (mnt / "disk").mkdir()
+        assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode == 0
+        yield mnt
 
 
 def payload(k: BlockKey) -> np.ndarray:

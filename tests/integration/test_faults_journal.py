@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from needs import skip
 from serve_proc import ServeProc, wait_until
+from tmpfs_mount import mounted_tmpfs
 
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
@@ -36,16 +34,8 @@ N = 100  # more than one drain batch (64): the journal write after the first bat
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        skip("tmpfs", f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    yield mnt
-    for _ in range(20):
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.1)
+    with mounted_tmpfs(tmp_path, "16m") as mnt:
+        yield mnt
 
 
 @pytest.fixture

@@ -9,12 +9,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
-import uuid
 
 import numpy as np
 import pytest
-from needs import needs, skip
+from needs import needs
+from tmpfs_mount import mounted_tmpfs
 
 from kvbm.blocks import ALIGNED_HEADER_LEN, BlockKey
 from kvbm.errors import TierFullError
@@ -308,16 +307,8 @@ def test_enospc_monkeypatched_raises_tier_full_and_cleans_up(tmp_path, monkeypat
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        skip("tmpfs", f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    yield mnt
-    for _ in range(20):
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.1)
+    with mounted_tmpfs(tmp_path, "1m") as mnt:
+        yield mnt
 
 
 @pytest.mark.parametrize("o_direct", [True, False], ids=["direct", "buffered"])
