@@ -4,6 +4,7 @@ eviction's reach, until then."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 
 from kvbm.blocks import BlockKey
@@ -13,14 +14,20 @@ from kvbm.manager.room import Room
 from kvbm.manager.state import ManagerState
 from kvbm.tiers.pool import SlotPoolTier
 
+# How long a store waits for a move of the same block into the tier (a prefetch from G3/G4) to end before leaving the
+# block to it: a move that fails (the object gone, S3 down) would otherwise take the worker's bytes down with it.
+MOVE_WAIT_S = 2.0
+
 
 class ExternalStores:
     """Owns the prepared (not yet committed) stores: key -> (pool tier, payload bytes)."""
 
-    def __init__(self, state: ManagerState, room: Room, cascade: Callable[[BlockKey], bool]) -> None:
+    def __init__(self, state: ManagerState, room: Room, cascade: Callable[[BlockKey], bool],
+                 moving: Callable[[BlockKey, str], asyncio.Future[bool] | None] = lambda _k, _t: None) -> None:
         self.s = state
         self.room = room
         self._cascade = cascade
+        self._moving = moving  # the move of a block into a tier under way (kvbm.manager.moves.Moves.in_flight)
         self._prepared: dict[BlockKey, tuple[str, int]] = {}
 
     def _pool(self, tier: str) -> SlotPoolTier:
@@ -46,6 +53,10 @@ class ExternalStores:
         slots: list[int | None] = [None] * len(keys)
         todo: dict[BlockKey, int] = {}  # key -> its first index in ``keys``
         prepared, pending = self._prepared, pool.is_pending
+        # A block being moved in (a prefetch) is the worker's to store if the move fails: wait for it (bounded).
+        moves = {f for k in keys if k not in prepared and pending(k) and (f := self._moving(k, tier)) is not None}
+        if moves:
+            await asyncio.wait([asyncio.shield(f) for f in moves], timeout=MOVE_WAIT_S)
         for i, (key, held) in enumerate(zip(keys, self.s.registry.holding(tier, keys), strict=True)):
             if not held and key not in todo and key not in prepared and not pending(key):
                 todo[key] = i

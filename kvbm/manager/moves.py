@@ -30,6 +30,10 @@ class Moves:
         self.room = room
         self._inflight: dict[tuple[BlockKey, str], asyncio.Future[bool]] = {}
 
+    def in_flight(self, key: BlockKey, dst_name: str) -> asyncio.Future[bool] | None:
+        """The move of ``key`` into ``dst_name`` under way (its result: whether it arrived), if there is one."""
+        return self._inflight.get((key, dst_name))
+
     async def move(self, key: BlockKey, dst_name: str) -> bool:
         """Copy ``key`` from the fastest tier holding it into ``dst_name`` (coalesced per key/tier)."""
         if self.s.registry.holds(dst_name, key):

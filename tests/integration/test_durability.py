@@ -650,10 +650,8 @@ def test_a_stale_g4_entry_whose_recheck_failed_is_owed_and_repaired(outage_s3, t
     srv, prefix = outage_s3, "stalehead"
     cfg = daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True)
     cfg["s3"]["copy_max_age_s"] = 0
-    # No read-ahead on the Lookup below: its GETs of the purged objects (404, or refused once S3 is stopped) could
-    # still be in flight on a loaded machine when the store comes, and a store leaves a block a prefetch is
-    # bringing in to that prefetch (ExternalStores.prepare): stored 1 of 3, seen under pytest-xdist.
-    cfg["daemon"]["prefetch"] = False
+    # The Lookup below starts a prefetch of the 3 (their objects are gone: it fails); on a loaded machine it may still
+    # be under way when the store comes, which waits for it (stored 1 of 3 under pytest-xdist before it did).
     d = ServeProc(tmp_path, cfg).start()
     ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(3)]
     try:

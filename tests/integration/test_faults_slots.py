@@ -200,3 +200,37 @@ def test_one_tenants_durable_commits_on_a_slow_s3_do_not_shed_another_tenants_st
     finally:
         d.stop()
         stop(proxy)
+
+
+@pytest.mark.s3
+def test_a_store_of_blocks_a_failing_prefetch_is_bringing_in_is_kept(s3_server, s3_prefix: str,
+                                                                      tmp_path: Path) -> None:
+    """G2 + G4 (S3 behind the proxy). 4 blocks the index has in S3 only, whose objects another node purged: a
+    lookup starts their prefetch into G2 (S3 answering after 0.5 s, then 404), and meanwhile the worker stores them
+    again. The store used to leave each block to the prefetch under way (no slot: "being stored"), which then
+    failed: stored 0 of 4, the worker's bytes dropped. It waits for the prefetch (bounded) and takes the slots once
+    it failed: stored 4, and a load brings the worker's bytes."""
+    from test_durability import _delete_from_bucket
+
+    proxy = FaultProxy(("127.0.0.1", int(s3_server.endpoint.rsplit(":", 1)[1]))).start()
+    s3 = {"endpoint": proxy.endpoint, "bucket": s3_server.bucket, "prefix": s3_prefix,
+          "access_key": s3_server.access_key, "secret_key": s3_server.secret_key, "max_retries": 0,
+          "read_timeout_s": 30.0}
+    d = ServeProc(tmp_path, cfg(tmp_path, s3) | {"disk": {"enabled": False}}).start()
+    ks = blocks(4)
+    try:
+        with d.client(admin=True) as c:
+            c.register(LAYOUT, worker_id="w")
+            assert c.store(ks, [payload(k) for k in ks], durable=True).durable == 4
+            _delete_from_bucket(s3_server, s3_prefix, ks)
+            assert c.evict(ks, tiers=["G2"]).removed == 4
+            proxy.rates = FaultRates(latency=1.0, latency_s=(0.5, 0.5))
+            assert c.lookup(ks).tiers == ["G4"] * 4  # the index's entries: the prefetch starts
+            ack = c.store(ks, [payload(k) for k in ks])
+            proxy.heal()
+            assert ack.stored == 4, f"stored {ack.stored} of 4 (left to the failing prefetch)"
+            outs = [np.zeros(NB, np.uint8) for _ in ks]
+            assert c.load(ks, outs) == 4 and loaded_right(outs, ks)
+    finally:
+        d.stop()
+        proxy.stop()
