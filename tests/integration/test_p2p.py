@@ -196,7 +196,10 @@ def test_a_stopped_peer_costs_the_budget_and_keeps_no_pin(tmp_path, s3_server, s
         assert wait_until(lambda: ready(cb), WAIT_S)
         store(ca, warm)  # a first read links B to A (Connect, NIXL metadata): the Pin below reaches A's socket
         assert wait_until(lambda: learned(cb, 1), WAIT_S)
-        assert cb.lookup(warm).tiers == ["G2"]
+        # On a loaded machine the linking read may itself pass the 300 ms budget (answered from the bucket, the
+        # read going on): asked again until it is served from B's G2; the counts below are from then on.
+        assert wait_until(lambda: cb.lookup(warm).tiers == ["G2"], WAIT_S)
+        r0, pins0 = p2p(cb)["read"], p2p(ca)["serve"]["pins"]
         store(ca, keys + other)
         assert wait_until(lambda: learned(cb, 9), WAIT_S)
         os.kill(a.pid, signal.SIGSTOP)
@@ -207,19 +210,19 @@ def test_a_stopped_peer_costs_the_budget_and_keeps_no_pin(tmp_path, s3_server, s
             assert got.tiers == ["G4"] * 4  # answered with the bucket's copies
             # The bound the budget promises (plus room for a loaded 2-core machine), not a speed measurement.
             assert took < budget_ms / 1000 + 1.0, took
-            assert p2p(cb)["read"]["late"] == 1
+            assert p2p(cb)["read"]["late"] == r0["late"] + 1
             # While that read is stuck, other lookups do not wait on A again (one budget, not one per lookup).
             assert cb.lookup(other).tiers == ["G4"] * 4
             assert cb.lookup(keys).tiers == ["G4"] * 4
-            assert p2p(cb)["read"]["reads"] == 2 and p2p(cb)["read"]["late"] == 2
+            assert p2p(cb)["read"]["reads"] == r0["reads"] + 1 and p2p(cb)["read"]["late"] == r0["late"] + 2
             assert loads_exact(cb, keys) == 4
             # The read gives up when its pin has no answer (peer_read_lease_ms): no slot of B's is held for it.
-            assert wait_until(lambda: p2p(cb)["read"]["failed"] == 1, WAIT_S)
+            assert wait_until(lambda: p2p(cb)["read"]["failed"] == r0["failed"] + 1, WAIT_S)
             assert p2p(cb)["read"]["reading_slots"] == 0 and tier(cb, "G2")["detached_slots"] == 0
         finally:
             os.kill(a.pid, signal.SIGCONT)
         # A reads the stale Pin once it runs again: its pin is released (B's Unpin, else its lease deadline).
-        assert wait_until(lambda: p2p(ca)["serve"]["pins"] == 2, WAIT_S)
+        assert wait_until(lambda: p2p(ca)["serve"]["pins"] == pins0 + 1, WAIT_S)
         assert wait_until(lambda: p2p(ca)["serve"]["pinned_slots"] == 0 and p2p(ca)["serve"]["leases"] == 0, WAIT_S)
 
 
