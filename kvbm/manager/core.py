@@ -87,8 +87,7 @@ class BlockManager:
         self.write_through = WriteThrough(self.state, self._move, self.index.real_copies, max_pending_cascades,
                                           max_concurrent_cascades, max_owed_blocks)
         self.owed_writes = self.write_through.owed
-        self.external = ExternalStores(self.state, self.room, self.write_through.schedule,  # worker-filled G2 slots
-                                       self.moves.in_flight)
+        self.external = ExternalStores(self.state, self.room, self.write_through.schedule, self.moves.in_flight)
         self.reads = Reads(self.state, self.moves, self.write_through)  # onboards and reads (kvbm.manager.reads)
         self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
         self._pools_registered = False
