@@ -36,19 +36,28 @@ INVARIANTS = ("block_kv", "engine_alive", "none_stuck", "tokens_after_hit", "blo
               "stale_after_reset")
 
 
-def write_model(root: Path) -> str:
-    """A tiny random float32 Llama (2 layers, 2 KV heads of 32): 128 KiB per 128-token vLLM block."""
-    path = root / "tiny-llama-f32"
+MODELS = ("llama", "gemma2")  # a single KV-cache group; a hybrid one (sliding window + full attention)
+
+
+def write_model(root: Path, model: str = "llama") -> str:
+    """A tiny random float32 model, written once under ``root``: ``llama`` (2 layers, 2 KV heads of 32: 128 KiB per
+    128-token vLLM block) or ``gemma2`` (Gemma-2-style: layer 0 attends within a 256-token sliding window, layer 1
+    to everything; vLLM runs them as two KV-cache groups)."""
+    if model not in MODELS:
+        raise ValueError(f"model: one of {', '.join(MODELS)}, got {model!r}")
+    path = root / f"tiny-{model}-f32"
     if (path / "config.json").exists():
         return str(path)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      torch_dtype="float32")
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    shape = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, torch_dtype="float32")
+    if model == "gemma2":
+        Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=32, sliding_window=256)).save_pretrained(path)
+    else:
+        LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(path)
     return str(path)
 
 
@@ -169,10 +178,11 @@ def hook_excess(hooks: dict[str, Any], sync_load: bool) -> float:
     return round(worst, 3)
 
 
-def run_seed(seed: int, root: Path, model: str, *, faults: bool = True) -> dict[str, Any]:
-    """Generate, run and check seed ``seed`` (work files under ``root/seed-N``)."""
-    sched = generate(seed, faults=faults)
-    work = root / f"seed-{seed}"
+def run_seed(seed: int, root: Path, model: str, *, faults: bool = True, family: str = "llama") -> dict[str, Any]:
+    """Generate, run and check seed ``seed`` on ``model`` (the path :func:`write_model` wrote for ``family``; work
+    files under ``root/seed-N``)."""
+    sched = generate(seed, faults=faults, model=family)
+    work = root / f"seed-{seed}-{family}"
     work.mkdir(parents=True, exist_ok=True)
     plain = msgspec.to_builtins(sched)
     pressure = run_engine(work, "pressure", {"role": "pressure", "model": model, "schedule": plain})
@@ -181,6 +191,7 @@ def run_seed(seed: int, root: Path, model: str, *, faults: bool = True) -> dict[
         jobs = {r: {"prompt": q["prompt"], "output": q["output"]} for r, q in pressure["requests"].items()}
         clean = run_engine(work, "clean", {"role": "clean", "model": model, "schedule": plain, "jobs": jobs})
     report = check(sched, pressure, clean)
+    report["model"] = family
     report["ops"] = sched.op_counts()
     report["engine"] = msgspec.to_builtins(sched.engine)
     report["preemptions"] = sum(r["preempted"] for r in pressure.get("requests", {}).values())

@@ -42,6 +42,9 @@ class KvbmConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # requests vLLM preempted: their blocks may be reused now
+    # Requests aborted since the last step: vLLM freed their blocks at once (kvbm does not hold an aborted
+    # request's blocks), so the worker fences their saves before the forward and never reports them.
+    released: list[str] = field(default_factory=list)
     k: int = 0  # the scheduler's vLLM blocks per kvbm block; workers refuse transfers planned with another
     weights: str = ""  # the scheduler's weights epoch tag: workers follow it before this step's transfers
     # Saves planned before a weight reset (their KV is the old weights'): never stored, reported finished so

@@ -144,6 +144,12 @@ class Saver:
         if ids and time.monotonic() - started > 0.005:
             log.debug("kvbm: fencing saves of %d requests took %.1f ms", len(ids), (time.monotonic() - started) * 1e3)
 
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Requests vLLM freed without waiting for their saves (aborted; fenced first): never reported."""
+        for rid in req_ids:
+            self._jobs.pop(rid, None)
+            self._finishing.discard(rid)
+
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished (and kept the blocks of, for their saves) whose saves are all over."""
         self._finishing.update(r for r in finished_req_ids if r in self._jobs)
