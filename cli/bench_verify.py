@@ -4,6 +4,7 @@ each checked against a clean engine (kvbm.verify). Replay a failure with ``--see
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -90,4 +91,41 @@ def hit_numerics_cmd(prompts: int, dtype: str, layers: int, seed: int, root: str
         sys.exit(1)
 
 
-COMMANDS = [verify_cmd, hit_numerics_cmd]
+@click.command("conversations")
+@click.option("--conversations", default=6, show_default=True)
+@click.option("--prompt-tokens", default=1500, show_default=True)
+@click.option("--answer-tokens", default=2500, show_default=True, help="Turn 1 decodes this many tokens each.")
+@click.option("--gpu-blocks", default=110, show_default=True, help="vLLM's KV cache in 128-token blocks (preempts).")
+@click.option("--layers", default=8, show_default=True)
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Keep the model and logs here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def conversations_cmd(workdir: str | None, json_path: str | None, **kw: Any) -> None:
+    """Conversations decoding at once under preemption through vLLM's OpenAI server, then each next turn from kvbm
+    (vLLM's cache reset) against the same turn computed (the connector reset too); exits 1 unless every next turn
+    hit kvbm and answered the computed tokens."""
+    import tempfile
+    from pathlib import Path
+
+    from kvbm.bench.common import write_json
+    from kvbm.bench.openai_server import bf16_arithmetic
+    from kvbm.verify.conversations import ConversationOptions, run
+
+    with tempfile.TemporaryDirectory(prefix="kvbm-conv-") as tmp:
+        report = run(Path(workdir or tmp), ConversationOptions(**kw))
+    report["machine"] = {"bf16": bf16_arithmetic()}
+    click.echo(f"{report['next_turns']} next turns after {report['preemptions']:.0f} preemptions: "
+               f"{report['served_by_kvbm']} served by kvbm ({report['cached_tokens_total']} cached tokens), "
+               f"{report['same_as_computed']} answered as computed")
+    for r in report["rows"]:
+        if not r["same"]:
+            click.echo(f"  conversation {r['conversation']}: {r['detail']}")
+    if json_path:
+        write_json(json_path, report)
+        click.echo(f"json: {json_path}")
+    if not report["ok"]:
+        sys.exit(1)
+
+
+COMMANDS = [verify_cmd, hit_numerics_cmd, conversations_cmd]

@@ -10,13 +10,11 @@ as failed, never as the request's KV.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -28,7 +26,9 @@ from kvbm.integrations.vllm.metadata import BlockTransfer
 log = logging.getLogger("kvbm.vllm")
 
 QUEUED, COPYING, CANCELLED = range(3)
-FENCE_WAIT_S = 2.0  # a copy between host buffers is done in milliseconds; past this it is not trusted
+# A copy between host buffers (or a span of them off a GPU's side stream) is done in milliseconds; one still
+# running after this is dropped (committed as failed, never as KV) rather than the engine's step held longer.
+FENCE_WAIT_S = 0.1
 LOAD_RETRIES = 2  # a reservation refused as load is asked again this many times
 
 
@@ -42,6 +42,7 @@ class SaveJob:
         self.poisoned = False  # the fence stopped waiting for the copy: its bytes may be the next user's
         self.lock = threading.Lock()
         self.copied = threading.Event()
+        self.reads_done = threading.Event()  # it reads no vLLM block any more (its last copy is over, or it ended)
         self.future: Future[None] = Future()
 
     def start_copy(self) -> bool:
@@ -134,11 +135,9 @@ class Saver:
                 if job.future.done():
                     continue
                 left = deadline - time.monotonic()
-                if left > 0 and job.state != COPYING:
-                    with contextlib.suppress(FutureTimeout):
-                        job.future.result(timeout=left)
-                    if job.future.done():
-                        continue
+                # Waited for: its reads of vLLM's blocks, not its CommitStore round trip after them
+                if left > 0 and job.state != COPYING and job.reads_done.wait(left):
+                    continue
                 if job.fence(FENCE_WAIT_S):
                     self.stats["saves_cancelled"] = self.stats.get("saves_cancelled", 0) + len(job.tr.hashes)
         if ids and time.monotonic() - started > 0.005:
@@ -184,6 +183,7 @@ class Saver:
         except Exception as e:  # a saver thread must never take the engine down
             log.warning("kvbm: save for request %s failed: %s", job.tr.req_id, e)
         finally:
+            job.reads_done.set()
             job.future.set_result(None)
 
     def save(self, client: Any, job: SaveJob) -> None:
@@ -228,6 +228,8 @@ class Saver:
                     self.stream.synchronize()  # the bytes are in G2 before the daemon is told to commit
             finally:
                 res.ok = job.end_copy()
+                if span.stop == len(tr.hashes):
+                    job.reads_done.set()  # what is left is the CommitStore: the fence need not wait for it
             self.stats["saved"] = self.stats.get("saved", 0) + len(span)
             return res.ok
 
