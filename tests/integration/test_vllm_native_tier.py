@@ -569,3 +569,44 @@ def test_a_daemon_restarted_with_smaller_blocks_that_still_fit_keeps_the_tier_on
     finally:
         a.shutdown()
         d.stop()
+
+
+def test_a_chunk_evicted_between_lookup_and_load_costs_that_chunk_only(daemon):
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from kvbm.bench.native import chunk_keys
+    from kvbm.blocks import BlockKey
+    from kvbm.integrations.vllm.native_keys import kvbm_hash
+
+    keys = chunk_keys(6, "evicted-mid")
+    a = engine(tier(daemon))
+    try:
+        a.store(keys)
+        a.settle()
+    finally:
+        a.shutdown()
+    b = engine(tier(daemon))
+    try:
+        lookups = b.tiers[0]._lookups
+        ctx = b._ctx()
+        b._open = ctx
+        assert {b.manager.lookup(k, ctx) for k in keys} == {LookupResult.RETRY}
+        b.step()  # the batch goes to the daemon; wait for its answer before the eviction
+        assert wait_until(lambda: not lookups._pending_results.empty(), timeout=30)
+        with daemon.client(admin=True) as c:
+            c.register(b.tiers[0].layout, worker_id="evictor")
+            assert c.evict([BlockKey(b.tiers[0].layout.namespace, kvbm_hash(keys[2]))]).removed == 1
+        # The lookups said HIT for all six: the promotion (one load job) finds chunk 2 gone and loads the others.
+        results = []
+        for _ in range(2000):
+            results = [b.manager.lookup(k, ctx).name for k in keys]
+            if not {"RETRY", "HIT_PENDING"} & set(results):
+                break
+            b.step()
+            time.sleep(0.005)
+        assert results == ["HIT", "HIT", "MISS", "HIT", "HIT", "HIT"], results
+        assert exact(b, [k for i, k in enumerate(keys) if i != 2])
+        b.finish()
+        assert counter(b.stats(), "vllm:kvbm_tier_load_blocks_short") == 1
+    finally:
+        b.shutdown()
