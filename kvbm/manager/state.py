@@ -49,6 +49,9 @@ class ManagerStats(msgspec.Struct):
     owed_dropped: int = 0  # write-throughs not owed: s3.max_owed_blocks were owed already
     owed_resumed: int = 0  # owed write-throughs read back from the journal at start (a restart after an outage)
     owed_reconciled: int = 0  # blocks on disk the bucket's first listing lacked, owed to it (kvbm.manager.owed)
+    partial_evictions: int = 0  # evictions of partial blocks (those never hit go first: kvbm.index.partials)
+    partials_superseded: int = 0  # partial blocks dropped from every tier: their full block was stored
+    partials_kept: int = 0  # superseded partial blocks left in place: a worker was reading them
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
 
 
