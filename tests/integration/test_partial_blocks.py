@@ -1,0 +1,86 @@
+"""Partial blocks in the daemon's policy (issue 40), against real parts: a daemon subprocess, its shared-memory G2
+and its disk G3. A partial block (``store(..., partial=True)``) nobody hit leaves G2 before older full blocks; one
+a load hit is evicted like any block; a full block stored with ``covers`` naming it drops it from every tier."""
+
+from __future__ import annotations
+
+import numpy as np
+from serve_proc import ServeProc, wait_until
+from test_slots import LAYOUT, NB, SLOT, daemon_cfg, keys, payload
+
+from kvbm.blocks import BlockKey
+from kvbm.blocks.keys import disk_relpath
+
+G2_SLOTS = 8
+
+
+def half(key: BlockKey) -> np.ndarray:
+    """A partial block's bytes: fewer than a full block's (as a partial block of j < k vLLM blocks)."""
+    return payload(key)[: NB // 2].copy()
+
+
+def tier_of(c, key: BlockKey) -> str:
+    """The fastest tier holding ``key`` ("" when none does), from a Lookup (which is not a hit)."""
+    rep = c.lookup([key])
+    return rep.tiers[0] if rep.matched else ""
+
+
+def daemon(tmp_path) -> ServeProc:
+    # No prefetch: the tests' lookups of blocks in G3 must not bring them back up (and evict others for them).
+    return ServeProc(tmp_path, daemon_cfg(tmp_path, host=f"{G2_SLOTS * SLOT // 1024}KiB", prefetch=False)).start()
+
+
+def test_never_hit_partial_blocks_leave_g2_before_older_full_blocks_and_a_hit_one_stays_like_a_full_one(tmp_path):
+    d = daemon(tmp_path)
+    try:
+        c = d.client()
+        c.register(LAYOUT, worker_id="partials")
+        assert c.registered.num_slots == G2_SLOTS
+        full = keys(8, b"full")
+        hit, cold = keys(2, b"partial")
+        # G2's LRU order (oldest first): full 0..2, the partial block a load hits, the never-hit one, full 3..5.
+        assert c.store(full[:3], [payload(k) for k in full[:3]]).stored == 3
+        assert c.store([hit], [half(hit)], partial=True).stored == 1
+        out = np.zeros(NB // 2, np.uint8)
+        assert c.load([hit], [out]) == 1 and np.array_equal(out, half(hit))
+        assert c.store([cold], [half(cold)], partial=True).stored == 1
+        assert c.store(full[3:6], [payload(k) for k in full[3:6]]).stored == 3
+        assert [tier_of(c, k) for k in [*full[:6], hit, cold]] == ["G2"] * 8
+        # Two more blocks: two leave G2 (demoted to G3, where write-through put them): the never-hit partial block
+        # first, then the least recently used of the others, full 0. The hit partial block and full 1 stay.
+        assert c.store(full[6:], [payload(k) for k in full[6:]]).stored == 2
+        assert tier_of(c, cold) == "G3"
+        assert tier_of(c, full[0]) == "G3"
+        assert [tier_of(c, k) for k in [hit, *full[1:]]] == ["G2"] * 8
+        m = c.stats()["manager"]
+        assert m["partial_evictions"] == 1 and m["partial_blocks"] == 2 and m["partial_blocks_unhit"] == 1, m
+        outs = [np.zeros(NB // 2, np.uint8)]
+        assert c.load([cold], outs) == 1 and np.array_equal(outs[0], half(cold))  # from G3, byte for byte
+        c.close()
+    finally:
+        d.stop()
+
+
+def test_a_full_block_stored_with_covers_drops_its_partial_block_from_every_tier(tmp_path):
+    d = daemon(tmp_path)
+    try:
+        c = d.client()
+        c.register(LAYOUT, worker_id="supersede")
+        part, other = keys(2, b"partial")
+        fulls = keys(2, b"full")
+        assert c.store([part], [half(part)], partial=True).stored == 1
+        assert c.store([fulls[0]], [payload(fulls[0])]).stored == 1  # a full block a worker names wrongly below
+        path = tmp_path / "disk" / disk_relpath(part)
+        assert wait_until(path.exists, 60), "the partial block was never written through to G3"
+        # The full block whose tokens begin with the partial block's: its covers name the partial block (and, as a
+        # stale or wrong name, a full block and a key nobody stored: neither is dropped).
+        assert c.store([fulls[1]], [payload(fulls[1])], covers=[[part, fulls[0], other]]).stored == 1
+        assert wait_until(lambda: not tier_of(c, part) and not path.exists(), 60), (tier_of(c, part), path.exists())
+        assert tier_of(c, fulls[1]) == "G2" and tier_of(c, fulls[0]) == "G2"
+        out = np.zeros(NB, np.uint8)
+        assert c.load([fulls[1]], [out]) == 1 and np.array_equal(out, payload(fulls[1]))
+        m = c.stats()["manager"]
+        assert m["partials_superseded"] == 1 and m["partial_blocks"] == 0, m
+        c.close()
+    finally:
+        d.stop()
