@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from kvbm.blocks import BlockKey
+from kvbm.blocks import FLAG_PARTIAL, BlockKey
 from kvbm.index.registry import Registry
 from kvbm.manager import policy
 from kvbm.manager.failures import FailureLog
@@ -73,6 +73,12 @@ class ManagerState:
     def __post_init__(self) -> None:
         self.by_name = {t.name: t for t in self.tiers}
         self.failures = FailureLog(self.stats.errors)
+        for t in self.tiers:  # a tier that writes headers records a partial block as one (a restart knows it)
+            t.flags_of = self.flags_of
+
+    def flags_of(self, key: BlockKey) -> int:
+        """The header flags of block ``key`` as the registry knows it (read per call: a registry swapped in)."""
+        return FLAG_PARTIAL if self.registry.is_partial(key) else 0
 
     def turn_off(self, tier: Tier, why: str) -> None:
         """Take ``tier`` out of the tier order (before serving: nothing of it is indexed yet)."""

@@ -1,6 +1,7 @@
 """Partial blocks in the daemon's policy (issue 40), against real parts: a daemon subprocess, its shared-memory G2
 and its disk G3. A partial block (``store(..., partial=True)``) nobody hit leaves G2 before older full blocks; one
-a load hit is evicted like any block; a full block stored with ``covers`` naming it drops it from every tier."""
+a load hit is evicted like any block; a full block stored with ``covers`` naming it drops it from every tier; G3's
+header records it, so a restarted daemon still knows it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 from serve_proc import ServeProc, wait_until
 from test_slots import LAYOUT, NB, SLOT, daemon_cfg, keys, payload
 
-from kvbm.blocks import BlockKey
+from kvbm.blocks import FLAG_PARTIAL, MIN_HEADER_LEN, BlockKey, unpack_header
 from kvbm.blocks.keys import disk_relpath
 
 G2_SLOTS = 8
@@ -81,6 +82,30 @@ def test_a_full_block_stored_with_covers_drops_its_partial_block_from_every_tier
         assert c.load([fulls[1]], [out]) == 1 and np.array_equal(out, payload(fulls[1]))
         m = c.stats()["manager"]
         assert m["partials_superseded"] == 1 and m["partial_blocks"] == 0, m
+        c.close()
+    finally:
+        d.stop()
+
+
+def test_a_restarted_daemon_knows_a_partial_block_from_its_g3_header(tmp_path):
+    d = daemon(tmp_path)
+    try:
+        c = d.client()
+        c.register(LAYOUT, worker_id="restart")
+        part, = keys(1, b"partial")
+        full, = keys(1, b"full")
+        assert c.store([part], [half(part)], partial=True).stored == 1
+        path = tmp_path / "disk" / disk_relpath(part)
+        assert wait_until(path.exists, 60), "the partial block was never written through to G3"
+        with path.open("rb") as f:
+            assert unpack_header(f.read(MIN_HEADER_LEN)).flags == FLAG_PARTIAL
+        d.stop()
+        d.start()
+        assert tier_of(c, part) == "G3"  # the same client registers again
+        assert c.stats()["manager"]["partial_blocks"] == 1
+        # Known as partial, it is superseded as before the restart.
+        assert c.store([full], [payload(full)], covers=[[part]]).stored == 1
+        assert wait_until(lambda: not tier_of(c, part) and not path.exists(), 60), (tier_of(c, part), path.exists())
         c.close()
     finally:
         d.stop()
