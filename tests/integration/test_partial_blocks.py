@@ -1,9 +1,11 @@
-"""Partial blocks in the daemon's policy (issue 40), against real parts: a daemon subprocess, its shared-memory G2
-and its disk G3. A partial block (``store(..., partial=True)``) nobody hit leaves G2 before older full blocks; one
-a load hit is evicted like any block; a full block stored with ``covers`` naming it drops it from every tier; G3's
-header records it, so a restarted daemon still knows it."""
+"""Partial blocks in the daemon's policy (issue 40), against real parts: a daemon subprocess, its shared-memory G2,
+its disk G3 (and SeaweedFS as G4). A partial block (``store(..., partial=True)``) nobody hit leaves G2 before older
+full blocks; one a load hit is evicted like any block; a full block stored with ``covers`` naming it drops it from
+every tier; G3's header records it, so a restarted daemon still knows it."""
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 from serve_proc import ServeProc, wait_until
@@ -11,6 +13,8 @@ from test_slots import LAYOUT, NB, SLOT, daemon_cfg, keys, payload
 
 from kvbm.blocks import FLAG_PARTIAL, MIN_HEADER_LEN, BlockKey, unpack_header
 from kvbm.blocks.keys import disk_relpath
+from kvbm.config import S3Config
+from kvbm.tiers.s3 import make_s3_tier
 
 G2_SLOTS = 8
 
@@ -106,6 +110,41 @@ def test_a_restarted_daemon_knows_a_partial_block_from_its_g3_header(tmp_path):
         # Known as partial, it is superseded as before the restart.
         assert c.store([full], [payload(full)], covers=[[part]]).stored == 1
         assert wait_until(lambda: not tier_of(c, part) and not path.exists(), 60), (tier_of(c, part), path.exists())
+        c.close()
+    finally:
+        d.stop()
+
+
+def in_bucket(srv, prefix: str, key: BlockKey) -> bool:
+    """Whether the bucket holds ``key``'s object (asked by a client of its own, not the daemon)."""
+    async def go() -> bool:
+        t = make_s3_tier(S3Config(bucket=srv.bucket, prefix=prefix), srv.endpoint, (srv.access_key, srv.secret_key))
+        await t.start()
+        try:
+            return (await t.exists_many([key])).get(key) is not None  # a HEAD: the new tier's index is empty
+        finally:
+            await t.close()
+
+    return asyncio.run(go())
+
+
+def test_a_superseded_partial_block_leaves_the_bucket_too(tmp_path, s3_server, s3_prefix):
+    srv = s3_server
+    cfg = daemon_cfg(tmp_path, host=f"{G2_SLOTS * SLOT // 1024}KiB", prefetch=False)
+    cfg["s3"] = {"endpoint": srv.endpoint, "bucket": srv.bucket, "prefix": s3_prefix, "access_key": srv.access_key,
+                 "secret_key": srv.secret_key}
+    d = ServeProc(tmp_path, cfg).start()
+    try:
+        c = d.client()
+        c.register(LAYOUT, worker_id="g4")
+        part, = keys(1, b"partial")
+        full, = keys(1, b"full")
+        assert c.store([part], [half(part)], partial=True, durable=True).durable == 1
+        assert wait_until(lambda: in_bucket(srv, s3_prefix, part), 60), "the partial block never reached G4"
+        assert c.store([full], [payload(full)], covers=[[part]], durable=True).durable == 1
+        assert wait_until(lambda: not in_bucket(srv, s3_prefix, part), 60), "the superseded partial stayed in G4"
+        assert not tier_of(c, part) and not (tmp_path / "disk" / disk_relpath(part)).exists()
+        assert in_bucket(srv, s3_prefix, full)
         c.close()
     finally:
         d.stop()
