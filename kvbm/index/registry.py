@@ -141,11 +141,12 @@ class Registry:
                     continue
                 sizes.pop(c)
                 gone.append(key)
-                anywhere = any(code in d for d in self._lru)
-                if self._hits and not anywhere:
-                    self._hits.pop(code, None)
-                if self.partials.kinds:
-                    self.partials.removed(i, code, anywhere)
+                if self._hits or self.partials.kinds:  # per-block state ends with the last copy
+                    anywhere = any(code in d for d in self._lru)
+                    if not anywhere:
+                        self._hits.pop(code, None)
+                    if self.partials.kinds:
+                        self.partials.removed(i, code, anywhere)
         if gone and self.listeners:
             self._emit("removed", tier, gone)
         return len(gone)

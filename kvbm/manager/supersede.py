@@ -63,10 +63,10 @@ class Supersedes:
             reg = s.registry
             if not reg.is_partial(key):
                 return  # gone meanwhile (evicted, deleted)
-            if reg.is_pinned(key):
+            where = reg.where(key)
+            if any(reg.is_pinned(key, name) for name in where):  # a worker reading it (a lease pins it in G2)
                 s.stats.partials_kept += 1
                 return
-            where = reg.where(key)
             for name in where:  # all at once, no await between: nothing copies from a tier it is leaving
                 reg.remove(name, key)
             s.stats.partials_superseded += 1

@@ -13,6 +13,7 @@ from test_slots import LAYOUT, NB, SLOT, daemon_cfg, keys, payload
 
 from kvbm.blocks import FLAG_PARTIAL, MIN_HEADER_LEN, BlockKey, unpack_header
 from kvbm.blocks.keys import disk_relpath
+from kvbm.client.lease import Onboarding
 from kvbm.config import S3Config
 from kvbm.tiers.s3 import make_s3_tier
 
@@ -146,5 +147,27 @@ def test_a_superseded_partial_block_leaves_the_bucket_too(tmp_path, s3_server, s
         assert not tier_of(c, part) and not (tmp_path / "disk" / disk_relpath(part)).exists()
         assert in_bucket(srv, s3_prefix, full)
         c.close()
+    finally:
+        d.stop()
+
+
+def test_a_partial_block_a_worker_is_reading_is_not_superseded_under_it(tmp_path):
+    d = daemon(tmp_path)
+    try:
+        reader, writer = d.client(), d.client()
+        reader.register(LAYOUT, worker_id="reader")
+        writer.register(LAYOUT, worker_id="writer")
+        part, = keys(1, b"partial")
+        full, = keys(1, b"full")
+        assert writer.store([part], [half(part)], partial=True).stored == 1
+        with Onboarding(reader, [part.hash]).loaded() as got:  # pinned in G2 for the reader until released
+            assert got.count == 1
+            assert writer.store([full], [payload(full)], covers=[[part]]).stored == 1
+            assert wait_until(lambda: writer.stats()["manager"]["partials_kept"] == 1, 60), writer.stats()["manager"]
+            assert np.array_equal(got.view(0).numpy(), half(part))
+        assert tier_of(writer, part) == "G2"  # an ordinary block from now on
+        assert writer.stats()["manager"]["partials_superseded"] == 0
+        reader.close()
+        writer.close()
     finally:
         d.stop()
