@@ -44,6 +44,7 @@ class Registry:
         self.pin, self.unpin, self.pinned, self.is_pinned = t.pin, t.unpin, t.pinned, t.is_pinned
         self._hits: dict[int, int] = {}
         self.partials = PartialMarks(len(self.tiers))  # partial blocks, evicted first until hit (kvbm.index.partials)
+        self._kinds, self._unhit = self.partials.kinds, self.partials.unhit  # its sets (never replaced), bound once
         # Called as listener(kind, tier, keys) with kind "stored" or "removed" and the blocks that changed (one
         # call per batch: a store of 64 blocks is one call, not 64), outside the lock.
         self.listeners: list[Callable[[str, str, list[BlockKey]], None]] = []
@@ -91,7 +92,7 @@ class Registry:
         lock: the common store of equal-size blocks. Returns the keys that were new there."""
         lru = self._lru[i]
         others = [d for j, d in enumerate(self._lru) if j != i and d]  # where a canonical int may already live
-        unhit = self.partials.unhit
+        unhit = self._unhit
         new: list[BlockKey] = []
         for key, code in zip(keys, codes, strict=True):
             c = lru.pop(code, None)
@@ -120,7 +121,7 @@ class Registry:
             sizes.pop(c)
         lru[c] = c
         sizes.put(c, footprint, lru)
-        if partial or self.partials.unhit:
+        if partial or self._unhit:
             self.partials.added(i, c, partial)
         return new
 
@@ -141,11 +142,11 @@ class Registry:
                     continue
                 sizes.pop(c)
                 gone.append(key)
-                if self._hits or self.partials.kinds:  # per-block state ends with the last copy
+                if self._hits or self._kinds:  # per-block state ends with the last copy
                     anywhere = any(code in d for d in self._lru)
                     if not anywhere:
                         self._hits.pop(code, None)
-                    if self.partials.kinds:
+                    if self._kinds:
                         self.partials.removed(i, code, anywhere)
         if gone and self.listeners:
             self._emit("removed", tier, gone)
@@ -211,7 +212,7 @@ class Registry:
             for code in codes:
                 code = self._canonical(code)
                 hits[code] = hits.get(code, 0) + 1
-                if self.partials.unhit:
+                if self._unhit:
                     self.partials.hit(code)
                 for lru in self._lru:
                     c = lru.pop(code, None)
