@@ -195,6 +195,21 @@ class _Core:
             raise ValueError(f"buffers of one store must be equal-sized, got {sorted(sizes)}")
         return ns, hashes, sizes.pop() if sizes else 0
 
+    def _covers(self, covers: Sequence[Sequence[BlockKey | bytes]] | None, ns: str, count: int) -> list[list[bytes]]:
+        """A store's ``covers`` (per block, the partial blocks it supersedes) as hashes; ValueError naming the field
+        when they are not one list per key, all in the store's namespace."""
+        if not covers:
+            return []
+        if len(covers) != count:
+            raise ValueError(f"covers: {len(covers)} lists for {count} keys (one per key)")
+        out = []
+        for c in covers:
+            cns, hashes = self._ns(list(c))
+            if hashes and cns != ns:
+                raise ValueError(f"covers: namespace {cns!r} is not the store's {ns!r}")
+            out.append(hashes)
+        return out
+
     def _store_step(self, count: int, batch: int, in_flight: int) -> int:
         """Blocks per PrepareStore of a store of ``count`` blocks: ``batch``; but a store of more blocks than this
         session may hold at once (the slot budget the daemon states, else G2's slots) streams through G2, in

@@ -119,7 +119,11 @@ class SavePlanner:
             # outside the window): it cannot be saved. A gap; a later hit stops before it.
             st.saved_blocks += 1
         if done > st.saved_blocks:
-            meta.saves.append(st.transfer(range(st.saved_blocks, done), k))
+            tr = st.transfer(range(st.saved_blocks, done), k)
+            if self.partials:  # each full block supersedes the partial blocks of its leading vLLM blocks
+                vh = st.request.block_hashes
+                tr.covers = [[bytes(h) for h in vh[i * k : (i + 1) * k - 1]] for i in range(st.saved_blocks, done)]
+            meta.saves.append(tr)
             self.stats["saves"] += done - st.saved_blocks
             st.saved_blocks = done
             if self.cfg.async_save or final:
@@ -144,7 +148,7 @@ class SavePlanner:
         st.partial = key
         ids = [b for group in st.block_ids for b in group[full * k : full * k + j]]
         self.stats["partial_saves"] = self.stats.get("partial_saves", 0) + 1
-        return BlockTransfer(st.request.request_id, [key], [ids])
+        return BlockTransfer(st.request.request_id, [key], [ids], partial=True)
 
     def intact(self, st: ReqState, i: int, computed: int) -> bool:
         """Whether every group still holds all vLLM blocks of the request's kvbm block ``i``."""

@@ -213,7 +213,8 @@ class Saver:
     def _save_span(self, client: Any, job: SaveJob, span: range, nbytes: int) -> bool:
         """Blocks ``span`` of the job; whether the rest may follow."""
         tr = job.tr
-        with reserving(client, tr.hashes[span.start : span.stop], nbytes) as res:
+        with reserving(client, tr.hashes[span.start : span.stop], nbytes, partial=tr.partial,
+                       covers=tr.covers[span.start : span.stop]) as res:
             if not any(s is not None for s in res.slots):
                 return True  # every block is stored already: nothing to read
             if not job.start_copy():
