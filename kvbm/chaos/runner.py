@@ -198,7 +198,8 @@ class Harness:
         w = self.world
         want = sorted(self.model.durable, key=lambda k: (k.namespace, k.hash))
         gone = sorted(self.model.purged, key=lambda k: (k.namespace, k.hash))
-        deadline = time.monotonic() + DURABLE_WAIT_S
+        t_end = time.monotonic()
+        deadline = t_end + DURABLE_WAIT_S
         missing: list[BlockKey] = want
         while True:
             got = w.in_bucket(missing)
@@ -207,6 +208,7 @@ class Harness:
             if all(isinstance(got[k], bytes) for k in missing) or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
+        self.res.end_wait_s = round(time.monotonic() - t_end, 1)
         unreadable = [k for k in missing if got[k] is UNREADABLE]
         if unreadable:  # the bucket did not answer for them: not a loss the check can name, but the check failed
             self.res.harness_errors.append(f"the bucket could not be read for {len(unreadable)} acked blocks "
@@ -257,7 +259,8 @@ def campaign(seeds: list[int], s3: S3Target, root: Path, *, steps: int = 28,
                 slot["seeds"].append(seed)
         report["harness_errors"] += [f"seed {seed}: {e}" for e in r.harness_errors]
         report["runs"].append({"seed": seed, "index_bucket": r.index_bucket, "final": plan(seed, steps).final,
-                               "seconds": r.seconds, "ops": r.ops, "faults": r.faults, "refusals": r.refusals,
+                               "seconds": r.seconds, "end_wait_s": r.end_wait_s, "ops": r.ops, "faults": r.faults,
+                               "refusals": r.refusals,
                                "violations": r.violations, "harness_errors": len(r.harness_errors),
                                "trace": r.trace})
         bad = sorted({v["invariant"] for v in r.violations})

@@ -54,6 +54,7 @@ class ScheduleResult:
     violations: list[dict[str, Any]] = field(default_factory=list)
     harness_errors: list[str] = field(default_factory=list)
     trace: list[dict[str, Any]] = field(default_factory=list)  # the ops run (the replay check compares them)
+    end_wait_s: float = 0.0  # how long the end check waited for the acked blocks to be in the bucket
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

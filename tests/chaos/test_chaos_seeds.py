@@ -104,3 +104,25 @@ def test_a_purge_refused_mid_outage_leaves_its_blocks_undetermined_not_acked(s3_
     assert not res.violations, res.violations
     a12 = h.world.keys("a", [12])[0]
     assert a12 not in h.model.durable and a12 not in h.model.purged and a12 in h.model.undetermined
+
+
+def test_seed_4052s_interleaving_loses_no_acked_block(s3_server, tmp_path: Path) -> None:
+    """Seed 4052's one-off acked_lost, directed (it never replayed): tenant c's blocks acked durable while S3 is out
+    (owed), the journal deleted under the daemon, another block acked (its owed line goes to the journal written
+    again), SIGKILL right after that ack (inside the journal's debounce), a lazy start while S3 is still out, then
+    S3 back, a final SIGKILL and a lazy start again: every acked block is in the bucket."""
+    require("tmpfs", *tmpfs_available())
+    sched = Schedule(seed=4052, index_bucket="lazy", final="kill", ops=[
+        Op("s3_outage", seconds=8.0),
+        Op("store", "c", 1, [6, 7, 8], durable=True),
+        Op("journal_delete"),
+        Op("store", "c", 1, [22], durable=True),
+        Op("kill"),
+        Op("store", "c", 0, [9], durable=True),
+    ])
+    h = Harness(sched, _target(s3_server), tmp_path)
+    res = h.run()
+    assert not res.harness_errors, res.harness_errors
+    assert res.faults.get("journal_delete") == 1 and res.faults.get("sigkill") == 2, res.faults
+    assert len(h.model.durable) == 5, (res.refusals, res.trace)  # all acked durable on G3 during the outage
+    assert not res.violations, res.violations
