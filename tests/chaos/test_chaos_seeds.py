@@ -126,3 +126,23 @@ def test_seed_4052s_interleaving_loses_no_acked_block(s3_server, tmp_path: Path)
     assert res.faults.get("journal_delete") == 1 and res.faults.get("sigkill") == 2, res.faults
     assert len(h.model.durable) == 5, (res.refusals, res.trace)  # all acked durable on G3 during the outage
     assert not res.violations, res.violations
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue 37, chaos seed 6004): an Evict deletes a block only from the tiers "
+                                       "the index says hold it; a G4 write-through in flight lands after the purge")
+def test_a_purge_while_the_blocks_write_through_is_in_flight_is_not_undone(s3_server, tmp_path: Path) -> None:
+    """Seed 6004's purge_undone, directed: tenant b stores a block (not durable: the ack does not wait for S3) while
+    every S3 request is delayed 1-1.5 s, and purges it at once; its write-through PUT is still in flight when the
+    Evict is answered. The block must not be in the bucket at the end."""
+    require("tmpfs", *tmpfs_available())
+    sched = Schedule(seed=6004, index_bucket="start", final="", ops=[
+        Op("register", "b", 0),
+        Op("s3_faults", count=3, rates={"latency": 1.0, "latency_s": (1.0, 1.5)}),  # type: ignore[dict-item]
+        Op("store", "b", 0, [13]),
+        Op("purge", "b", 0, [13]),
+    ])
+    h = Harness(sched, _target(s3_server), tmp_path)
+    res = h.run()
+    assert not res.harness_errors, res.harness_errors
+    assert h.world.keys("b", [13])[0] in h.model.purged, (res.refusals, res.trace)  # the Evict was answered
+    assert not res.violations, res.violations
