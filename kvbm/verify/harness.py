@@ -89,14 +89,14 @@ def relative_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(ta - tb) / max(np.linalg.norm(tb), 1e-12))
 
 
-def describe_tokens(got: list[int], want: list[int]) -> str:
+def describe_tokens(got: list[int], want: list[int], names: tuple[str, str] = ("kvbm", "computed")) -> str:
     i = next((j for j, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), min(len(got), len(want)))
     shift = ""
     if got[i:i + 8] == want[i + 1:i + 9] and len(got[i:i + 8]) > 1:
-        shift = " (one token ahead of the computed answer)"
+        shift = f" (one token ahead of the {names[1]} answer)"
     elif got[i + 1:i + 9] == want[i:i + 8] and len(want[i:i + 8]) > 1:
-        shift = " (one token behind the computed answer)"
-    return f"first differs at token {i}: kvbm {got[i:i + 6]} vs computed {want[i:i + 6]}{shift}"
+        shift = f" (one token behind the {names[1]} answer)"
+    return f"first differs at token {i}: {names[0]} {got[i:i + 6]} vs {names[1]} {want[i:i + 6]}{shift}"
 
 
 def check(sched: Schedule, pressure: dict[str, Any], clean: dict[str, Any]) -> dict[str, Any]:

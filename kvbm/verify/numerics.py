@@ -111,8 +111,10 @@ def _compare(spec: dict[str, Any]) -> dict[str, Any]:
         "kvbm_hit_differs_from_full": sum(r["kvbm"] != r["full"] for r in rows),
         "kvbm_hit_differs_from_own_hit": sum(r["kvbm"] != r["own"] for r in rows),
         "differences": [{"prompt_tokens": r["prompt_tokens"], "cached": [r["own_cached"], r["kvbm_cached"]],
-                         "own_vs_full": describe_tokens(r["own"], r["full"]) if r["own"] != r["full"] else None,
-                         "kvbm_vs_own": describe_tokens(r["kvbm"], r["own"]) if r["kvbm"] != r["own"] else None,
+                         "own_vs_full": describe_tokens(r["own"], r["full"], ("vLLM's own hit", "computed"))
+                         if r["own"] != r["full"] else None,
+                         "kvbm_vs_own": describe_tokens(r["kvbm"], r["own"], ("kvbm", "vLLM's own hit"))
+                         if r["kvbm"] != r["own"] else None,
                          "first_diff_vs_full": _first_diff(r["kvbm"], r["full"])}
                         for r in rows if r["own"] != r["full"] or r["kvbm"] != r["own"]],
     }
