@@ -290,7 +290,7 @@ class PeerReads:
                 pairs = [(base + s * g2.slot_bytes, remote.pool_addr + pinned.slots[i] * remote.slot_bytes,
                           pinned.nbytes[i]) for i, s in part]
                 self.agent.read(link.remote_name, pairs, max(0.05, deadline - time.monotonic()))
-                checks.append(self._verifier.submit(self._verify, part, pinned))
+                checks.append(self._verifier.submit(_verify, g2, part, pinned))
             t2 = time.monotonic()
             good: set[int] = set()
             for c in checks:
@@ -298,15 +298,6 @@ class PeerReads:
             return good, t2 - t1, time.monotonic() - t2
         finally:
             futures_wait(checks)
-
-    def _verify(self, part: list[tuple[int, int]], pinned: m.Pinned) -> set[int]:
-        g2 = self.g2
-        good = set()
-        for i, s in part:
-            view = np.asarray(g2.slot_tensor(s, pinned.nbytes[i]).numpy())
-            if xxhash.xxh3_64_intdigest(memoryview(view)) == pinned.checksums[i]:
-                good.add(i)
-        return good
 
     def describe(self) -> dict[str, Any]:
         d = msgspec.structs.asdict(self.stats)
@@ -319,6 +310,16 @@ class PeerReads:
         for ep in list(self._links):
             self._forget(ep)
         self._verifier.shutdown(wait=False)
+
+
+def _verify(g2: SlotPoolTier, part: list[tuple[int, int]], pinned: m.Pinned) -> set[int]:
+    """The indexes of ``part`` ((index in the pin, own slot) pairs) whose bytes match the peer's xxh3-64."""
+    good = set()
+    for i, s in part:
+        view = np.asarray(g2.slot_tensor(s, pinned.nbytes[i]).numpy())
+        if xxhash.xxh3_64_intdigest(memoryview(view)) == pinned.checksums[i]:
+            good.add(i)
+    return good
 
 
 def _parts(mine: list[tuple[int, int]], nbytes: Sequence[int], size: int) -> Iterator[list[tuple[int, int]]]:
