@@ -224,8 +224,9 @@ class PeerReadServer:
             self._pinning -= 1
         t1 = time.monotonic()
         self.stats.reserve_seconds += t1 - t0
-        try:
-            sums = await asyncio.to_thread(self._checksums, leases)
+        try:  # all known (an earlier pin of the same slots): answered here, no thread hop (100 ms under load)
+            known = all(self._sums.get(le.key, (-1, 0))[0] == le.slot for le in leases)
+            sums = self._checksums(leases) if known else await asyncio.to_thread(self._checksums, leases)
         except BaseException:
             self.manager.release(leases)
             raise
