@@ -64,4 +64,38 @@ def chaos_cmd(count: int, first: int, only: tuple[int, ...], steps: int, s3_endp
         click.echo(f"json: {json_path}")
 
 
-COMMANDS = [chaos_cmd]
+@click.command("isolation")
+@click.option("--repeats", default=5, show_default=True, help="Solo/flooded pairs of timed phases (medians over them).")
+@click.option("--iters", default=400, show_default=True, help="Tenant A's lookup+load pairs timed per phase.")
+@click.option("--blocks", default=8, show_default=True, help="Tenant A's blocks per lookup+load.")
+@click.option("--b-sessions", default=4, show_default=True, help="Tenant B's flooding sessions.")
+@click.option("--b-inflight", default=16, show_default=True, help="Tenant B's max_inflight (its flood's depth).")
+@click.option("--b-lookups-only", is_flag=True, help="Tenant B floods lookups only (no stores).")
+@workdir_option("Where the daemon's directories go (a temporary dir by default).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def isolation_cmd(repeats: int, iters: int, blocks: int, b_sessions: int, b_inflight: int, b_lookups_only: bool,
+                  workdir: str | None, json_path: str | None) -> None:
+    """Tenant A's lookup+load p99 alone vs while tenant B floods stores and lookups at its caps (ratio, medians)."""
+    from kvbm.bench.common import temp_dir, write_json
+    from kvbm.chaos.isolation import IsolationOptions, run_isolation
+
+    for name, v in (("--repeats", repeats), ("--iters", iters), ("--blocks", blocks), ("--b-sessions", b_sessions),
+                    ("--b-inflight", b_inflight)):
+        if v < 1:
+            raise click.BadParameter(f"{name} must be at least 1")
+    o = IsolationOptions(repeats=repeats, iters=iters, blocks=blocks, b_sessions=b_sessions, b_inflight=b_inflight,
+                         b_stores=not b_lookups_only)
+    with temp_dir("kvbm-isolation-", workdir) as tmp:
+        report = run_isolation(o, tmp, echo=click.echo)
+    report["command"] = ["kvbm", "bench", *sys.argv[sys.argv.index("isolation"):]] if "isolation" in sys.argv \
+        else sys.argv
+    m = report["median"]
+    click.echo(f"A p99: solo {m['solo']['p99_ms']} ms, B flooding another daemon {m['control']['p99_ms']} ms, B "
+               f"flooding A's daemon {m['shared']['p99_ms']} ms: {report['ratio_p99']}x solo (p50 "
+               f"{report['ratio_p50']}x), {report['daemon_share_p99']}x the control; load {report['load_avg_end']}")
+    if json_path:
+        write_json(Path(json_path), report)
+        click.echo(f"json: {json_path}")
+
+
+COMMANDS = [chaos_cmd, isolation_cmd]

@@ -115,10 +115,18 @@ class PrepareStore(_SlotReq, kw_only=True):
 
 
 class CommitStore(_SlotReq, kw_only=True):
-    """Commit (``ok``) or abort prepared slots; ``durable`` waits until they are on disk/S3."""
+    """Commit (``ok``) or abort prepared slots; ``durable`` waits until they are on disk/S3.
+
+    ``partial``: the blocks are partial blocks (a request's tail past its last full block): evicted before other
+    blocks until a load hits them. ``covers`` (empty, or one list per hash): the partial blocks each block
+    supersedes (those whose tokens it begins with), dropped from every tier once it is held. Both are defaulted,
+    so no new protocol version: a daemon before them ignores them (stores the blocks as ordinary ones), a worker
+    before them sends neither."""
 
     ok: bool = True
     durable: bool = False
+    partial: bool = False
+    covers: Annotated[list[Hashes], Meta(max_length=MAX_BATCH)] = msgspec.field(default_factory=list)
 
 
 class Onboard(_SlotReq, kw_only=True):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -17,6 +17,11 @@ def no_observe(*_args: object) -> None:
     """The default latency/copy hook (metrics off); the daemon installs its Prometheus observers instead."""
 
 
+def no_flags(_key: BlockKey) -> int:
+    """The default header flags of a block a tier writes (:data:`kvbm.blocks.format.FLAG_PARTIAL` etc.): none."""
+    return 0
+
+
 class StoredBlock(msgspec.Struct, frozen=True):
     """What a tier knows about a block it holds, without reading its payload."""
 
@@ -24,6 +29,7 @@ class StoredBlock(msgspec.Struct, frozen=True):
     nbytes: int  # payload bytes
     mtime: float = 0.0  # unix seconds of the last write
     footprint: int = 0  # bytes the tier spends on it (slot size, file size, object size)
+    partial: bool = False  # its header says it is a partial block (FLAG_PARTIAL; a tier that reads headers)
 
 
 class TierStats(msgspec.Struct):
@@ -62,6 +68,8 @@ class Tier(abc.ABC):
             raise ValueError("capacity_bytes must be >= 0")
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
+        # The header flags of a block this tier writes (a tier that writes headers asks; the manager answers).
+        self.flags_of: Callable[[BlockKey], int] = no_flags
 
     # -- data path -------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvbm.blocks import ALIGNED_HEADER_LEN, BlockKey, pack_header, unpack_header, verify
+from kvbm.blocks import ALIGNED_HEADER_LEN, FLAG_PARTIAL, BlockKey, pack_header, unpack_header, verify
 from kvbm.blocks.keys import DISK_SUFFIX, check_namespace, disk_relpath, parse_disk_relpath
 from kvbm.errors import CorruptBlockError, TierFullError, TierUnavailableError
 from kvbm.tiers.base import StoredBlock, Tier
@@ -73,6 +73,7 @@ class DiskTier(Tier):
         self.header_len = header_len
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvbm-disk")
         self._index: dict[BlockKey, tuple[int, float]] = {}  # key -> (payload bytes, mtime)
+        self._partials: set[BlockKey] = set()  # blocks whose header says FLAG_PARTIAL
         self._used = 0
         self._reserved = 0  # footprint of puts in flight
         self._started = False
@@ -99,6 +100,7 @@ class DiskTier(Tier):
 
     def _forget(self, key: BlockKey) -> bool:
         entry = self._index.pop(key, None)
+        self._partials.discard(key)
         if entry is None:
             return False
         self._used -= self.footprint(entry[0])
@@ -119,7 +121,8 @@ class DiskTier(Tier):
             # Own the directory before sweeping temp files and dropping blocks in it.
             await self._io(self.dir_lock.acquire)
             try:
-                found, corrupt, tmp = await self._io(self._reindex)
+                partials: set[BlockKey] = set()
+                found, corrupt, tmp = await self._io(self._reindex, None, True, partials)
             except BaseException:
                 self.dir_lock.release()
                 raise
@@ -127,6 +130,7 @@ class DiskTier(Tier):
             self._used = 0
             for key, (n, mtime) in found.items():
                 self._remember(key, n, mtime)
+            self._partials = partials
             self.stats.corrupt += corrupt
             self.tmp_removed += tmp
             self._started = True
@@ -135,16 +139,19 @@ class DiskTier(Tier):
 
     async def refresh(self, namespace: str | None = None) -> None:
         """Index block files that other processes (``kvbm prewarm``) renamed into place since start."""
-        found, corrupt, _ = await self._io(self._reindex, namespace, False)
+        partials: set[BlockKey] = set()
+        found, corrupt, _ = await self._io(self._reindex, namespace, False, partials)
         for key, (n, mtime) in found.items():
             if key not in self._index:
                 self._remember(key, n, mtime)
+                if key in partials:
+                    self._partials.add(key)
         self.stats.corrupt += corrupt
 
     def _reindex(
-        self, namespace: str | None = None, clean_tmp: bool = True
+        self, namespace: str | None = None, clean_tmp: bool = True, partials: set[BlockKey] | None = None
     ) -> tuple[dict[BlockKey, tuple[int, float]], int, int]:
-        return walk_blocks(self.dir, self.file_io, self.header_len, namespace, clean_tmp)
+        return walk_blocks(self.dir, self.file_io, self.header_len, namespace, clean_tmp, partials)
 
     async def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -163,8 +170,9 @@ class DiskTier(Tier):
                 f"G3 full: {self._used + self._reserved} of {self.capacity_bytes} B used, block needs {need}"
             )
         self._reserved += need
+        flags = self.flags_of(key)
         try:
-            mtime = await self._io(self._write, key, view)
+            mtime = await self._io(self._write, key, view, flags)
         except TierFullError:
             self.stats.shed += 1
             raise
@@ -174,14 +182,16 @@ class DiskTier(Tier):
         finally:
             self._reserved -= need
         self._remember(key, n, mtime)
+        if flags & FLAG_PARTIAL:
+            self._partials.add(key)
         self.stats.puts += 1
         self.stats.bytes_in += n
 
-    def _write(self, key: BlockKey, view: memoryview) -> float:
+    def _write(self, key: BlockKey, view: memoryview, flags: int = 0) -> float:
         final = self.path_for(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        header = pack_header(key, view, self.header_len)
+        header = pack_header(key, view, self.header_len, flags=flags)
         try:
             self.file_io.write_block(str(tmp), header, view, self.fsync, self.o_direct)
             os.rename(tmp, final)
@@ -267,7 +277,8 @@ class DiskTier(Tier):
         for key, (n, mtime) in list(self._index.items()):
             if namespace is not None and key.namespace != namespace:
                 continue
-            yield StoredBlock(key=key, nbytes=n, mtime=mtime, footprint=self.footprint(n))
+            yield StoredBlock(key=key, nbytes=n, mtime=mtime, footprint=self.footprint(n),
+                              partial=key in self._partials)
 
     # -- benchmarks --------------------------------------------------------------------------------
     def drop_page_cache(self, key: BlockKey) -> bool:
@@ -291,11 +302,13 @@ class DiskTier(Tier):
 
 
 def walk_blocks(
-    top_dir: Path, file_io: FileIO, header_len: int, namespace: str | None = None, clean_tmp: bool = True
+    top_dir: Path, file_io: FileIO, header_len: int, namespace: str | None = None, clean_tmp: bool = True,
+    partials: set[BlockKey] | None = None,
 ) -> tuple[dict[BlockKey, tuple[int, float]], int, int]:
     """Walk the tree (or one namespace): verify each header against its file name and size; drop what
     fails; returns ({key: (payload bytes, mtime)}, corrupt files removed, temp files removed). Temp files are
-    removed only at start, when no writer of ours can be mid-write."""
+    removed only at start, when no writer of ours can be mid-write. ``partials`` collects the blocks whose header
+    says FLAG_PARTIAL."""
     top_dir.mkdir(parents=True, exist_ok=True)
     top = top_dir / check_namespace(namespace) if namespace else top_dir
     found: dict[BlockKey, tuple[int, float]] = {}
@@ -320,6 +333,8 @@ def walk_blocks(
                 if not hdr.header_len + hdr.payload_len <= size <= hdr.header_len + round_up(hdr.payload_len):
                     raise CorruptBlockError(f"file is {size} bytes for a {hdr.payload_len}-byte payload")
                 found[key] = (hdr.payload_len, os.stat(path).st_mtime)
+                if partials is not None and hdr.flags & FLAG_PARTIAL:
+                    partials.add(key)
             except FileNotFoundError:
                 continue
             except (CorruptBlockError, ValueError) as e:

@@ -85,6 +85,18 @@ def avx2_only_cpu() -> bool:
     return "avx512" not in flags and "amx" not in flags
 
 
+def bf16_arithmetic() -> str:
+    """How this CPU does bf16: ``native (AMX)``, ``native (AVX512_BF16)``, or ``emulated`` (AVX2, or AVX-512
+    without AVX512_BF16/AMX: 10-90x slower), as a benchmark report states it."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    if "amx_bf16" in flags:
+        return "native (AMX)"
+    return "native (AVX512_BF16)" if "avx512_bf16" in flags else "emulated (no AVX512_BF16 or AMX)"
+
+
 def native_dtype() -> str:
     """The dtype this machine computes a bench model fastest in: bfloat16 on a GPU, an Arm CPU or an x86 CPU
     with AVX-512 or AMX; float32 on an AVX2-only CPU (a 2048x1024x2816 matmul measured 16.6 s in bf16, 11.8 s

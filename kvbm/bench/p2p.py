@@ -84,6 +84,19 @@ def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+# Stage timers of one peer load: B's (the asker's) read stages and A's (the server's) pin stages, in seconds.
+_READ_STAGES = ("pin", "prepare", "read", "verify", "commit")
+_SERVE_STAGES = ("reserve", "checksum")
+
+
+def _stage_stats(fleet_b: dict[str, Any], fleet_a: dict[str, Any]) -> dict[str, float]:
+    rd, sv = fleet_b["p2p"]["read"], fleet_a["p2p"]["serve"]
+    got = {f"b_{k}_s": float(rd[f"{k}_seconds"]) for k in _READ_STAGES}
+    got.update({f"a_{k}_s": float(sv[f"{k}_seconds"]) for k in _SERVE_STAGES})
+    got["a_checksums_computed"] = float(sv["checksums_computed"])
+    return got
+
+
 def _one_transport(opts: P2POptions, srv: dict[str, Any], root: Path, tls: str | None,
                    say: Callable[[str], None]) -> dict[str, Any]:
     import numpy as np
@@ -146,29 +159,40 @@ def _one_transport(opts: P2POptions, srv: dict[str, Any], root: Path, tls: str |
         outs = [np.zeros(opts.block_bytes, np.uint8) for _ in keys]
         nbytes = len(keys) * opts.block_bytes
         runs: dict[str, list[float]] = {"peer": [], "bucket": []}
+        stages: dict[str, list[dict[str, float]]] = {"peer": [], "bucket": []}
         for r in range(opts.repeats):
             for path, cl, adm in (("peer", cb, admins[0]), ("bucket", cc, admins[1])):
                 adm.evict(keys, tiers=["G2"])
                 for o in outs:
                     o[:] = 0
+                before = _stage_stats(fleet(cb), fleet(ca)) if path == "peer" else {}
                 t0 = time.perf_counter()
                 tiers = cl.lookup(keys).tiers
+                t1 = time.perf_counter()
                 n = cl.load(keys, outs)
                 took = time.perf_counter() - t0
                 if n != len(keys) or any(not np.array_equal(o, bb) for o, bb in zip(outs, bufs, strict=True)):
                     raise RuntimeError(f"{path}: {n} of {len(keys)} blocks loaded, or wrong bytes")
                 if path == "peer" and tiers != ["G2"] * len(keys):
                     raise RuntimeError(f"peer: the lookup did not read from the peer (tiers {set(tiers)})")
+                st = {"lookup_s": t1 - t0, "load_s": took - (t1 - t0)}
+                if path == "peer":
+                    after = _stage_stats(fleet(cb), fleet(ca))
+                    st.update({k: after[k] - before[k] for k in after})
                 runs[path].append(took)
+                stages[path].append(st)
                 say(f"  {out['ucx_tls']} repeat {r + 1}: {path} {took * 1e3:.0f} ms "
-                    f"({nbytes / took / 1e9:.2f} GB/s)")
+                    f"({nbytes / took / 1e9:.2f} GB/s; " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in st.items()
+                                                                      if k.endswith("_s")) + " ms)")
         for path, xs in runs.items():
             med = median(xs)
-            out[path] = {"time_to_last_block_s": med, "gbps": nbytes / med / 1e9, "runs_s": xs}
+            out[path] = {"time_to_last_block_s": med, "gbps": nbytes / med / 1e9, "runs_s": xs,
+                         "stages_median_s": {k: median([st[k] for st in stages[path]]) for k in stages[path][0]},
+                         "stages_s": stages[path]}
         out["peer_over_bucket"] = out["peer"]["gbps"] / out["bucket"]["gbps"]
-        st = fleet(cb)["p2p"]["read"]
-        out["peer_read_stats"] = {k: st[k] for k in ("reads", "blocks", "bytes", "checksum_failures", "failed",
-                                                     "pin_seconds", "read_seconds", "verify_seconds")}
+        out["peer_read_stats"] = {k: v for k, v in fleet(cb)["p2p"]["read"].items() if k != "peers"}
+        out["peer_serve_stats_on_a"] = {k: v for k, v in fleet(ca)["p2p"]["serve"].items()
+                                        if isinstance(v, (int, float))}
         out["bucket_gets_on_c"] = next(t for t in cc.stats()["tiers"] if t["tier"] == "G4")["stats"]["gets"]
         out["bucket_gets_on_b"] = next(t for t in cb.stats()["tiers"] if t["tier"] == "G4")["stats"]["gets"]
     finally:

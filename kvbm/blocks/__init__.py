@@ -8,6 +8,7 @@
 
 from kvbm.blocks.format import (
     ALIGNED_HEADER_LEN,
+    FLAG_PARTIAL,
     FORMAT_VERSION,
     MAGIC,
     MAX_HASH_LEN,
@@ -24,6 +25,7 @@ from kvbm.blocks.format import (
 )
 
 __all__ = [
-    "ALIGNED_HEADER_LEN", "FORMAT_VERSION", "MAGIC", "MAX_HASH_LEN", "MIN_HEADER_LEN", "BlockHeader", "BlockKey",
+    "ALIGNED_HEADER_LEN", "FLAG_PARTIAL", "FORMAT_VERSION", "MAGIC", "MAX_HASH_LEN", "MIN_HEADER_LEN", "BlockHeader",
+    "BlockKey",
     "checksum", "decode_block", "encode_block", "encode_block_into", "pack_header", "unpack_header", "verify",
 ]

@@ -20,6 +20,8 @@ MAGIC = b"KVBM"
 # 2: length-prefixed root hash (salt, LoRA) and layout fingerprint v2; blocks of version 1 are never read.
 FORMAT_VERSION = 2
 MAX_HASH_LEN = 32
+# Header flags (a bit field every version 2 reader ignores, 0 in blocks written before them, so no new version).
+FLAG_PARTIAL = 1  # a partial block (a request's tail past its last full block): a restart indexes it as one
 # magic, version, header_len, flags, payload_len, payload_xxh3, created_ns, fingerprint(8), hash_len, hash(32)
 _FIELDS = struct.Struct("<4sHHIQQQ8sB32s")
 _HEADER_CRC = struct.Struct("<Q")
@@ -55,6 +57,7 @@ class BlockHeader(msgspec.Struct, frozen=True):
     created_ns: int
     header_len: int
     version: int = FORMAT_VERSION
+    flags: int = 0  # FLAG_* bits
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -67,8 +70,10 @@ def pack_header(
     header_len: int = MIN_HEADER_LEN,
     *,
     payload_checksum: int | None = None,
+    flags: int = 0,
 ) -> bytes:
-    """Serialize the header for ``payload`` (checksummed here unless given), padded to ``header_len``."""
+    """Serialize the header for ``payload`` (checksummed here unless given), padded to ``header_len``; ``flags``:
+    FLAG_* bits."""
     if header_len < MIN_HEADER_LEN:
         raise ValueError(f"header_len must be >= {MIN_HEADER_LEN}")
     if len(key.hash) > MAX_HASH_LEN:
@@ -81,7 +86,7 @@ def pack_header(
         MAGIC,
         FORMAT_VERSION,
         header_len,
-        0,
+        flags,
         len(payload),
         csum,
         time.time_ns(),
@@ -102,7 +107,7 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     (crc,) = _HEADER_CRC.unpack_from(buf, _FIELDS.size)
     if xxhash.xxh3_64_intdigest(fields) != crc:
         raise CorruptBlockError("header checksum mismatch")
-    magic, version, header_len, _flags, plen, csum, created, fp, hlen, h = _FIELDS.unpack(fields)
+    magic, version, header_len, flags, plen, csum, created, fp, hlen, h = _FIELDS.unpack(fields)
     if magic != MAGIC:
         raise CorruptBlockError(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
@@ -111,7 +116,7 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
         raise CorruptBlockError("header fields out of range")
     return BlockHeader(
         fingerprint=fp.hex(), hash=h[:hlen], payload_len=plen, checksum=csum,
-        created_ns=created, header_len=header_len, version=version,
+        created_ns=created, header_len=header_len, version=version, flags=flags,
     )
 
 

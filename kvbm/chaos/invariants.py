@@ -33,9 +33,11 @@ class Violation:
     seed: int
     step: int  # the op index (-1: the end-of-schedule checks)
     detail: str
+    evidence: str = ""  # what the daemon knew (its counters, journal and log lines): for a one-off finding
 
     def as_dict(self) -> dict[str, Any]:
-        return {"invariant": self.invariant, "seed": self.seed, "step": self.step, "detail": self.detail[:500]}
+        d = {"invariant": self.invariant, "seed": self.seed, "step": self.step, "detail": self.detail[:500]}
+        return d | ({"evidence": self.evidence[-4000:]} if self.evidence else {})
 
 
 @dataclass
@@ -49,18 +51,21 @@ class Model:
     # A purge refused or partly skipped may have removed some of its blocks (an owed write dropped, a delete that
     # reached the bucket before the reply was lost): neither kept nor gone is owed for them until stored again.
     undetermined: set[BlockKey] = field(default_factory=set)
+    acked_at: dict[BlockKey, int] = field(default_factory=dict)  # the step of each block's last durable ack
     violations: list[Violation] = field(default_factory=list)
     step: int = 0
 
-    def violate(self, invariant: str, detail: str, step: int | None = None) -> None:
+    def violate(self, invariant: str, detail: str, step: int | None = None, evidence: str = "") -> None:
         assert invariant in INVARIANTS, invariant
-        self.violations.append(Violation(invariant, self.seed, self.step if step is None else step, detail))
+        self.violations.append(Violation(invariant, self.seed, self.step if step is None else step, detail,
+                                         evidence))
 
     def stored(self, keys: list[BlockKey], durable: bool) -> None:
         self.purged.difference_update(keys)
         self.undetermined.difference_update(keys)
         if durable:
             self.durable.update(keys)
+            self.acked_at |= dict.fromkeys(keys, self.step)
 
     def purge(self, keys: list[BlockKey]) -> None:
         self.durable.difference_update(keys)

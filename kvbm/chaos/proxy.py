@@ -35,6 +35,8 @@ class FaultRates:
     reset: float = 0.0
     truncate: float = 0.0
     latency_s: tuple[float, float] = (0.05, 0.5)
+    methods: tuple[str, ...] = ()  # only requests of these HTTP methods are faulted (empty: every request)
+    target_has: str = ""  # only requests whose target (path and query) holds this, e.g. one namespace's blocks
 
     def pick(self, rng: random.Random) -> str:
         x = rng.random()
@@ -102,6 +104,16 @@ async def _read_body(reader: asyncio.StreamReader, hdrs: dict[str, str], *, resp
     if n == 0 and response_to and "content-length" not in hdrs:
         return await reader.read()  # a response framed by the connection's close
     return await reader.readexactly(n)
+
+
+def _faulted(rates: FaultRates, req: _Request) -> bool:
+    """Whether ``req`` is one ``rates`` may fault (its method, its target)."""
+    if rates.methods and req.method not in rates.methods:
+        return False
+    if rates.target_has:
+        target = req.head.split(b"\r\n", 1)[0].split(b" ")
+        return len(target) > 1 and rates.target_has.encode() in target[1]
+    return True
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:
@@ -214,7 +226,8 @@ class FaultProxy:
                 rng = random.Random(f"{self.seed}:{self._n}")
                 self._n += 1
                 self.counts.requests += 1
-                kind = self.rates.pick(rng)
+                rates = self.rates
+                kind = rates.pick(rng) if _faulted(rates, req) else ""
                 if kind:
                     self.counts.add(kind)
                 if kind == "latency":

@@ -24,7 +24,7 @@ from kvbm.chaos.faults import Faults
 from kvbm.chaos.hostile import Hostile
 from kvbm.chaos.invariants import INVARIANTS, Model
 from kvbm.chaos.schedule import TENANTS, Op, Schedule, layout_of, plan
-from kvbm.chaos.world import S3Target, ScheduleResult, World, bump, tmpfs_available
+from kvbm.chaos.world import UNREADABLE, S3Target, ScheduleResult, World, bump, tmpfs_available
 from kvbm.client import DaemonError, DaemonUnavailable, WorkerClient
 
 __all__ = ["S3Target", "ScheduleResult", "campaign", "run_schedule", "tmpfs_available"]
@@ -198,24 +198,33 @@ class Harness:
         w = self.world
         want = sorted(self.model.durable, key=lambda k: (k.namespace, k.hash))
         gone = sorted(self.model.purged, key=lambda k: (k.namespace, k.hash))
-        deadline = time.monotonic() + DURABLE_WAIT_S
+        t_end = time.monotonic()
+        deadline = t_end + DURABLE_WAIT_S
         missing: list[BlockKey] = want
         while True:
             got = w.in_bucket(missing)
             missing = [k for k in missing if got[k] != w.content(k)]
             # An object holding other bytes will not change (a key's bytes are written once): no need to wait.
-            if all(got[k] is not None for k in missing) or time.monotonic() > deadline:
+            if all(isinstance(got[k], bytes) for k in missing) or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
-        for k in missing:
+        self.res.end_wait_s = round(time.monotonic() - t_end, 1)
+        unreadable = [k for k in missing if got[k] is UNREADABLE]
+        if unreadable:  # the bucket did not answer for them: not a loss the check can name, but the check failed
+            self.res.harness_errors.append(f"the bucket could not be read for {len(unreadable)} acked blocks "
+                                           f"(GET and HEAD failed for {DURABLE_WAIT_S:g} s): {unreadable[:3]}")
+        lost = [k for k in missing if got[k] is not UNREADABLE]
+        evidence = w.evidence(lost) if lost else ""
+        for k in lost:
             what = "missing" if got[k] is None else "holding other bytes"
             if k in self.model.forged:
                 what += " (a key tenant b forged through the cross-tenant Register)"
-            self.model.violate("acked_lost", f"{k} acked durable, {what} in the bucket once S3 was back (waited "
-                                             f"up to {DURABLE_WAIT_S:g} s; index_bucket {self.sched.index_bucket})")
+            self.model.violate("acked_lost", f"{k} acked durable at step {self.model.acked_at.get(k, '?')}, {what} "
+                                             f"in the bucket once S3 was back (waited up to {DURABLE_WAIT_S:g} s; "
+                                             f"index_bucket {self.sched.index_bucket})", evidence=evidence)
         back = w.in_bucket(gone)
         for k in gone:
-            if back[k] is not None:
+            if isinstance(back[k], bytes):  # (one the bucket could not be asked about is not counted)
                 self.model.violate("purge_undone", f"{k} purged (Evict answered) but in the bucket at the end")
 
 
@@ -250,7 +259,8 @@ def campaign(seeds: list[int], s3: S3Target, root: Path, *, steps: int = 28,
                 slot["seeds"].append(seed)
         report["harness_errors"] += [f"seed {seed}: {e}" for e in r.harness_errors]
         report["runs"].append({"seed": seed, "index_bucket": r.index_bucket, "final": plan(seed, steps).final,
-                               "seconds": r.seconds, "ops": r.ops, "faults": r.faults, "refusals": r.refusals,
+                               "seconds": r.seconds, "end_wait_s": r.end_wait_s, "ops": r.ops, "faults": r.faults,
+                               "refusals": r.refusals,
                                "violations": r.violations, "harness_errors": len(r.harness_errors),
                                "trace": r.trace})
         bad = sorted({v["invariant"] for v in r.violations})

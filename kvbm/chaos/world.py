@@ -21,6 +21,7 @@ from kvbm.chaos.schedule import SLOT_BYTES, Schedule, block_hash, content, layou
 from kvbm.client import WorkerClient
 from kvbm.config import S3Config
 from kvbm.daemon.launch import DaemonLauncher, ipc_endpoint
+from kvbm.errors import TierUnavailableError
 from kvbm.tiers.s3 import make_s3_tier
 
 JOURNAL = ".kvbm-owed.journal"
@@ -53,6 +54,7 @@ class ScheduleResult:
     violations: list[dict[str, Any]] = field(default_factory=list)
     harness_errors: list[str] = field(default_factory=list)
     trace: list[dict[str, Any]] = field(default_factory=list)  # the ops run (the replay check compares them)
+    end_wait_s: float = 0.0  # how long the end check waited for the acked blocks to be in the bucket
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -173,21 +175,67 @@ class World:
         return content(k.namespace, k.hash, self.seed, self.nbytes)
 
     # -- the bucket -------------------------------------------------------------------------------------------
-    def in_bucket(self, ks: list[BlockKey]) -> dict[BlockKey, bytes | None]:
-        """Each block as a fresh S3 client reads it straight from SeaweedFS (no proxy, no daemon)."""
+    def in_bucket(self, ks: list[BlockKey]) -> dict[BlockKey, bytes | Unreadable | None]:
+        """Each block as a fresh S3 client reads it straight from SeaweedFS (no proxy, no daemon): its bytes, None
+        when the bucket answers that it lacks it (404), :data:`UNREADABLE` when the bucket could not be asked (a
+        failed GET and HEAD: a loaded SeaweedFS, not a lost block)."""
 
-        async def go() -> dict[BlockKey, bytes | None]:
+        async def go() -> dict[BlockKey, bytes | Unreadable | None]:
             cfg = S3Config(bucket=self.s3.bucket, prefix=self.prefix, max_retries=2, breaker_failures=1000)
             t = make_s3_tier(cfg, self.s3.endpoint, (self.s3.access_key, self.s3.secret_key))
-            await t.start()
             try:
-                out: dict[BlockKey, bytes | None] = {}
+                await t.start()
+            except TierUnavailableError:
+                return dict.fromkeys(ks, UNREADABLE)
+            try:
+                out: dict[BlockKey, bytes | Unreadable | None] = {}
                 for k in ks:
                     buf = bytearray(self.nbytes)
                     n = await t.get_into(k, memoryview(buf))
-                    out[k] = None if n is None else bytes(buf[:n])
+                    if n is not None:
+                        out[k] = bytes(buf[:n])
+                        continue
+                    try:  # a miss or a failed GET: the bucket's word on whether it is there
+                        found = await t.exists_many([k])
+                    except TierUnavailableError:
+                        found = {}
+                    out[k] = None if k in found and found[k] is None else UNREADABLE
                 return out
             finally:
                 await t.close()
 
         return asyncio.run(go()) if ks else {}
+
+    def evidence(self, keys: list[BlockKey]) -> str:
+        """What the daemon knows of ``keys`` (an acked block found lost): its owed-write counters, the bucket
+        index's state, the journal lines and the log lines naming them; for a one-off campaign finding."""
+        parts: list[str] = []
+        with contextlib.suppress(Exception):
+            st = self.admin_client().stats()
+            m, d = st.get("manager", {}), st.get("daemon", {})
+            parts.append("manager: " + ", ".join(f"{k}={m.get(k)}" for k in (
+                "owed", "owed_resumed", "owed_reconciled", "owed_paid", "owed_dropped", "catch_up_writes",
+                "cascade_failures", "errors") if k in m))
+            parts.append("daemon: " + ", ".join(f"{k}={d.get(k)}" for k in (
+                "bucket_indexed", "bucket_index_error", "bucket_pending") if k in d))
+        hexes = [k.hash.hex() for k in keys]
+        with contextlib.suppress(OSError):
+            lines = (self.disk / JOURNAL).read_text(errors="replace").splitlines()
+            parts.append("journal: " + " | ".join(ln for ln in lines if any(h in ln for h in hexes))[-800:])
+        if self.daemon is not None:
+            with contextlib.suppress(OSError):
+                log = self.daemon.log_path.read_text(errors="replace").splitlines()
+                keep = [ln for ln in log if any(h in ln or h[:16] in ln for h in hexes)
+                        or any(w in ln for w in ("owed", "reconcil", "bucket.index", "daemon.started"))]
+                parts.append("log: " + "\n".join(keep)[-2500:])
+        return "\n".join(parts)
+
+
+class Unreadable:
+    """A block the bucket could not be asked about (see :meth:`World.in_bucket`)."""
+
+    def __repr__(self) -> str:
+        return "UNREADABLE"
+
+
+UNREADABLE = Unreadable()

@@ -128,12 +128,13 @@ class AsyncWorkerClient(_Core):
     store_batch = 1024  # blocks per PrepareStore/CommitStore when a store is larger
     store_window = 4  # batches of one store in flight at once (each prepares, copies and commits by itself)
 
-    async def store(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer], *,
-                    durable: bool = False) -> p.Ack:
+    async def store(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer], *, durable: bool = False,
+                    partial: bool = False, covers: Sequence[Sequence[BlockKey | bytes]] | None = None) -> p.Ack:
         """prepare -> copy into G2 slots -> commit; more than :attr:`store_batch` blocks go in batches of that
         many, :attr:`store_window` at a time. A batch that fails raises (after the others in flight ended);
-        the batches committed before it stay."""
+        the batches committed before it stay. ``partial``, ``covers``: as :meth:`WorkerClient.store`'s."""
         ns, hashes, n = self._store_msgs(keys, bufs)
+        cov = self._covers(covers, ns, len(hashes))
         if not hashes:
             return p.Ack(stored=0)
         step = self._store_step(len(hashes), self.store_batch, self.store_window)  # a store beyond G2 streams
@@ -141,7 +142,8 @@ class AsyncWorkerClient(_Core):
         acks: list[p.Ack] = []
         for w in range(0, len(spans), self.store_window):
             # After the first window, a batch refused `full` waits for the committed ones to be written down.
-            got = await asyncio.gather(*(self._store_batch(ns, hashes[a:b], bufs[a:b], n, durable, w > 0)
+            got = await asyncio.gather(*(self._store_batch(ns, hashes[a:b], bufs[a:b], n, durable, w > 0,
+                                                           partial, cov[a:b])
                                          for a, b in spans[w : w + self.store_window]), return_exceptions=True)
             for r in got:
                 if isinstance(r, BaseException):
@@ -149,8 +151,9 @@ class AsyncWorkerClient(_Core):
             acks += got  # type: ignore[arg-type]
         return p.Ack(stored=sum(a.stored for a in acks), durable=sum(a.durable for a in acks))
 
-    async def _store_batch(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int,
-                           durable: bool, wait_for_room: bool = False) -> p.Ack:
+    async def _store_batch(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int, durable: bool,
+                           wait_for_room: bool = False, partial: bool = False,
+                           covers: list[list[bytes]] | None = None) -> p.Ack:
         """One batch: reserve, copy, commit. With ``wait_for_room`` a PrepareStore refused ``full`` is asked
         again with backoff up to ``timeout_s`` (the store's committed batches free their slots once written)."""
         waits = self._full_waits(time.monotonic() + self.timeout_s) if wait_for_room else iter(())
@@ -160,7 +163,8 @@ class AsyncWorkerClient(_Core):
                 # The slots come back as the CommitStore goes out: the daemon frees them on reading it, before
                 # any durable write (which may wait on S3 for seconds).
                 async with self._slots.holding(len(hashes), self.timeout_s) as held, \
-                        areserving(self, hashes, n, durable=durable, namespace=ns, sent=held.give_back) as res:
+                        areserving(self, hashes, n, durable=durable, namespace=ns, sent=held.give_back,
+                                   partial=partial, covers=covers) as res:
                     reserved = True
                     token = self.token  # the session these slots were reserved in
                     await _in_thread(self._copy_in, res.slots, bufs, n)

@@ -109,8 +109,11 @@ class WorkerClient(_Core):
         ns, hashes = self._ns(keys)
         return self.request(p.Lookup(namespace=ns, hashes=hashes), p.LookupReply)
 
-    def store(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer], *, durable: bool = False) -> p.Ack:
-        """prepare -> copy into G2 slots -> commit. Raises Overloaded when the daemon sheds it.
+    def store(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer], *, durable: bool = False,
+              partial: bool = False, covers: Sequence[Sequence[BlockKey | bytes]] | None = None) -> p.Ack:
+        """prepare -> copy into G2 slots -> commit. Raises Overloaded when the daemon sheds it. ``partial``: the
+        blocks are partial blocks; ``covers``: per key, the partial blocks it supersedes (see
+        :class:`kvbm.protocol.CommitStore`).
 
         More than :attr:`store_batch` blocks (or than G2 holds: then in batches that all fit in half of it, so a
         store larger than G2 streams through it) go in batches of that many, pipelined: the next batch's
@@ -118,19 +121,20 @@ class WorkerClient(_Core):
         flight, so the daemon reserves and commits while this process copies.
         """
         ns, hashes, n = self._store_msgs(keys, bufs)
+        cov = self._covers(covers, ns, len(hashes))
         if not hashes:
             return p.Ack(stored=0)
         # In flight at once: the batch prepared ahead, the one being copied and store_window commits.
         step = self._store_step(len(hashes), self.store_batch, self.store_window + 2)
         if len(hashes) > step:
-            return self._store_pipelined(ns, hashes, bufs, n, durable, step)
-        with reserving(self, hashes, n, durable=durable, namespace=ns) as res:
+            return self._store_pipelined(ns, hashes, bufs, n, durable, step, partial, cov)
+        with reserving(self, hashes, n, durable=durable, namespace=ns, partial=partial, covers=cov) as res:
             self._copy_in(res.slots, bufs, n)
         assert res.ack is not None
         return res.ack
 
     def _store_pipelined(self, ns: str, hashes: list[bytes], bufs: Sequence[Buffer], n: int, durable: bool,
-                         step: int) -> p.Ack:
+                         step: int, partial: bool, covers: list[list[bytes]]) -> p.Ack:
         spans = [(i, min(i + step, len(hashes))) for i in range(0, len(hashes), step)]
 
         def prepare(a: int, b: int) -> p.PrepareStore:
@@ -162,7 +166,8 @@ class WorkerClient(_Core):
                     raise
                 if len(commits) >= self.store_window:
                     acks.append(self._check(self._await(commits.pop(0)), p.Ack))
-                commit = p.CommitStore(namespace=ns, hashes=hashes[a:b], durable=durable)
+                commit = p.CommitStore(namespace=ns, hashes=hashes[a:b], durable=durable, partial=partial,
+                                       covers=covers[a:b])
                 self._send(commit)
                 commits.append(commit)
             acks += [self._check(self._await(c), p.Ack) for c in commits]

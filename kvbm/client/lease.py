@@ -120,11 +120,11 @@ class Reservation:
 
 
 @contextmanager
-def reserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: bool = False,
-              namespace: str = "") -> Iterator[Reservation]:
+def reserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: bool = False, namespace: str = "",
+              partial: bool = False, covers: list[list[bytes]] | None = None) -> Iterator[Reservation]:
     """Reserve G2 slots for ``hashes`` and commit them when the body ends (``ok=False`` if it raised or set
     ``ok`` False; the commit's Ack is then ``ack``). Raises the daemon's DaemonError (a load code such as
-    ``full`` means: skip this store)."""
+    ``full`` means: skip this store). ``partial`` and ``covers``: :class:`kvbm.protocol.CommitStore`'s."""
     ns = namespace or client.namespace
     slots = client.request(p.PrepareStore(namespace=ns, hashes=hashes, nbytes=nbytes), p.Slots).slots
     res = Reservation(client.g2, slots, nbytes)
@@ -135,13 +135,14 @@ def reserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: bool = 
         with contextlib.suppress(Exception):  # the body's error is the one that matters
             client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=False), p.Ack)
         raise
-    res.ack = client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=res.ok, durable=durable and res.ok), p.Ack)
+    res.ack = client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=res.ok, durable=durable and res.ok,
+                                           partial=partial, covers=covers or []), p.Ack)
 
 
 @asynccontextmanager
 async def areserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: bool = False,
                      namespace: str = "", sent: Callable[[], Awaitable[None]] | None = None,
-                     ) -> AsyncIterator[Reservation]:
+                     partial: bool = False, covers: list[list[bytes]] | None = None) -> AsyncIterator[Reservation]:
     """:func:`reserving` for the asyncio client (``await client.request``); ``sent`` is awaited once the
     CommitStore is on the wire."""
     ns = namespace or client.namespace
@@ -154,8 +155,8 @@ async def areserving(client: Any, hashes: list[bytes], nbytes: int, *, durable: 
         with contextlib.suppress(Exception):  # the body's error is the one that matters
             await client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=False), p.Ack)
         raise
-    res.ack = await client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=res.ok, durable=durable and res.ok),
-                                   p.Ack, sent=sent)
+    res.ack = await client.request(p.CommitStore(namespace=ns, hashes=hashes, ok=res.ok, durable=durable and res.ok,
+                                                 partial=partial, covers=covers or []), p.Ack, sent=sent)
 
 
 class Loaded:

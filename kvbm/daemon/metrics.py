@@ -66,6 +66,9 @@ _MANAGER = (
     ("demotion_failures", "Demotions of eviction victims that failed."),
     ("kept", "Evictions refused: a persistent tier's block that no lower tier could really take."),
     ("dropped", "Memory-tier blocks evicted although no lower tier could take them (e.g. S3 down)."),
+    ("partial_evictions", "Evictions of partial blocks (those never hit are evicted first)."),
+    ("partials_superseded", "Partial blocks dropped from every tier once their full block was stored."),
+    ("partials_kept", "Superseded partial blocks left in place because a worker was reading them."),
 )
 _DAEMON = (
     ("requests", "counter", "Requests received."),

@@ -15,22 +15,22 @@ side reserved is released whatever happens, and the peer's pin expires on its ow
 from __future__ import annotations
 
 import asyncio
-import errno
-import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import msgspec
 import numpy as np
 import xxhash
-import zmq
 import zmq.asyncio
 
 from kvbm.blocks import BlockKey
 from kvbm.config.fleet import FleetConfig
 from kvbm.daemon.logs import logj
+from kvbm.daemon.peer_link import Link, PeerRefused
 from kvbm.errors import KvbmError
 from kvbm.fleet import p2p as m
 from kvbm.fleet.peers import PeerFollower
@@ -43,12 +43,9 @@ from kvbm.transfer.peer import PeerAgent
 log = logging.getLogger(__name__)
 COOLDOWN_S = 1.0  # a peer whose read failed (no reply, no connection) is not asked again for this long
 LOCAL_ENOUGH = frozenset({TierName.G1, TierName.G2, TierName.G3})  # held here: no reason to ask a peer
-
-
-class PeerRefused(KvbmError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
+# A read goes in parts of this many bytes, each checksummed while the next is read: the asker's checksum (about
+# a fifth of a read's time on one core) hides behind the READ but for the last part.
+PART_BYTES = 32 << 20
 
 
 class ReadStats(msgspec.Struct):
@@ -60,87 +57,12 @@ class ReadStats(msgspec.Struct):
     failed: int = 0  # reads that failed (no reply in time, a transfer error: a stopped or dead peer)
     late: int = 0  # lookups that answered before their peer read was done (the budget ran out)
     reading_slots: int = 0  # own G2 slots reserved for reads in flight now
+    # Where a read's time goes, stage by stage (summed over reads; ``kvbm bench p2p`` reports them per load):
     pin_seconds: float = 0.0  # from asking to the peer's Pinned (a first contact's Connect included)
+    prepare_seconds: float = 0.0  # reserving own G2 slots
     read_seconds: float = 0.0  # in NIXL READs
-    verify_seconds: float = 0.0  # checksumming what was read
-
-
-class _Link:
-    """One peer's peer-read socket: a DEALER, requests matched to replies by id."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, instance: str,
-                 curve: tuple[str, str, str] | None) -> None:
-        self.endpoint = endpoint
-        self.instance = instance
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing to a peer that is not connected: fail at once
-        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_P2P_MESSAGE)
-        if curve is not None:
-            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (k.encode() for k in curve)
-        sock.connect(endpoint)
-        self.sock = sock
-        self.remote: m.Connected | None = None
-        self.remote_name = ""
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._reader: asyncio.Task[None] | None = None
-        self._drops: set[asyncio.Task[None]] = set()
-        self.lock = asyncio.Lock()  # one Connect at a time
-
-    async def request(self, msg: msgspec.Struct, timeout_s: float) -> Any:
-        if self._reader is None:
-            self._reader = asyncio.ensure_future(self._read())
-        rid = next(self._ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
-        try:
-            t0 = time.monotonic()
-            try:  # IMMEDIATE: the send waits for a connection (a new link's, or a peer that came back)
-                await asyncio.wait_for(self.sock.send_multipart([rid.to_bytes(8, "big"), m.encode(msg)]), timeout_s)
-            except asyncio.TimeoutError as e:
-                raise OSError(errno.ECONNREFUSED, f"peer {self.endpoint}: no connection in {timeout_s:.3g} s") from e
-            reply = await asyncio.wait_for(fut, max(0.0, timeout_s - (time.monotonic() - t0)))
-        except asyncio.TimeoutError as e:
-            raise OSError(errno.ETIMEDOUT, f"peer {self.endpoint}: no reply within {timeout_s:.3g} s") from e
-        finally:
-            self._waiting.pop(rid, None)
-        if isinstance(reply, m.Refused):
-            raise PeerRefused(reply.code, reply.message)
-        return reply
-
-    async def _read(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
-            if len(frames) != 2:
-                continue
-            rid = int.from_bytes(frames[0], "big")
-            try:
-                reply = m.decode_reply(frames[1])
-            except msgspec.DecodeError:
-                continue
-            fut = self._waiting.pop(rid, None)
-            if fut is not None and not fut.done():
-                fut.set_result(reply)
-            elif isinstance(reply, m.Pinned) and reply.lease:
-                # A pin answered after we gave up on it (a peer that was stopped): give it back now.
-                task = asyncio.ensure_future(self._drop(reply.lease))
-                self._drops.add(task)
-                task.add_done_callback(self._drops.discard)
-
-    async def _drop(self, lease: int) -> None:
-        try:
-            await self.request(m.Unpin(lease=lease), 5.0)
-        except (OSError, KvbmError):
-            pass
-
-    def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.cancel()
-        self.sock.close(0)
+    verify_seconds: float = 0.0  # checksumming what was read, after the last READ ended (the rest overlaps it)
+    commit_seconds: float = 0.0  # committing the good blocks to G2
 
 
 class PeerReads:
@@ -158,12 +80,13 @@ class PeerReads:
         self.token = ""
         self._ctx: zmq.asyncio.Context | None = None
         self._curve: Callable[[PeerFollower], tuple[str, str, str] | None] = lambda _p: None
-        self._links: dict[str, _Link] = {}
+        self._links: dict[str, Link] = {}
         self._reading: dict[BlockKey, asyncio.Task[int]] = {}
         self._stalled: dict[str, int] = {}  # peer endpoint -> its reads still running past a lookup's budget
         self._late: set[asyncio.Task[int]] = set()
         self._owner: dict[asyncio.Task[int], str] = {}  # a read in flight -> its peer's endpoint
         self._cooldown: dict[str, float] = {}  # peer endpoint -> when it may be asked again after a failure
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kvbm-p2p-verify")
 
     def start(self, ctx: zmq.asyncio.Context, agent: PeerAgent, token: str,
               curve: Callable[[PeerFollower], tuple[str, str, str] | None]) -> None:
@@ -245,7 +168,7 @@ class PeerReads:
                                             "checksum_failures": 0})
         c[field] += n
 
-    async def _link(self, peer: PeerFollower) -> _Link:
+    async def _link(self, peer: PeerFollower) -> Link:
         hello = peer.hello
         assert hello is not None and self._ctx is not None and self.agent is not None
         link = self._links.get(peer.endpoint)
@@ -253,7 +176,7 @@ class PeerReads:
             self._forget(peer.endpoint)  # the peer restarted: its agent and pins are gone
             link = None
         if link is None:
-            link = self._links[peer.endpoint] = _Link(self._ctx, hello.endpoint, hello.instance, self._curve(peer))
+            link = self._links[peer.endpoint] = Link(self._ctx, hello.endpoint, hello.instance, self._curve(peer))
         async with link.lock:
             if link.remote is None:
                 meta = await asyncio.to_thread(self.agent.metadata)
@@ -298,21 +221,18 @@ class PeerReads:
             deadline = t0 + pinned.lease_ms / 1000
             return await self._copy(peer, link, keys[: len(pinned.slots)], pinned, deadline)
         finally:
-            if pinned.lease:
-                try:
-                    await link.request(m.Unpin(lease=pinned.lease), max(0.5, self.fc.peer_read_lease_ms / 1000))
-                except (OSError, KvbmError):
-                    pass  # its lease expires on its own
+            if pinned.lease:  # not waited for: the lookup has its blocks (the pin expires on its own otherwise)
+                link.unpin(pinned.lease, max(0.5, self.fc.peer_read_lease_ms / 1000))
 
-    async def _copy(self, peer: PeerFollower, link: _Link, keys: list[BlockKey], pinned: m.Pinned,
+    async def _copy(self, peer: PeerFollower, link: Link, keys: list[BlockKey], pinned: m.Pinned,
                     deadline: float) -> int:
         assert self.agent is not None and link.remote is not None
-        g2, remote = self.g2, link.remote
         by_size: dict[int, list[int]] = {}
         for i, n in enumerate(pinned.nbytes):
             by_size.setdefault(n, []).append(i)
         mine: dict[int, int] = {}  # index in keys -> own slot
         prepared: list[BlockKey] = []
+        t0 = time.monotonic()
         try:
             for nbytes, idx in by_size.items():
                 slots = await self.manager.prepare_store([keys[i] for i in idx], nbytes, TierName.G2)
@@ -321,15 +241,10 @@ class PeerReads:
                         mine[i] = s
                         prepared.append(keys[i])
             self.stats.reading_slots += len(prepared)
-            base = self.agent.pool_addr
-            pairs = [(base + s * g2.slot_bytes, remote.pool_addr + pinned.slots[i] * remote.slot_bytes,
-                      pinned.nbytes[i]) for i, s in mine.items()]
-            t1 = time.monotonic()
-            await asyncio.to_thread(self.agent.read, link.remote_name, pairs, max(0.05, deadline - time.monotonic()))
-            t2 = time.monotonic()
-            good = await asyncio.to_thread(self._verify, mine, pinned)
-            self.stats.read_seconds += t2 - t1
-            self.stats.verify_seconds += time.monotonic() - t2
+            self.stats.prepare_seconds += time.monotonic() - t0
+            good, read_s, verify_s = await asyncio.to_thread(self._fetch, link, sorted(mine.items()), pinned, deadline)
+            self.stats.read_seconds += read_s
+            self.stats.verify_seconds += verify_s
         except BaseException as e:
             self.manager.complete_store(prepared, ok=False)
             self.stats.reading_slots -= len(prepared)
@@ -342,8 +257,10 @@ class PeerReads:
         self.stats.reading_slots -= len(prepared)
         ok = [keys[i] for i in good]
         bad = [keys[i] for i in mine if i not in good]
+        t3 = time.monotonic()
         self.manager.complete_store(bad, ok=False)
         done = self.manager.complete_store(ok, ok=True, cascade=False) if ok else 0
+        self.stats.commit_seconds += time.monotonic() - t3
         nbytes = sum(pinned.nbytes[i] for i in good)
         self.stats.blocks += len(ok)
         self.stats.bytes += nbytes
@@ -356,14 +273,31 @@ class PeerReads:
         logj("p2p.read", peer=peer.endpoint, blocks=len(ok), bytes=nbytes, bad=len(bad))
         return done
 
-    def _verify(self, mine: dict[int, int], pinned: m.Pinned) -> set[int]:
-        g2 = self.g2
-        good = set()
-        for i, s in mine.items():
-            view = np.asarray(g2.slot_tensor(s, pinned.nbytes[i]).numpy())
-            if xxhash.xxh3_64_intdigest(memoryview(view)) == pinned.checksums[i]:
-                good.add(i)
-        return good
+    def _fetch(self, link: Link, mine: list[tuple[int, int]], pinned: m.Pinned,
+               deadline: float) -> tuple[set[int], float, float]:
+        """READ ``mine`` ((index in the pin, own slot) pairs) from the peer's slots into this pool, a part of about
+        ``PART_BYTES`` at a time, each part checksummed on the verify thread while the next one is read; returns
+        the indexes whose bytes match the peer's checksums, the seconds in READs and those verifying after the last
+        READ. A thread: it blocks. Every part it started hashing is
+        done when it returns or raises (the slots are given back after that)."""
+        assert self.agent is not None and link.remote is not None
+        g2, remote = self.g2, link.remote
+        base = self.agent.pool_addr
+        checks: list[Future[set[int]]] = []
+        t1 = time.monotonic()
+        try:
+            for part in _parts(mine, pinned.nbytes, PART_BYTES):
+                pairs = [(base + s * g2.slot_bytes, remote.pool_addr + pinned.slots[i] * remote.slot_bytes,
+                          pinned.nbytes[i]) for i, s in part]
+                self.agent.read(link.remote_name, pairs, max(0.05, deadline - time.monotonic()))
+                checks.append(self._verifier.submit(_verify, g2, part, pinned))
+            t2 = time.monotonic()
+            good: set[int] = set()
+            for c in checks:
+                good |= c.result()
+            return good, t2 - t1, time.monotonic() - t2
+        finally:
+            futures_wait(checks)
 
     def describe(self) -> dict[str, Any]:
         d = msgspec.structs.asdict(self.stats)
@@ -375,6 +309,31 @@ class PeerReads:
             t.cancel()
         for ep in list(self._links):
             self._forget(ep)
+        self._verifier.shutdown(wait=False)
+
+
+def _verify(g2: SlotPoolTier, part: list[tuple[int, int]], pinned: m.Pinned) -> set[int]:
+    """The indexes of ``part`` ((index in the pin, own slot) pairs) whose bytes match the peer's xxh3-64."""
+    good = set()
+    for i, s in part:
+        view = np.asarray(g2.slot_tensor(s, pinned.nbytes[i]).numpy())
+        if xxhash.xxh3_64_intdigest(memoryview(view)) == pinned.checksums[i]:
+            good.add(i)
+    return good
+
+
+def _parts(mine: list[tuple[int, int]], nbytes: Sequence[int], size: int) -> Iterator[list[tuple[int, int]]]:
+    """``mine`` in consecutive runs of about ``size`` bytes (at least one block each)."""
+    part: list[tuple[int, int]] = []
+    got = 0
+    for item in mine:
+        part.append(item)
+        got += nbytes[item[0]]
+        if got >= size:
+            yield part
+            part, got = [], 0
+    if part:
+        yield part
 
 
 def read_token(fc: FleetConfig) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from kvbm import protocol as p
+from kvbm.blocks import BlockKey
 from kvbm.daemon.auth import check_store
 from kvbm.daemon.events import EventPublisher
 from kvbm.daemon.metrics import Metrics
@@ -80,8 +81,12 @@ class SlotHandlers:
         self._check_generation(msg)
         t0 = time.perf_counter()
         keys = msg.keys()
+        if msg.covers and len(msg.covers) != len(keys):
+            raise Handled(p.E_BAD_REQUEST, f"covers: {len(msg.covers)} lists for {len(keys)} hashes")
         mine = self.sessions.take_prepared(w, keys)
-        stored = self.manager.complete_store(mine, msg.ok, cascade=not msg.durable)
+        stored = self.manager.complete_store(mine, msg.ok, cascade=not msg.durable, partial=msg.partial)
+        if msg.ok and msg.covers:  # the partial blocks these full blocks begin with leave every tier
+            self.manager.supersede(keys, [[BlockKey(msg.namespace, h) for h in c] for c in msg.covers])
         durable = 0
         try:
             if msg.ok and msg.durable:

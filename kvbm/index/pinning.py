@@ -28,6 +28,9 @@ class PinTable:
         with self._lock:
             (self.pins.drop if unpin else self.pins.add)(ti, codes)
 
+    def unpin(self, keys: Iterable[BlockKey], tier: str | None = None) -> None:
+        self.pin(keys, tier, unpin=True)
+
     @contextmanager
     def pinned(self, keys: Sequence[BlockKey], tier: str | None = None) -> Iterator[None]:
         self.pin(keys, tier)

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from itertools import takewhile
 
 from kvbm.blocks import BlockKey
 from kvbm.index.footprints import Footprints
 from kvbm.index.keycodes import KeyCodes
+from kvbm.index.partials import PartialMarks, lru_victims
 from kvbm.index.pinning import PinTable
 
 
@@ -40,7 +40,11 @@ class Registry:
         self._code, self._peek, self._key, self._codes = self._kc.code, self._kc.peek, self._kc.key, self._kc.codes
         self._pin_table = PinTable(self._lock, self._ti, self._codes, self._peek)
         self._pins = self._pin_table.pins  # read by victims() under the lock
+        t = self._pin_table  # pin, unpin, pinned, is_pinned: the pin table's own (kvbm.index.pinning)
+        self.pin, self.unpin, self.pinned, self.is_pinned = t.pin, t.unpin, t.pinned, t.is_pinned
         self._hits: dict[int, int] = {}
+        self.partials = PartialMarks(len(self.tiers))  # partial blocks, evicted first until hit (kvbm.index.partials)
+        self._kinds, self._unhit = self.partials.kinds, self.partials.unhit  # its sets (never replaced), bound once
         # Called as listener(kind, tier, keys) with kind "stored" or "removed" and the blocks that changed (one
         # call per batch: a store of 64 blocks is one call, not 64), outside the lock.
         self.listeners: list[Callable[[str, str, list[BlockKey]], None]] = []
@@ -61,24 +65,24 @@ class Registry:
             fn(kind, tier, keys)
 
     # -- membership ------------------------------------------------------------------------------
-    def add(self, tier: str, key: BlockKey, footprint: int) -> None:
+    def add(self, tier: str, key: BlockKey, footprint: int, *, partial: bool = False) -> None:
         i = self._ti[tier]
         code = self._code(key)
         with self._lock:
-            new = self._add(i, code, footprint)
+            new = self._add(i, code, footprint, partial)
         if new and self.listeners:
             self._emit("stored", tier, [key])
 
-    def add_many(self, tier: str, keys: Sequence[BlockKey], footprint: int) -> int:
+    def add_many(self, tier: str, keys: Sequence[BlockKey], footprint: int, *, partial: bool = False) -> int:
         """:meth:`add` of a batch of equal-footprint blocks under one lock, heard by listeners as one
-        change; returns how many were new in ``tier``."""
+        change; returns how many were new in ``tier``. ``partial``: they are partial blocks (evicted first till hit)."""
         i = self._ti[tier]
         codes = self._codes(keys)
         with self._lock:
-            if self._sizes[i].base == footprint and not self._sizes[i].odd:
+            if self._sizes[i].base == footprint and not self._sizes[i].odd and not partial:
                 new = self._add_base(i, keys, codes, footprint)
             else:
-                new = [k for k, code in zip(keys, codes, strict=True) if self._add(i, code, footprint)]
+                new = [k for k, code in zip(keys, codes, strict=True) if self._add(i, code, footprint, partial)]
         if new and self.listeners:
             self._emit("stored", tier, new)
         return len(new)
@@ -88,6 +92,7 @@ class Registry:
         lock: the common store of equal-size blocks. Returns the keys that were new there."""
         lru = self._lru[i]
         others = [d for j, d in enumerate(self._lru) if j != i and d]  # where a canonical int may already live
+        unhit = self._unhit
         new: list[BlockKey] = []
         for key, code in zip(keys, codes, strict=True):
             c = lru.pop(code, None)
@@ -100,10 +105,12 @@ class Registry:
                     c = code
                 new.append(key)
             lru[c] = c
+            if unhit and c in unhit:  # a cascade's copy of a never-hit partial block: evicted first here too
+                self.partials.added(i, c, False)
         self._sizes[i].used += footprint * len(new)  # a re-added block already counted the same base footprint
         return new
 
-    def _add(self, i: int, code: int, footprint: int) -> bool:
+    def _add(self, i: int, code: int, footprint: int, partial: bool = False) -> bool:
         """Insert (or move to the LRU end) ``code`` in tier ``i``, under the lock; whether it was new there."""
         lru, sizes = self._lru[i], self._sizes[i]
         c = lru.pop(code, None)
@@ -114,6 +121,8 @@ class Registry:
             sizes.pop(c)
         lru[c] = c
         sizes.put(c, footprint, lru)
+        if partial or self._unhit:
+            self.partials.added(i, c, partial)
         return new
 
     def remove(self, tier: str, key: BlockKey) -> bool:
@@ -133,8 +142,12 @@ class Registry:
                     continue
                 sizes.pop(c)
                 gone.append(key)
-                if self._hits and not any(code in d for d in self._lru):
-                    self._hits.pop(code, None)
+                if self._hits or self._kinds:  # per-block state ends with the last copy
+                    anywhere = any(code in d for d in self._lru)
+                    if not anywhere:
+                        self._hits.pop(code, None)
+                    if self._kinds:
+                        self.partials.removed(i, code, anywhere)
         if gone and self.listeners:
             self._emit("removed", tier, gone)
         return len(gone)
@@ -199,6 +212,8 @@ class Registry:
             for code in codes:
                 code = self._canonical(code)
                 hits[code] = hits.get(code, 0) + 1
+                if self._unhit:
+                    self.partials.hit(code)
                 for lru in self._lru:
                     c = lru.pop(code, None)
                     if c is not None:
@@ -209,18 +224,9 @@ class Registry:
     def hits(self, key: BlockKey) -> int:
         return self._hits.get(self._peek(key), 0)  # type: ignore[arg-type]
 
-    # -- pins (kvbm.index.pinning) -------------------------------------------------------------------
-    def pin(self, keys: Iterable[BlockKey], tier: str | None = None, *, unpin: bool = False) -> None:
-        self._pin_table.pin(keys, tier, unpin=unpin)
-
-    def unpin(self, keys: Iterable[BlockKey], tier: str | None = None) -> None:
-        self._pin_table.pin(keys, tier, unpin=True)
-
-    def pinned(self, keys: Sequence[BlockKey], tier: str | None = None) -> AbstractContextManager[None]:
-        return self._pin_table.pinned(keys, tier)
-
-    def is_pinned(self, key: BlockKey, tier: str | None = None) -> bool:
-        return self._pin_table.is_pinned(key, tier)
+    def is_partial(self, key: BlockKey) -> bool:
+        """Whether ``key`` was stored as a partial block (and some tier still holds it)."""
+        return self._peek(key) in self.partials.kinds
 
     # -- capacity -------------------------------------------------------------------------------------
     def used(self, tier: str) -> int:
@@ -255,17 +261,11 @@ class Registry:
             excess = sizes.used + need - capacity
             if excess <= 0:
                 return []
-            out: list[int] = []
             pins = self._pins.counts
-            odd, base = sizes.odd, sizes.base or 0
-            for c in self._lru[i]:
-                if pins and ((None, c) in pins or (i, c) in pins):
-                    continue
-                out.append(c)
-                excess -= odd.get(c, base) if odd else base
-                if excess <= 0:
-                    return [self._key(c) for c in out]
-            raise LookupError(f"{tier}: not enough unpinned blocks to free {need} bytes")
+            out = lru_victims(self._lru[i], self.partials.first[i], sizes, excess, pins, i)
+            if out is None:
+                raise LookupError(f"{tier}: not enough unpinned blocks to free {need} bytes")
+            return [self._key(c) for c in out]
 
     def __len__(self) -> int:
         with self._lock:

@@ -45,8 +45,9 @@ from kvbm.manager.placement import PlacementPolicy
 from kvbm.manager.policy import PERSISTENT
 from kvbm.manager.reads import Reads
 from kvbm.manager.room import Room
-from kvbm.manager.scopes import Reconciled
+from kvbm.manager.scopes import Reconciled, reconcile_once
 from kvbm.manager.state import CopyObserver, ManagerState, ManagerStats, StateField
+from kvbm.manager.supersede import Supersedes
 from kvbm.manager.tiers_off import off_rows, start_tiers
 from kvbm.tiers.base import Tier
 from kvbm.tiers.names import TierName
@@ -90,6 +91,7 @@ class BlockManager:
         self.external = ExternalStores(self.state, self.room, self.write_through.schedule, self.moves.in_flight)
         self.reads = Reads(self.state, self.moves, self.write_through)  # onboards and reads (kvbm.manager.reads)
         self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
+        self.supersedes = Supersedes(self.state, self.moves.in_flight)  # partial blocks a full one covers
         self._pools_registered = False
         self.reconciled = Reconciled()  # bucket scopes (a namespace, None: all) reconciled with the disk, bounded
 
@@ -129,23 +131,13 @@ class BlockManager:
         and the listing lacks is owed to it (:meth:`OwedWrites.reconcile`); an admin rescan (``refresh``) is not."""
         n = await self.index.index_tier(name, namespace, refresh=refresh)
         if not refresh:
-            await self._reconcile(name, namespace)
-        return n
-
-    async def _reconcile(self, name: str, namespace: str | None) -> int:
-        if self.by_name[name].kind != "s3" or not self.reconciled.first(namespace):
-            return 0
-        n = 0
-        for tier in self.tiers:
-            if tier.name == name:
-                break
-            if tier.local_dir is not None:
-                n += await self.owed_writes.reconcile(tier.name, name, namespace)
+            await reconcile_once(self.state, self.reconciled, self.owed_writes, name, namespace)
         return n
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""
         await self.write_through.drain()
+        await self.supersedes.drain()
 
     async def close(self) -> None:
         await self.drain()
@@ -234,11 +226,18 @@ class BlockManager:
         """At most how many slots :meth:`prepare_store` of ``keys`` would reserve now."""
         return self.external.wanted(keys, tier)
 
-    def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
-        """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below."""
-        done = self.external.complete(keys, ok, cascade=cascade)
+    def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True,
+                       partial: bool = False) -> int:
+        """Commit (or abort) slots from :meth:`prepare_store`; committed blocks write through below. ``partial``:
+        they are partial blocks, evicted first until hit (:mod:`kvbm.index.partials`)."""
+        done = self.external.complete(keys, ok, cascade=cascade, partial=partial)
         self.stats.offload_blocks += done
         return done
+
+    def supersede(self, fulls: Sequence[BlockKey], covers: Sequence[Sequence[BlockKey]]) -> int:
+        """Drop from every tier, in the background, the partial blocks ``covers[i]`` of each held full block
+        ``fulls[i]`` (:mod:`kvbm.manager.supersede`); how many drops started."""
+        return self.supersedes.schedule(fulls, covers)
 
     def detach_store(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Lease]:
         """Abort prepared stores whose writer may still be copying (see :meth:`ExternalStores.detach`); their
@@ -304,6 +303,7 @@ class BlockManager:
         tiers += off_rows(self.state)
         s = msgspec.structs.asdict(self.stats)
         s["errors"] = dict(self.stats.errors)
+        s.update(self.registry.partials.counts())
         s["hit_rate"] = (self.stats.lookup_hit_blocks / self.stats.lookup_blocks) if self.stats.lookup_blocks else 0.0
         s["pending_cascades"] = len(self.write_through.pending)
         s["owed"] = self.owed_writes.counts()

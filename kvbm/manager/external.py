@@ -80,8 +80,10 @@ class ExternalStores:
             self.room.unreserve(pool, fp * unused)
         return slots
 
-    def complete(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True) -> int:
-        """Commit (or abort) prepared slots; committed blocks write through below (``cascade``).
+    def complete(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True,
+                 partial: bool = False) -> int:
+        """Commit (or abort) prepared slots; committed blocks write through below (``cascade``). ``partial``: they
+        are partial blocks (kvbm.index.partials).
 
         Committing a key that is already there is a no-op (its slot stays; readers may be using it).
         """
@@ -97,7 +99,7 @@ class ExternalStores:
             fp = pool.footprint(nbytes)
             if ok:
                 committed = pool.commit_many(batch)
-                self.s.registry.add_many(tier, committed, fp)
+                self.s.registry.add_many(tier, committed, fp, partial=partial)
                 done += len(committed)
                 if cascade and self.s.below(tier):  # nothing below: a cascade would have nothing to do
                     for key in committed:

@@ -43,7 +43,7 @@ class IndexSync:
         if refresh:
             await tier.refresh(namespace)
         async for sb in tier.scan(namespace):
-            self.s.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes))
+            self.s.registry.add(name, sb.key, sb.footprint or tier.footprint(sb.nbytes), partial=sb.partial)
             n += 1
         if isinstance(tier, SharedTier):
             # A listing is the bucket's word: what it no longer holds (another node purged it) leaves the registry

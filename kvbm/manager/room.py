@@ -125,6 +125,8 @@ class Room:
                 s.stats.dropped += 1
         if s.registry.is_pinned(key, tier.name):
             return False
+        if s.registry.is_partial(key):
+            s.stats.partial_evictions += 1
         s.registry.remove(tier.name, key)
         await tier.delete(key)
         s.stats.evictions += 1

@@ -5,6 +5,12 @@ reconciled again: what the bucket lacks then is owed again, which is what a reco
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvbm.manager.owed import OwedWrites
+    from kvbm.manager.state import ManagerState
+
 MAX_RECONCILED = 4096
 
 
@@ -24,3 +30,18 @@ class Reconciled:
 
     def __len__(self) -> int:
         return len(self._seen)
+
+
+async def reconcile_once(state: ManagerState, reconciled: Reconciled, owed: OwedWrites, name: str,
+                         namespace: str | None) -> int:
+    """Reconcile shared tier ``name``'s first listing of ``namespace`` with each disk above it (what the disk holds
+    and the listing lacks is owed to it, :meth:`OwedWrites.reconcile`); blocks owed."""
+    if state.by_name[name].kind != "s3" or not reconciled.first(namespace):
+        return 0
+    n = 0
+    for tier in state.tiers:
+        if tier.name == name:
+            break
+        if tier.local_dir is not None:
+            n += await owed.reconcile(tier.name, name, namespace)
+    return n

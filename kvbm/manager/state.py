@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from kvbm.blocks import BlockKey
+from kvbm.blocks import FLAG_PARTIAL, BlockKey
 from kvbm.index.registry import Registry
 from kvbm.manager import policy
 from kvbm.manager.failures import FailureLog
@@ -49,6 +49,9 @@ class ManagerStats(msgspec.Struct):
     owed_dropped: int = 0  # write-throughs not owed: s3.max_owed_blocks were owed already
     owed_resumed: int = 0  # owed write-throughs read back from the journal at start (a restart after an outage)
     owed_reconciled: int = 0  # blocks on disk the bucket's first listing lacked, owed to it (kvbm.manager.owed)
+    partial_evictions: int = 0  # evictions of partial blocks (those never hit go first: kvbm.index.partials)
+    partials_superseded: int = 0  # partial blocks dropped from every tier: their full block was stored
+    partials_kept: int = 0  # superseded partial blocks left in place: a worker was reading them
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # "G3:ValueError" -> count
 
 
@@ -70,6 +73,12 @@ class ManagerState:
     def __post_init__(self) -> None:
         self.by_name = {t.name: t for t in self.tiers}
         self.failures = FailureLog(self.stats.errors)
+        for t in self.tiers:  # a tier that writes headers records a partial block as one (a restart knows it)
+            t.flags_of = self.flags_of
+
+    def flags_of(self, key: BlockKey) -> int:
+        """The header flags of block ``key`` as the registry knows it (read per call: a registry swapped in)."""
+        return FLAG_PARTIAL if self.registry.is_partial(key) else 0
 
     def turn_off(self, tier: Tier, why: str) -> None:
         """Take ``tier`` out of the tier order (before serving: nothing of it is indexed yet)."""

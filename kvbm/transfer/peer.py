@@ -8,6 +8,8 @@ call blocks (run it in a thread); the agent is in strict thread-sync mode, so th
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import secrets
 import threading
 from collections.abc import Sequence
@@ -15,6 +17,19 @@ from collections.abc import Sequence
 import torch
 
 from kvbm.transfer.nixl_agent import TransferBackendError, new_agent, require_nixl, wait_xfer
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def prefault(addr: int, nbytes: int) -> bool:
+    """Map the pages of ``[addr, addr + nbytes)`` writable in this process's page tables now, changing no byte
+    (``MADV_POPULATE_WRITE``). A UCX shared-memory (CMA) READ into pages this process never touched ran 10-50x
+    slower than into mapped ones (256 MiB: 3.5-14 s against 0.2-0.3 s, and 0.2 s to map them first). False where
+    the kernel lacks it (before 5.14): the READ maps them itself, slowly."""
+    start = addr - addr % mmap.PAGESIZE
+    return _libc.madvise(start, addr + nbytes - start, _MADV_POPULATE_WRITE) == 0
 
 
 class PeerAgent:
@@ -31,6 +46,7 @@ class PeerAgent:
         self._reg = self._agent.register_memory(pool)
         self._lock = threading.Lock()
         self._remotes: set[str] = set()
+        self._mapped: dict[int, int] = {}  # local address -> bytes from it prefaulted (a slot: once for good)
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -54,10 +70,14 @@ class PeerAgent:
 
     def read(self, remote: str, pairs: Sequence[tuple[int, int, int]], timeout_s: float) -> None:
         """One READ of ``(local address, remote address, bytes)`` triples from agent ``remote``'s registered
-        memory into this pool; raises OSError (the transfer failed: a dead peer) or TransferBackendError (not
-        done within ``timeout_s``)."""
+        memory into this pool (its pages mapped first, once: :func:`prefault`); raises OSError (the transfer
+        failed: a dead peer) or TransferBackendError (not done within ``timeout_s``)."""
         if not pairs:
             return
+        for la, _ra, n in pairs:
+            if self._mapped.get(la, 0) < n:
+                prefault(la, n)
+                self._mapped[la] = n
         local = [(la, n, 0) for la, _ra, n in pairs]
         far = [(ra, n, 0) for _la, ra, n in pairs]
         with self._lock:

@@ -9,8 +9,9 @@
    for token (greedy, float32). Requests without a hit are the control: their mismatches measure the noise.
 4. ``blocks_stored``: every full block of a finished request is stored, unless a counted reason explains it
    (the daemon was stopped or killed, a connector reset started a new epoch, the connector degraded).
-5. ``hook_time``: the most a step spent in the connector's hooks, less a synchronous load's own copy, is at most
-   5 ms (the hook-time histograms the connector writes under ``KVBM_HOOK_TIMES_DIR``).
+5. ``hook_time``: the most a step spent in the connector's hooks, less a synchronous load's own copy (and the
+   synchronous saves ``async_save: false`` asks for), is at most 5 ms (the hook-time histograms the connector
+   writes under ``KVBM_HOOK_TIMES_DIR``).
 Plus ``stale_after_reset`` (checked in the engine process): no load after ``reset_prefix_cache(reset_connector=
 True)`` or a clearing pause serves a block stored before it.
 """
@@ -36,19 +37,28 @@ INVARIANTS = ("block_kv", "engine_alive", "none_stuck", "tokens_after_hit", "blo
               "stale_after_reset")
 
 
-def write_model(root: Path) -> str:
-    """A tiny random float32 Llama (2 layers, 2 KV heads of 32): 128 KiB per 128-token vLLM block."""
-    path = root / "tiny-llama-f32"
+MODELS = ("llama", "gemma2")  # a single KV-cache group; a hybrid one (sliding window + full attention)
+
+
+def write_model(root: Path, model: str = "llama") -> str:
+    """A tiny random float32 model, written once under ``root``: ``llama`` (2 layers, 2 KV heads of 32: 128 KiB per
+    128-token vLLM block) or ``gemma2`` (Gemma-2-style: layer 0 attends within a 256-token sliding window, layer 1
+    to everything; vLLM runs them as two KV-cache groups)."""
+    if model not in MODELS:
+        raise ValueError(f"model: one of {', '.join(MODELS)}, got {model!r}")
+    path = root / f"tiny-{model}-f32"
     if (path / "config.json").exists():
         return str(path)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      torch_dtype="float32")
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    shape = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, torch_dtype="float32")
+    if model == "gemma2":
+        Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=32, sliding_window=256)).save_pretrained(path)
+    else:
+        LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(path)
     return str(path)
 
 
@@ -79,14 +89,14 @@ def relative_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(ta - tb) / max(np.linalg.norm(tb), 1e-12))
 
 
-def describe_tokens(got: list[int], want: list[int]) -> str:
+def describe_tokens(got: list[int], want: list[int], names: tuple[str, str] = ("kvbm", "computed")) -> str:
     i = next((j for j, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), min(len(got), len(want)))
     shift = ""
     if got[i:i + 8] == want[i + 1:i + 9] and len(got[i:i + 8]) > 1:
-        shift = " (one token ahead of the computed answer)"
+        shift = f" (one token ahead of the {names[1]} answer)"
     elif got[i + 1:i + 9] == want[i:i + 8] and len(want[i:i + 8]) > 1:
-        shift = " (one token behind the computed answer)"
-    return f"first differs at token {i}: kvbm {got[i:i + 6]} vs computed {want[i:i + 6]}{shift}"
+        shift = f" (one token behind the {names[1]} answer)"
+    return f"first differs at token {i}: {names[0]} {got[i:i + 6]} vs {names[1]} {want[i:i + 6]}{shift}"
 
 
 def check(sched: Schedule, pressure: dict[str, Any], clean: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +157,8 @@ def check(sched: Schedule, pressure: dict[str, Any], clean: dict[str, Any]) -> d
         else:
             counts["control_requests"] += 1
             counts["control_mismatches"] += r["output"] != want
-    worst = hook_excess(pressure.get("hooks", {}), sync_load=not sched.engine.async_load)
+    worst = hook_excess(pressure.get("hooks", {}), sync_load=not sched.engine.async_load,
+                        sync_save=not sched.engine.async_save)
     counts["hook_step_max_ms"] = worst
     if worst > HOOK_BUDGET_MS:
         violations.append({"invariant": "hook_time", "seed": seed, "request": None,
@@ -157,22 +168,26 @@ def check(sched: Schedule, pressure: dict[str, Any], clean: dict[str, Any]) -> d
             "events": pressure.get("events", [])}
 
 
-def hook_excess(hooks: dict[str, Any], sync_load: bool) -> float:
-    """The slowest step's hook time on either side, less (with sync loads) the slowest load copy: an upper
-    bound of the time beyond sync-load copies (the histograms keep maxima per hook, not per step)."""
+def hook_excess(hooks: dict[str, Any], sync_load: bool, sync_save: bool = False) -> float:
+    """The slowest step's hook time on either side, less (with sync loads) the slowest load copy and (with
+    ``async_save: false``, whose saves the option puts on the engine's thread, round trips and all) the slowest
+    save: an upper bound of the time beyond them (the histograms keep maxima per hook, not per step)."""
     worst = 0.0
     for side, h in hooks.items():
         step = h["step"]["max_ms"]
         if side == "worker" and sync_load:
             step -= h["hooks"].get("start_load_kv", {}).get("max_ms", 0.0)
+        if side == "worker" and sync_save:
+            step -= h["hooks"].get("wait_for_save", {}).get("max_ms", 0.0)
         worst = max(worst, step)
     return round(worst, 3)
 
 
-def run_seed(seed: int, root: Path, model: str, *, faults: bool = True) -> dict[str, Any]:
-    """Generate, run and check seed ``seed`` (work files under ``root/seed-N``)."""
-    sched = generate(seed, faults=faults)
-    work = root / f"seed-{seed}"
+def run_seed(seed: int, root: Path, model: str, *, faults: bool = True, family: str = "llama") -> dict[str, Any]:
+    """Generate, run and check seed ``seed`` on ``model`` (the path :func:`write_model` wrote for ``family``; work
+    files under ``root/seed-N``)."""
+    sched = generate(seed, faults=faults, model=family)
+    work = root / f"seed-{seed}-{family}"
     work.mkdir(parents=True, exist_ok=True)
     plain = msgspec.to_builtins(sched)
     pressure = run_engine(work, "pressure", {"role": "pressure", "model": model, "schedule": plain})
@@ -181,6 +196,7 @@ def run_seed(seed: int, root: Path, model: str, *, faults: bool = True) -> dict[
         jobs = {r: {"prompt": q["prompt"], "output": q["output"]} for r, q in pressure["requests"].items()}
         clean = run_engine(work, "clean", {"role": "clean", "model": model, "schedule": plain, "jobs": jobs})
     report = check(sched, pressure, clean)
+    report["model"] = family
     report["ops"] = sched.op_counts()
     report["engine"] = msgspec.to_builtins(sched.engine)
     report["preemptions"] = sum(r["preempted"] for r in pressure.get("requests", {}).values())

@@ -18,6 +18,7 @@ import msgspec
 
 VOCAB = (3, 990)  # token ids drawn from this range (the tiny model's vocabulary is 1,000)
 VLLM_BLOCK = 128  # tokens per vLLM block (the CPU build's default)
+GROUPS = {"gemma2": 2}  # KV-cache groups of the models with more than one
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -45,15 +46,17 @@ class Engine(msgspec.Struct, frozen=True):
     max_num_seqs: int
     async_load: bool
     async_save: bool
+    groups: int = 1  # KV-cache groups: they share the block pool (vLLM sizes each request's need per group)
 
     @property
     def max_model_len(self) -> int:
-        return (self.num_gpu_blocks - 1) * VLLM_BLOCK  # vLLM keeps one block back (the null block)
+        # vLLM keeps one block back (the null block) and checks that one request of this length fits
+        return (self.num_gpu_blocks - 1) // self.groups * VLLM_BLOCK
 
 
 class Schedule(msgspec.Struct, frozen=True):
     seed: int
-    model: str  # "llama" (single KV-cache group)
+    model: str  # "llama" (one KV-cache group) or "gemma2" (a sliding-window group and a full-attention one)
     engine: Engine
     requests: list[Request]
     ops: list[Op]
@@ -71,11 +74,13 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(*VOCAB) for _ in range(n)]
 
 
-def generate(seed: int, *, faults: bool = True) -> Schedule:
-    """The schedule of ``seed``; ``faults`` False leaves out daemon SIGSTOP/SIGKILL (a quicker, quieter run)."""
+def generate(seed: int, *, faults: bool = True, model: str = "llama") -> Schedule:
+    """The schedule of ``seed``; ``faults`` False leaves out daemon SIGSTOP/SIGKILL (a quicker, quieter run).
+    The model is a dimension of its own: the same seed is the same schedule on each model."""
     rng = random.Random(seed)
-    engine = Engine(num_gpu_blocks=rng.randint(12, 20), max_num_seqs=rng.randint(2, 6),
-                    async_load=rng.random() < 0.5, async_save=rng.random() < 0.75)
+    groups = GROUPS.get(model, 1)
+    engine = Engine(num_gpu_blocks=rng.randint(12, 20) * groups, max_num_seqs=rng.randint(2, 6),
+                    async_load=rng.random() < 0.5, async_save=rng.random() < 0.75, groups=groups)
     limit = engine.max_model_len - 1
     systems = [_tokens(rng, rng.randint(130, 700)) for _ in range(rng.randint(1, 3))]
     requests: list[Request] = []
@@ -104,4 +109,4 @@ def generate(seed: int, *, faults: bool = True) -> Schedule:
     ops = [Op(rng.randint(1, horizon + 60), k, rng.randint(1, 12))
            for k in rng.choices(kinds, weights, k=rng.randint(2, 10))]
     ops.sort(key=lambda o: o.step)
-    return Schedule(seed, "llama", engine, requests, ops)
+    return Schedule(seed, model, engine, requests, ops)

@@ -104,3 +104,45 @@ def test_a_purge_refused_mid_outage_leaves_its_blocks_undetermined_not_acked(s3_
     assert not res.violations, res.violations
     a12 = h.world.keys("a", [12])[0]
     assert a12 not in h.model.durable and a12 not in h.model.purged and a12 in h.model.undetermined
+
+
+def test_seed_4052s_interleaving_loses_no_acked_block(s3_server, tmp_path: Path) -> None:
+    """Seed 4052's one-off acked_lost, directed (it never replayed): tenant c's blocks acked durable while S3 is out
+    (owed), the journal deleted under the daemon, another block acked (its owed line goes to the journal written
+    again), SIGKILL right after that ack (inside the journal's debounce), a lazy start while S3 is still out, then
+    S3 back, a final SIGKILL and a lazy start again: every acked block is in the bucket."""
+    require("tmpfs", *tmpfs_available())
+    sched = Schedule(seed=4052, index_bucket="lazy", final="kill", ops=[
+        Op("s3_outage", seconds=8.0),
+        Op("store", "c", 1, [6, 7, 8], durable=True),
+        Op("journal_delete"),
+        Op("store", "c", 1, [22], durable=True),
+        Op("kill"),
+        Op("store", "c", 0, [9], durable=True),
+    ])
+    h = Harness(sched, _target(s3_server), tmp_path)
+    res = h.run()
+    assert not res.harness_errors, res.harness_errors
+    assert res.faults.get("journal_delete") == 1 and res.faults.get("sigkill") == 2, res.faults
+    assert len(h.model.durable) == 5, (res.refusals, res.trace)  # all acked durable on G3 during the outage
+    assert not res.violations, res.violations
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue 37, chaos seed 6004): an Evict deletes a block only from the tiers "
+                                       "the index says hold it; a G4 write-through in flight lands after the purge")
+def test_a_purge_while_the_blocks_write_through_is_in_flight_is_not_undone(s3_server, tmp_path: Path) -> None:
+    """Seed 6004's purge_undone, directed: tenant b stores a block (not durable: the ack does not wait for S3) while
+    every S3 request is delayed 1-1.5 s, and purges it at once; its write-through PUT is still in flight when the
+    Evict is answered. The block must not be in the bucket at the end."""
+    require("tmpfs", *tmpfs_available())
+    sched = Schedule(seed=6004, index_bucket="start", final="", ops=[
+        Op("register", "b", 0),
+        Op("s3_faults", count=3, rates={"latency": 1.0, "latency_s": (1.0, 1.5)}),  # type: ignore[dict-item]
+        Op("store", "b", 0, [13]),
+        Op("purge", "b", 0, [13]),
+    ])
+    h = Harness(sched, _target(s3_server), tmp_path)
+    res = h.run()
+    assert not res.harness_errors, res.harness_errors
+    assert h.world.keys("b", [13])[0] in h.model.purged, (res.refusals, res.trace)  # the Evict was answered
+    assert not res.violations, res.violations

@@ -34,3 +34,15 @@ def test_every_request_fits_the_engine_and_every_op_kind_is_drawn():
     assert kinds == set(OP_KINDS)
     assert follow_ups > 50 and shared > 100  # conversations and system prompts are common, not corner cases
     assert all(o.kind not in ("daemon_stop", "daemon_kill") for s in range(50) for o in generate(s, faults=False).ops)
+
+
+def test_the_model_is_a_dimension_of_its_own():
+    """The same seed is the same requests and operations on each model; a hybrid model's KV cache has a block
+    pool per group's worth, so vLLM accepts the same longest request."""
+    from kvbm.verify.schedule import generate
+
+    for seed in range(20):
+        llama, gemma = generate(seed), generate(seed, model="gemma2")
+        assert (gemma.requests, gemma.ops, gemma.model) == (llama.requests, llama.ops, "gemma2")
+        assert gemma.engine.num_gpu_blocks == 2 * llama.engine.num_gpu_blocks
+        assert gemma.engine.max_model_len == llama.engine.max_model_len

@@ -466,3 +466,25 @@ def test_the_load_path_leases_slots_through_the_manager():
             await m.close()
 
     asyncio.run(go())
+
+
+def test_a_load_fills_every_kind_of_host_output_byte_exact(tmp_path):
+    """Host outputs are copied through numpy, device tensors through torch: each kind a worker may hand in is
+    written in place (uint8 and other dtypes, torch CPU tensors, a bytearray, a buffer larger than the block)."""
+    import torch
+
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path)).start()
+    try:
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="outs")
+            ks = keys(5, b"outs")
+            assert c.store(ks, [payload(k) for k in ks]).stored == 5
+            outs = [np.zeros(NB, np.uint8), np.zeros(NB // 2, np.float16), torch.zeros(NB // 2, dtype=torch.bfloat16),
+                    bytearray(NB), np.zeros(NB + 64, np.uint8)]
+            assert c.load(ks, outs) == 5
+            got = [outs[0], outs[1].view(np.uint8), outs[2].view(torch.uint8).numpy(), np.frombuffer(outs[3], np.uint8),
+                   outs[4][:NB]]
+            assert [bool(np.array_equal(g, payload(k))) for g, k in zip(got, ks, strict=True)] == [True] * 5
+            assert not outs[4][NB:].any()
+    finally:
+        d.stop()

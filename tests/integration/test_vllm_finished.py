@@ -112,3 +112,39 @@ def test_a_sliding_window_models_queued_save_is_fenced_before_the_forward_reuses
         assert got == 0 or not (buf[:4096] == 9).any(), "a save copied the KV the next forward wrote"
     finally:
         w.shutdown()
+
+
+def test_a_fence_waits_for_a_saves_copies_not_for_its_commit_round_trip(daemon):  # noqa: F811
+    """A fence (before a forward that may reuse a preempted or aborted request's blocks) needs only the copies
+    out of those blocks to be over. It waited for the whole save, CommitStore round trip included, and a save
+    whose daemon stalled after the copy was then cancelled and counted so (its bytes were already in G2).
+    Now the fence returns once the copy is over, the save's commit goes on, and the block is stored."""
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+
+    w = _worker(daemon.endpoint, 1, async_load=True, async_save=True)
+    key = b"f" * 32
+    copy = w.saver._copy
+
+    def copy_then_stall(view, ids, stream):  # the daemon stops between the copy and the CommitStore
+        copy(view, ids, stream)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+
+    w.saver._copy = copy_then_stall
+    stopped = True
+    try:
+        w.wait_for_save(KvbmConnectorMetadata(k=1, saves=[BlockTransfer("r1", [key], [[2]])]))
+        (job,) = w.saver._jobs["r1"]
+        assert job.copied.wait(30), "the save never copied"
+        w.handle_preemptions(KvbmConnectorMetadata(k=1, released=["r1"]))  # r1 aborted: its blocks freed
+        assert not job.future.done(), "the save ended while the daemon was stopped: the test took no stall"
+        assert w.stats.get("saves_cancelled", 0) == 0, "a save whose copy was over was cancelled by the fence"
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        stopped = False
+        assert job.future.result(timeout=30) is None
+        with daemon.client() as c:
+            c.register(w._link.layout, worker_id="reader")
+            assert c.lookup([BlockKey(w._link.layout.namespace, key)]).matched == 1, "the copied block was not stored"
+    finally:
+        if stopped:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        w.shutdown()

@@ -96,18 +96,23 @@ def test_mla_at_tp_2_stores_one_copy_per_tp_group_and_loads_the_computed_latent(
     vLLM's reference CPU_MLA backend (the issue's; this CPU would pick AMX_MLA) turns vLLM's own prefix
     cache off, so kvbm is the only cache."""
     prompt = [(i * 17 + 11) % 977 + 3 for i in range(1190)]
-    daemon = g2_daemon(tmp_path)
-    # vLLM's CPU MLA runs 16-token blocks: 16 x 2,304 B = 36 KiB, so k = 3 against 128 KiB daemon blocks.
+    # float32, not the model's default bf16: the load's bytes were always the stored ones, but on a CPU that
+    # emulates bf16 the hit's last tokens (computed over cached KV: another kernel shape than the full prefill)
+    # rounded to a near tie that flipped the first token, and the random model's chain went on one token ahead of
+    # the computed one. float32's noise (~1e-6) leaves the tokens to the KV; bf16 hits are held against vLLM's own
+    # prefix-cache hit instead (tests/fuzz/test_hit_numerics.py; CPU_MLA has no prefix cache to compare with).
+    daemon = g2_daemon(tmp_path, block_bytes="256KiB")
+    # vLLM's CPU MLA runs 16-token blocks: 16 x 4,608 B = 72 KiB, so k = 3 against 256 KiB daemon blocks.
     bs, k = 16, 3
-    full = (len(prompt) - 1) // (bs * k)  # 24 kvbm blocks = 1,152 tokens (also with the 8 generated)
     try:
         daemon.start()
         store, load = run_vllm(tmp_path, "mla", deepseek_v2, daemon, [{"settle": True}, {"poison": True}], tp=2,
-                               prompt=prompt, digest_blocks=full * k, attention_backend="CPU_MLA")
+                               prompt=prompt, digest_blocks=kvbm_cached(len(prompt), bs) // bs,
+                               attention_backend="CPU_MLA", engine={"dtype": "float32"})
         assert store["kv_transfer_params"]["kvbm"]["degraded"] is False, store["kv_transfer_params"]
         assert store["kv_digests"][0] == store["kv_digests"][1]  # the ranks hold the same latent
         assert load["num_cached_tokens"] == kvbm_cached(len(prompt), bs)
-        assert load["kv_digests"] == store["kv_digests"]  # both ranks loaded the computed bytes
+        assert load["kv_digests"] == store["kv_digests"]  # both ranks loaded the computed bytes, partial block too
         assert load["tokens"] == store["tokens"]  # ... so the completion is the computed one
         assert g2_blocks(daemon) == kvbm_stored(len(prompt), 8, bs, k)  # one copy per TP group
     finally:

@@ -402,3 +402,211 @@ def test_bench_native_compares_kvbm_and_fs_under_the_same_manager(tmp_path):
     assert rows["kvbm"]["daemon_restart_hit"] == 1.0 and rows["fs"].get("daemon_restart_hit") is None
     bad = CliRunner().invoke(bench, ["native", "--tiers", "kvbm,s3"])
     assert bad.exit_code != 0 and "--tiers" in bad.output
+
+
+# -- vLLM's own offloading scheduler (OffloadingConnector, SCHEDULER role) over a hybrid model -----------------
+def hybrid_connector(model: str, daemon: ServeProc, **tier_kw):
+    """vLLM's ``OffloadingConnector`` as its EngineCore builds it, for a model with a full-attention group (0)
+    and a sliding-window group (1, a one-chunk window): its scheduler orders the lookups, not this test."""
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from kvbm.integrations.vllm.native_config import kv_transfer_config
+
+    keys = {"daemon": daemon.endpoint, "timeout_s": TIMEOUT_S, "lookup_give_up_ms": 5000.0, **tier_kw}
+    ktc = KVTransferConfig(**kv_transfer_config(1 << 20, **keys))
+    cfg = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=4096, block_size=16,
+                     kv_transfer_config=ktc).create_engine_config()
+    spec = {"block_size": 16, "num_kv_heads": 2, "head_size": 32, "dtype": torch.bfloat16}
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**spec)),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], SlidingWindowSpec(**spec, sliding_window=16))])
+    return OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config=kv)
+
+
+def _request(rid: str, tokens: list[int]):
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.request import Request
+
+    fn = get_hash_fn_by_name("sha256")
+    kcu.init_none_hash(fn)
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None, block_hasher=kcu.get_request_block_hasher(16, fn))
+
+
+def _matched(conn, req, timeout_s: float = 60.0) -> int:
+    """vLLM's scheduler asking ``get_num_new_matched_tokens`` once a step until it answers (the step's end is
+    the manager's ``on_schedule_end``, as ``build_connector_meta`` calls it)."""
+    from vllm.v1.kv_offload.base import ScheduleEndContext
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got, _ = conn.get_num_new_matched_tokens(req, 0)
+        if got is not None or time.monotonic() > deadline:
+            return got
+        conn.scheduler.manager.on_schedule_end(ScheduleEndContext((), ()))
+        time.sleep(0.001)
+
+
+def test_a_hybrid_models_window_hits_are_answered_in_vllms_own_lookup_order(daemon, tiny_model):
+    """vLLM's scheduler asks the full-attention keys in prefix order, then the sliding-window keys from the
+    end backwards, in one batch per request. A prompt that extends a stored one (a conversation's next turn):
+    the sliding-window chunks the daemon holds come after the new, unheld ones in that batch."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    from kvbm.bench.native import chunk_bytes_of
+
+    conn = hybrid_connector(tiny_model, daemon)
+    s = conn.scheduler
+    eng = _engine_of(s.manager)
+    tier_ = s.manager.secondary_tiers[0]
+    asked: list[list[bytes]] = []
+    batch_lookup = tier_._lookups.batch_lookup
+    tier_._lookups.batch_lookup = lambda keys, ctx: (asked.append(list(keys)), batch_lookup(keys, ctx))[1]
+    try:
+        first = _request("turn-1", list(range(1000, 1065)))  # 4 chunks of 16 tokens (+1)
+        held = [make_offload_key(h, g) for g in (0, 1) for h in first.block_hashes[:4]]
+        assert eng.store(held) == 8
+        eng.settle()
+        s.manager.reset_cache()  # vLLM's CPU tier forgets them (reset_prefix_cache): only kvbm has them
+
+        nxt = _request("turn-2", list(range(1000, 1065)) + list(range(3000, 3064)))  # 8 chunks (+1)
+        conn.on_new_request(nxt)
+        got = _matched(conn, nxt)
+        fa = [make_offload_key(h, 0) for h in nxt.block_hashes[:8]]
+        sw = [make_offload_key(h, 1) for h in nxt.block_hashes[:8]]
+        assert asked and asked[0] == fa + sw[::-1], "not vLLM's lookup order (full attention, then windows back)"
+        assert got == 64, f"vLLM matched {got} tokens of the 64 kvbm holds in both groups"
+        # What vLLM loads (the full-attention prefix, the window at its end) was promoted byte-exact.
+        loads, ctx = [*fa[:4], sw[3]], s._req_status["turn-2"].req_context
+        assert [s.manager.primary_tier.lookup(k, ctx).name for k in loads] == ["HIT"] * 5
+        cids = s.manager.prepare_load(loads, ctx).chunk_ids
+        assert all((eng.rows[int(c)] == chunk_bytes_of(k, eng.row_bytes)).all()
+                   for k, c in zip(loads, cids, strict=True))
+        s.manager.complete_load(loads, ctx)
+    finally:
+        del eng.rows  # the harness's view of vLLM's primary memory, so vLLM can unmap it
+        conn.shutdown()
+
+
+def _engine_of(manager):
+    """The harness's engine (what vLLM's GPU worker does for a store) over a manager vLLM's connector built."""
+    import numpy as np
+
+    from kvbm.bench.native import NativeEngine
+
+    eng = NativeEngine.__new__(NativeEngine)
+    eng.manager, eng._n = manager, 0
+    eng.rows = np.asarray(manager.primary_tier.get_kv_memoryview()).view(np.uint8)
+    eng.row_bytes = eng.rows.shape[1]
+    return eng
+
+
+def test_a_load_longer_than_the_session_budget_loads_every_chunk(tmp_path):
+    from test_vllm_e2e import free_port
+
+    from kvbm.bench.native import chunk_keys
+
+    cfg = daemon_cfg(tmp_path, free_port())
+    cfg["daemon"]["max_session_slots"] = 4  # G2 has 64 slots: half the pool (32) is more than this budget
+    d = ServeProc(tmp_path, cfg).start()
+    try:
+        keys = chunk_keys(12, "budget")
+        a = engine(tier(d))
+        try:
+            assert a.store(keys) == 12
+            a.settle()
+        finally:
+            a.shutdown()
+        b = engine(tier(d))
+        try:
+            results, _, _ = b.lookup(keys)
+            assert results == ["HIT"] * 12, results
+            assert exact(b, keys)
+            b.finish()
+            assert counter(b.stats(), "vllm:kvbm_tier_load_blocks_short") == 0
+        finally:
+            b.shutdown()
+    finally:
+        d.stop()
+
+
+def test_a_daemon_restarted_with_smaller_blocks_that_still_fit_keeps_the_tier_on(tmp_path):
+    from test_vllm_e2e import free_port
+
+    from kvbm.bench.native import chunk_keys
+
+    port = free_port()
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, port, block_bytes="16KiB")).start()
+    a = engine(tier(d))
+    try:
+        assert a.row_bytes == 8192
+        keys = chunk_keys(2, "before")
+        a.store(keys)
+        a.settle()
+        d.stop()
+        # The same endpoint, blocks of exactly one chunk row: still fits, the tier reconnects and stores.
+        d = ServeProc(tmp_path, daemon_cfg(tmp_path, port, block_bytes="8KiB")).start()
+        after = chunk_keys(2, "after")
+
+        def stored_again() -> bool:
+            a.store(after)
+            a.settle()
+            a.reset_primary()
+            ok = a.lookup(after)[0] == ["HIT", "HIT"]
+            a.finish()
+            return ok
+
+        assert wait_until(stored_again, timeout=30, step=0.5), "the tier stayed off after the restart"
+        a.reset_primary()
+        assert a.lookup(after)[0] == ["HIT", "HIT"] and exact(a, after)
+        a.finish()
+    finally:
+        a.shutdown()
+        d.stop()
+
+
+def test_a_chunk_evicted_between_lookup_and_load_costs_that_chunk_only(daemon):
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from kvbm.bench.native import chunk_keys
+    from kvbm.blocks import BlockKey
+    from kvbm.integrations.vllm.native_keys import kvbm_hash
+
+    keys = chunk_keys(6, "evicted-mid")
+    a = engine(tier(daemon))
+    try:
+        a.store(keys)
+        a.settle()
+    finally:
+        a.shutdown()
+    b = engine(tier(daemon))
+    try:
+        lookups = b.tiers[0]._lookups
+        ctx = b._ctx()
+        b._open = ctx
+        assert {b.manager.lookup(k, ctx) for k in keys} == {LookupResult.RETRY}
+        b.step()  # the batch goes to the daemon; wait for its answer before the eviction
+        assert wait_until(lambda: not lookups._pending_results.empty(), timeout=30)
+        with daemon.client(admin=True) as c:
+            c.register(b.tiers[0].layout, worker_id="evictor")
+            assert c.evict([BlockKey(b.tiers[0].layout.namespace, kvbm_hash(keys[2]))]).removed == 1
+        # The lookups said HIT for all six: the promotion (one load job) finds chunk 2 gone and loads the others.
+        results = []
+        for _ in range(2000):
+            results = [b.manager.lookup(k, ctx).name for k in keys]
+            if not {"RETRY", "HIT_PENDING"} & set(results):
+                break
+            b.step()
+            time.sleep(0.005)
+        assert results == ["HIT", "HIT", "MISS", "HIT", "HIT", "HIT"], results
+        assert exact(b, [k for i, k in enumerate(keys) if i != 2])
+        b.finish()
+        assert counter(b.stats(), "vllm:kvbm_tier_load_blocks_short") == 1
+    finally:
+        b.shutdown()

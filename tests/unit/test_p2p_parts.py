@@ -4,6 +4,7 @@ and the credential binding a Pin is checked against."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -73,3 +74,34 @@ def test_a_pins_namespaces_are_those_of_the_askers_credential():
     assert "unknown token" in credential(creds, "nope")[2]
     assert "must present" in credential(creds, "")[2]
     assert credential(Credentials("admin-tok"), "") == (False, None, "")  # no tenants: whoever may connect
+
+
+def test_a_read_goes_in_parts_of_about_part_bytes_in_order_every_block_once():
+    from kvbm.daemon.peer_reads import _parts
+
+    nbytes = [8, 8, 8, 3, 8, 8]
+    mine = [(0, 10), (1, 11), (2, 12), (3, 13), (5, 15)]  # block 4 had no slot of its own: not read
+    got = list(_parts(mine, nbytes, 16))
+    assert got == [[(0, 10), (1, 11)], [(2, 12), (3, 13), (5, 15)]]
+    assert list(_parts(mine, nbytes, 1)) == [[x] for x in mine]  # a block larger than a part is a part
+    assert list(_parts([], nbytes, 16)) == []
+
+
+def test_prefault_maps_a_shared_pool_changing_no_byte(tmp_path):
+    import mmap
+
+    import numpy as np
+
+    from kvbm.transfer.peer import prefault
+
+    n = 1 << 20
+    path = tmp_path / "pool"
+    path.write_bytes(bytes(range(256)) * (n // 256))
+    with path.open("r+b") as f, mmap.mmap(f.fileno(), n, mmap.MAP_SHARED) as mm:
+        view = np.frombuffer(mm, np.uint8)
+        addr = view.ctypes.data
+        ok = prefault(addr + 100, n - 100)  # not page-aligned: rounded down to the page
+        kernel = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+        assert ok or kernel < (5, 14)  # MADV_POPULATE_WRITE is 5.14's
+        assert bytes(view[:256]) == bytes(range(256)) and bytes(view[-256:]) == bytes(range(256))
+        del view

@@ -21,11 +21,15 @@ class BlockTransfer:
     # A load's last block: its trailing vLLM blocks not copied (a prompt ending on the block's end: vLLM computes
     # the last prompt token's block itself); block_ids[-1] lists only the leading ones.
     tail: int = 0
+    # A save's blocks are partial blocks (the daemon evicts them first until hit); or, per full block, the partial
+    # blocks it supersedes: the hashes of its leading vLLM blocks, the keys of any partial block of those tokens.
+    partial: bool = False
+    covers: list[list[bytes]] = field(default_factory=list)
 
     def head(self, n: int) -> BlockTransfer:
         """The first ``n`` blocks of this transfer."""
         return BlockTransfer(self.req_id, self.hashes[:n], self.block_ids[:n], self.final, self.skip,
-                             self.tail if n >= len(self.hashes) else 0)
+                             self.tail if n >= len(self.hashes) else 0, self.partial, self.covers[:n])
 
     def unused(self, i: int) -> int:
         """vLLM blocks of stored block ``i`` of a load that are not copied: the first block's ``skip``, the
@@ -42,6 +46,9 @@ class KvbmConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # requests vLLM preempted: their blocks may be reused now
+    # Requests aborted since the last step: vLLM freed their blocks at once (kvbm does not hold an aborted
+    # request's blocks), so the worker fences their saves before the forward and never reports them.
+    released: list[str] = field(default_factory=list)
     k: int = 0  # the scheduler's vLLM blocks per kvbm block; workers refuse transfers planned with another
     weights: str = ""  # the scheduler's weights epoch tag: workers follow it before this step's transfers
     # Saves planned before a weight reset (their KV is the old weights'): never stored, reported finished so

@@ -8,8 +8,9 @@ vLLM loads it by ``module_path`` from its ``secondary_tiers`` list (the dict's o
 Every method runs on vLLM's scheduler thread and returns at once; the daemon is only ever talked to from
 the tier's own threads, each with its own session (a client is single-threaded):
 
-* lookups: vLLM's :class:`AsyncLookupManager` thread (one ``Lookup`` per request per step, as vLLM batches
-  them); an answer not there after ``lookup_give_up_ms`` is a miss.
+* lookups: vLLM's :class:`AsyncLookupManager` thread (one batch per request per step, as vLLM batches them;
+  :mod:`~kvbm.integrations.vllm.native_lookup` answers it key by key); an answer not there after
+  ``lookup_give_up_ms`` is a miss.
 * stores (primary chunk -> daemon) and loads (daemon -> primary chunk): one thread each, so a load never
   waits behind stores. The bytes move once each way: the primary tier's chunk row is copied straight into
   the G2 slot the daemon reserved (shared memory), and out of the slot the daemon onboarded into.
@@ -43,16 +44,15 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvbm import protocol as p
 from kvbm.blocks.layout import KVLayout
 from kvbm.integrations.vllm.geometry import Geometry
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link
 from kvbm.integrations.vllm.native_config import NativeTierConfig
 from kvbm.integrations.vllm.native_events import RemovalWatch
 from kvbm.integrations.vllm.native_keys import kvbm_hash, native_layout
+from kvbm.integrations.vllm.native_lookup import Lookups
 from kvbm.integrations.vllm.native_transfer import ChunkRows, Done
 
 if TYPE_CHECKING:
@@ -74,38 +74,18 @@ DROP_REASONS = ("down", "queue", "shed")
 
 
 class _ChunkGeometry(Geometry):
-    """One daemon block per primary chunk row: a row bigger than the daemon's blocks is a config error."""
+    """One daemon block per primary chunk row, whatever the daemon's block size: a row bigger than the daemon's
+    blocks is a config error. ``k`` is fixed at 1, never derived from the daemon's first block size: a daemon
+    restarted with smaller blocks that still hold a row is fine (the namespace does not depend on it)."""
 
     def __init__(self, row_bytes: int, tokens: int) -> None:
-        super().__init__(tokens, row_bytes, None)
+        super().__init__(tokens, row_bytes, 1)
 
     def mismatch(self, slot_bytes: int) -> str:
         return (f"kvbm: vLLM's CPU-tier chunks are {self.vblock_nbytes} B, more than the daemon's block_bytes of "
                 f"{slot_bytes} B: set the daemon's block_bytes to at least {self.vblock_nbytes} B, or lower "
                 f"block_size in kv_connector_extra_config. The kvbm tier is off until then (stores dropped, "
                 f"lookups miss).")
-
-
-class _Lookups(AsyncLookupManager):
-    """vLLM's async lookup manager; its thread asks the daemon over its own link."""
-
-    def __init__(self, link: Link, tier_type: str) -> None:
-        self._link = link  # before super().__init__: that starts the thread
-        super().__init__(tier_type=tier_type)
-
-    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        client = self._link.get()  # reconnects (on its backoff) from this thread, never the scheduler's
-        if client is None:
-            return [False] * len(keys)
-        try:
-            matched = client.request(p.Lookup(namespace=client.namespace, hashes=[kvbm_hash(k) for k in keys]),
-                                     p.LookupReply).matched
-        except LINK_ERRORS as e:
-            self._link.error(e)
-            return [False] * len(keys)
-        # The daemon answers the leading run it holds: keys come in the request's prefix order, and vLLM
-        # stops at the first miss anyway.
-        return [i < matched for i in range(len(keys))]
 
 
 class KvbmTier(SecondaryTierManager):
@@ -163,7 +143,7 @@ class KvbmTier(SecondaryTierManager):
         for lk in (self._store_link, self._lookup_link, self._load_link):
             if lk.get() is None:
                 break
-        self._lookups = _Lookups(self._lookup_link, tier_type)
+        self._lookups = Lookups(self._lookup_link, tier_type)
         self._threads = [threading.Thread(target=self._run, args=(self._stores, self._store_link, self.rows.store),
                                           name="kvbm-native-store", daemon=True),
                          threading.Thread(target=self._run, args=(self._loads, self._load_link, self.rows.load),
@@ -259,10 +239,11 @@ class KvbmTier(SecondaryTierManager):
                 return results
             if d.is_load:
                 if not d.success:
-                    self._lookups.mark_miss(d.keys[d.loaded:])  # or vLLM would promote the same keys again
-                    self._stats.increase_counter(LOAD_BLOCKS_SHORT, len(d.keys) - d.loaded)
+                    got = set(d.loaded_keys)
+                    self._lookups.mark_miss([k for k in d.keys if k not in got])  # or vLLM promotes them again
+                    self._stats.increase_counter(LOAD_BLOCKS_SHORT, len(d.keys) - len(got))
                 results.append(JobResult(d.job_id, d.success,
-                                         tuple(d.keys[: d.loaded]) if not d.success and d.loaded else None,
+                                         tuple(d.loaded_keys) if not d.success and d.loaded_keys else None,
                                          d.seconds, d.nbytes or None))
                 continue
             self._store_jobs -= 1

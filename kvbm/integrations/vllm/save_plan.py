@@ -38,6 +38,28 @@ class ReqState:
         return BlockTransfer(self.request.request_id, [bytes(hashes[(i + 1) * k - 1]) for i in idx],
                              [[b for ids in self.block_ids for b in ids[i * k : (i + 1) * k]] for i in idx])
 
+    def plan_load(self, num_external_tokens: int, k: int, vbs: int) -> None:
+        """The load of the ``num_external_tokens`` vLLM allocated past its local hit, onto this request's blocks."""
+        # External tokens follow the local prefix-cache hit (request.num_computed_tokens is still 0 here), which
+        # may end inside a kvbm block (vLLM caches its own smaller blocks): that block loads only its vLLM blocks
+        # past the hit (``skip``). The matched run then always reaches past that block (get_num_new_matched_tokens).
+        v0 = self.local_tokens // vbs
+        first_block, skip = divmod(v0, k)
+        end_block, j = divmod(v0 + num_external_tokens // vbs, k)
+        self.load = self.transfer(range(first_block, end_block), k)
+        if skip and self.load.block_ids:
+            self.load.block_ids[0] = self.load.block_ids[0][skip:]
+            self.load.skip = skip
+        if j:  # a partial block after the full ones: its own key, j vLLM blocks; or the next full block's head
+            first = end_block * k
+            self.partial = bytes(self.request.block_hashes[first + (k if self.partial_from_full else j) - 1])
+            self.load.hashes.append(self.partial)
+            self.load.block_ids.append([b for ids in self.block_ids for b in ids[first : first + j]])
+            if self.partial_from_full:  # vLLM computes its last k - j vLLM blocks: the same bytes, stored already
+                self.load.tail = k - j
+        self.load_from = first_block
+        self.saved_blocks = end_block + (1 if j and self.partial_from_full else 0)  # loaded blocks are stored already
+
     def held_vblocks(self) -> int:
         """vLLM blocks allocated to the request in every group."""
         return min((len(ids) for ids in self.block_ids), default=0)
@@ -97,7 +119,11 @@ class SavePlanner:
             # outside the window): it cannot be saved. A gap; a later hit stops before it.
             st.saved_blocks += 1
         if done > st.saved_blocks:
-            meta.saves.append(st.transfer(range(st.saved_blocks, done), k))
+            tr = st.transfer(range(st.saved_blocks, done), k)
+            if self.partials:  # each full block supersedes the partial blocks of its leading vLLM blocks
+                vh = st.request.block_hashes
+                tr.covers = [[bytes(h) for h in vh[i * k : (i + 1) * k - 1]] for i in range(st.saved_blocks, done)]
+            meta.saves.append(tr)
             self.stats["saves"] += done - st.saved_blocks
             st.saved_blocks = done
             if self.cfg.async_save or final:
@@ -122,7 +148,7 @@ class SavePlanner:
         st.partial = key
         ids = [b for group in st.block_ids for b in group[full * k : full * k + j]]
         self.stats["partial_saves"] = self.stats.get("partial_saves", 0) + 1
-        return BlockTransfer(st.request.request_id, [key], [ids])
+        return BlockTransfer(st.request.request_id, [key], [ids], partial=True)
 
     def intact(self, st: ReqState, i: int, computed: int) -> bool:
         """Whether every group still holds all vLLM blocks of the request's kvbm block ``i``."""

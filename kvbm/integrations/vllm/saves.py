@@ -10,13 +10,11 @@ as failed, never as the request's KV.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -28,7 +26,9 @@ from kvbm.integrations.vllm.metadata import BlockTransfer
 log = logging.getLogger("kvbm.vllm")
 
 QUEUED, COPYING, CANCELLED = range(3)
-FENCE_WAIT_S = 2.0  # a copy between host buffers is done in milliseconds; past this it is not trusted
+# A copy between host buffers (or a span of them off a GPU's side stream) is done in milliseconds; one still
+# running after this is dropped (committed as failed, never as KV) rather than the engine's step held longer.
+FENCE_WAIT_S = 0.1
 LOAD_RETRIES = 2  # a reservation refused as load is asked again this many times
 
 
@@ -42,6 +42,7 @@ class SaveJob:
         self.poisoned = False  # the fence stopped waiting for the copy: its bytes may be the next user's
         self.lock = threading.Lock()
         self.copied = threading.Event()
+        self.reads_done = threading.Event()  # it reads no vLLM block any more (its last copy is over, or it ended)
         self.future: Future[None] = Future()
 
     def start_copy(self) -> bool:
@@ -134,15 +135,19 @@ class Saver:
                 if job.future.done():
                     continue
                 left = deadline - time.monotonic()
-                if left > 0 and job.state != COPYING:
-                    with contextlib.suppress(FutureTimeout):
-                        job.future.result(timeout=left)
-                    if job.future.done():
-                        continue
+                # Waited for: its reads of vLLM's blocks, not its CommitStore round trip after them
+                if left > 0 and job.state != COPYING and job.reads_done.wait(left):
+                    continue
                 if job.fence(FENCE_WAIT_S):
                     self.stats["saves_cancelled"] = self.stats.get("saves_cancelled", 0) + len(job.tr.hashes)
         if ids and time.monotonic() - started > 0.005:
             log.debug("kvbm: fencing saves of %d requests took %.1f ms", len(ids), (time.monotonic() - started) * 1e3)
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Requests vLLM freed without waiting for their saves (aborted; fenced first): never reported."""
+        for rid in req_ids:
+            self._jobs.pop(rid, None)
+            self._finishing.discard(rid)
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished (and kept the blocks of, for their saves) whose saves are all over."""
@@ -178,6 +183,7 @@ class Saver:
         except Exception as e:  # a saver thread must never take the engine down
             log.warning("kvbm: save for request %s failed: %s", job.tr.req_id, e)
         finally:
+            job.reads_done.set()
             job.future.set_result(None)
 
     def save(self, client: Any, job: SaveJob) -> None:
@@ -207,7 +213,8 @@ class Saver:
     def _save_span(self, client: Any, job: SaveJob, span: range, nbytes: int) -> bool:
         """Blocks ``span`` of the job; whether the rest may follow."""
         tr = job.tr
-        with reserving(client, tr.hashes[span.start : span.stop], nbytes) as res:
+        with reserving(client, tr.hashes[span.start : span.stop], nbytes, partial=tr.partial,
+                       covers=tr.covers[span.start : span.stop]) as res:
             if not any(s is not None for s in res.slots):
                 return True  # every block is stored already: nothing to read
             if not job.start_copy():
@@ -222,6 +229,8 @@ class Saver:
                     self.stream.synchronize()  # the bytes are in G2 before the daemon is told to commit
             finally:
                 res.ok = job.end_copy()
+                if span.stop == len(tr.hashes):
+                    job.reads_done.set()  # what is left is the CommitStore: the fence need not wait for it
             self.stats["saved"] = self.stats.get("saved", 0) + len(span)
             return res.ok
 

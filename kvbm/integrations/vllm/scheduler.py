@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.request import RequestStatus
+
 from kvbm.blocks.layout import KVLayout
 from kvbm.integrations.vllm.config import ConnectorConfig
 from kvbm.integrations.vllm.epoch import WeightsEpoch
@@ -49,6 +51,7 @@ class SchedulerSide:
         # engine keeps stepping until the worker reports them (has_pending_push_work).
         self._held: dict[str, float] = {}
         self._dropped: list[BlockTransfer] = []  # final saves planned before a weight reset
+        self._released: list[str] = []  # aborted requests whose blocks vLLM freed at once (the worker fences them)
         self._saves = SavePlanner(cfg, self.geometry, groups, self._stats, self._save_pending)
         # At startup, before any step: a configuration error shows now, not at the first request. From
         # then on only the lookup thread talks to the daemon (and reconnects it).
@@ -123,26 +126,7 @@ class SchedulerSide:
         st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if num_external_tokens <= 0:
             return
-        # External tokens follow the local prefix-cache hit (request.num_computed_tokens is still 0 here), which
-        # may end inside a kvbm block (vLLM caches its own smaller blocks): that block loads only its vLLM blocks
-        # past the hit (``skip``). The matched run then always reaches past that block (get_num_new_matched_tokens).
-        k, vbs = self.geometry.known_k, self.geometry.vllm_block_size
-        v0 = st.local_tokens // vbs
-        first_block, skip = divmod(v0, k)
-        end_block, j = divmod(v0 + num_external_tokens // vbs, k)
-        st.load = st.transfer(range(first_block, end_block), k)
-        if skip and st.load.block_ids:
-            st.load.block_ids[0] = st.load.block_ids[0][skip:]
-            st.load.skip = skip
-        if j:  # a partial block after the full ones: its own key, j vLLM blocks; or the next full block's head
-            first = end_block * k
-            st.partial = bytes(request.block_hashes[first + (k if st.partial_from_full else j) - 1])
-            st.load.hashes.append(st.partial)
-            st.load.block_ids.append([b for ids in st.block_ids for b in ids[first : first + j]])
-            if st.partial_from_full:  # vLLM computes its last k - j vLLM blocks: the same bytes, stored already
-                st.load.tail = k - j
-        st.load_from = first_block
-        st.saved_blocks = end_block + (1 if j and st.partial_from_full else 0)  # loaded blocks are stored already
+        st.plan_load(num_external_tokens, self.geometry.known_k, self.geometry.vllm_block_size)
         self.hooks.stages.add(hit_tokens=num_external_tokens,
                               computed_after_hit_tokens=request.num_tokens - st.local_tokens - num_external_tokens)
 
@@ -150,6 +134,7 @@ class SchedulerSide:
         self._lookups.new_step()  # the end of this step's scheduling: the next one may wait again
         meta = KvbmConnectorMetadata(k=self.geometry.known_k, weights=self.epoch.tag)
         meta.dropped, self._dropped = self._dropped, []
+        meta.released, self._released = self._released, []
         step, self._step = self._step, self._step + 1
         for rid in scheduler_output.preempted_req_ids or ():
             # vLLM freed its blocks (this step may reuse them): the worker finishes or drops the copies out of
@@ -218,7 +203,14 @@ class SchedulerSide:
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._lookups.forget(rid)
-        if st is not None and self.cfg.save and st.block_ids:
+        # An aborted request's blocks are not held for its saves: vLLM frees them now, so a pause or a cache reset
+        # right after aborting everything (a weight sync) finds them free. What it saved so far stays; its last
+        # blocks are not saved; the worker fences its running saves before the next forward, as a preemption's.
+        # A request whose async load is running is still held: the loader writes into its blocks.
+        release = request.status == RequestStatus.FINISHED_ABORTED and rid not in self._load_pending
+        if release:
+            self._released.append(rid)
+        elif st is not None and self.cfg.save and st.block_ids:
             # Blocks completed in the request's last steps (and, with async scheduling, the step whose token
             # was not appended yet when it was planned): every token but the last sampled one has KV. Saved in
             # the next step, sync saves too: vLLM keeps the blocks until the worker reports them (delay_free).
@@ -234,7 +226,7 @@ class SchedulerSide:
             self._final_saves.extend(meta.saves)
         # Blocks the worker may still be copying stay allocated until it reports the request: as finished
         # sending (async saves) or finished receiving (an async load of a request aborted while waiting).
-        delay_free = rid in self._save_pending or rid in self._load_pending
+        delay_free = not release and (rid in self._save_pending or rid in self._load_pending)
         if delay_free:
             self._held[rid] = time.monotonic()
         self._save_pending.discard(rid)

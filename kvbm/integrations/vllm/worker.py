@@ -99,15 +99,19 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: Any) -> None:
         """Before this step's forward (vLLM calls it first in every step, sync or async loads): no save reads
-        blocks vLLM freed from now on: a preempted request's, and under a sliding window those the window
+        blocks vLLM freed from now on: a preempted or aborted request's, and under a sliding window those the window
         dropped or a finished request's skipped blocks (any request's: waited for up to fence_wait_ms, then
         dropped)."""
         with self.hooks.time("handle_preemptions"):
             self._follow(meta)
+            if not isinstance(meta, KvbmConnectorMetadata):
+                return
             if self.groups.sliding:
                 self.saver.fence(None, self.cfg.fence_wait_ms / 1000)
-            elif isinstance(meta, KvbmConnectorMetadata) and meta.preempted:
-                self.saver.fence(meta.preempted, self.cfg.fence_wait_ms / 1000)
+            elif meta.preempted or meta.released:
+                self.saver.fence([*meta.preempted, *meta.released], self.cfg.fence_wait_ms / 1000)
+            # Aborted requests vLLM freed at once: fenced above, never reported finished (vLLM forgot them).
+            self.saver.forget(meta.released)
 
     def start_load_kv(self, meta: Any) -> None:
         with self.hooks.time("start_load_kv"):

@@ -1,0 +1,71 @@
+"""Partial blocks in the registry: which blocks are partial, and which of those no onboard ever hit.
+
+A *partial block* is a request's tail past its last full block (the vLLM connector stores it under vLLM's hash of
+its last vLLM block; the worker says so in its CommitStore). It is often a one-off, so a tier evicts the partial
+blocks nobody hit before any other block, each in LRU order; once hit it is an ordinary block. The marks are per
+block (a cascade's copy in a lower tier is marked too) and end when no tier holds it any more. Codes are the
+registry's (:mod:`kvbm.index.keycodes`); every method runs under the registry's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from itertools import chain
+
+from kvbm.index.footprints import Footprints
+
+
+class PartialMarks:
+    """The partial blocks (``kinds``), the never-hit ones (``unhit``) and, per tier, those in LRU order (``first``)."""
+
+    def __init__(self, ntiers: int) -> None:
+        self.kinds: set[int] = set()
+        self.unhit: set[int] = set()
+        self.first: list[dict[int, int]] = [{} for _ in range(ntiers)]  # code -> code, oldest first (as a tier's LRU)
+
+    def added(self, i: int, code: int, partial: bool) -> None:
+        """``code`` was stored (or re-stored) in tier ``i``; ``partial``: as a partial block (never un-marks)."""
+        if partial and code not in self.kinds:
+            self.kinds.add(code)
+            self.unhit.add(code)
+        if code in self.unhit:
+            first = self.first[i]
+            first.pop(code, None)
+            first[code] = code
+
+    def removed(self, i: int, code: int, anywhere: bool) -> None:
+        """Tier ``i`` let go of ``code``; ``anywhere``: another tier still holds it."""
+        self.first[i].pop(code, None)
+        if not anywhere and code in self.kinds:
+            self.kinds.discard(code)
+            self.unhit.discard(code)
+
+    def counts(self) -> dict[str, int]:
+        """Partial blocks held, and of them never hit (the manager's stats)."""
+        return {"partial_blocks": len(self.kinds), "partial_blocks_unhit": len(self.unhit)}
+
+    def hit(self, code: int) -> None:
+        """An onboard hit ``code``: from now on it is evicted like any block."""
+        if code in self.unhit:
+            self.unhit.discard(code)
+            for first in self.first:
+                first.pop(code, None)
+
+
+def lru_victims(lru: dict[int, int], first: dict[int, int], sizes: Footprints, excess: int,
+                pins: Mapping[tuple[int | None, int], int], i: int) -> list[int] | None:
+    """Unpinned codes of one tier whose footprints add up to ``excess`` bytes: its never-hit partial blocks
+    (``first``) in LRU order, then the rest of its LRU order (``lru``); None when the unpinned ones are too few.
+    ``pins``: the pin table's counts, by (tier index or None for every tier, code); ``i``: this tier's index."""
+    out: list[int] = []
+    odd, base = sizes.odd, sizes.base or 0
+    # A never-hit partial block is in the LRU order too: walked once, in the first pass.
+    order = chain(first, (c for c in lru if c not in first)) if first else lru
+    for c in order:
+        if pins and ((None, c) in pins or (i, c) in pins):
+            continue
+        out.append(c)
+        excess -= odd.get(c, base) if odd else base
+        if excess <= 0:
+            return out
+    return None
