@@ -28,3 +28,7 @@ def test_next_turns_after_preemptions_are_served_by_kvbm_and_answer_as_computed(
         assert r["cached_from_kvbm"] == possible, r
         assert r["cached_after_reset"] == 0, r  # the reset's new epoch: nothing of before loads
         assert r["same"], r["detail"]
+    # The blocks stored under pressure (turn 1 preempted, the next turns from kvbm) are a clean prefill's
+    blocks = report["blocks"]
+    assert blocks["namespaces"] == 2 and blocks["compared"] >= 3 * (possible // 512), blocks
+    assert not blocks["differ"], blocks
