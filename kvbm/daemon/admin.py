@@ -34,7 +34,7 @@ class AdminHandlers:
             keys = list(seen)
         free = [k for k in keys if not reg.is_pinned(k)]
         # A purge, not a plain delete: the blocks' write-throughs in flight into these tiers are undone too.
-        removed = await self.manager.purge(free, tiers, gone=msg.gone)
+        removed = await self.manager.purges.purge(free, tiers, gone=msg.gone)
         return p.Evicted(removed=removed, skipped=len(keys) - len(free))
 
     async def reindex(self, msg: p.Reindex, _w: WorkerSession) -> p.Reindexed:

@@ -43,7 +43,7 @@ from kvbm.manager.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED
 from kvbm.manager.owed_journal import JOURNAL_NAME
 from kvbm.manager.placement import PlacementPolicy
 from kvbm.manager.policy import PERSISTENT
-from kvbm.manager.purges import purge_copies
+from kvbm.manager.purges import Purges
 from kvbm.manager.reads import Reads
 from kvbm.manager.room import Room
 from kvbm.manager.scopes import Reconciled, reconcile_once
@@ -93,6 +93,7 @@ class BlockManager:
         self.reads = Reads(self.state, self.moves, self.write_through)  # onboards and reads (kvbm.manager.reads)
         self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
         self.supersedes = Supersedes(self.state, self.moves.in_flight)  # partial blocks a full one covers
+        self.purges = Purges(self.state, self.moves, self.owed_writes)  # an Evict, write-throughs in flight included
         self._pools_registered = False
         self.reconciled = Reconciled()  # bucket scopes (a namespace, None: all) reconciled with the disk, bounded
 
@@ -293,14 +294,6 @@ class BlockManager:
         per-key error) is still held there and stays indexed. A tier that fails does not stop the others; the
         first failure is raised once every tier was tried (TierUnavailableError naming the tier)."""
         return await delete_copies(self.state, keys, tiers, gone=gone)
-
-    async def purge(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None, *,
-                    gone: bool = False) -> int:
-        """:meth:`delete` for a purge (an admin Evict): the moves of ``keys`` into ``tiers`` under way (a write-through
-        PUT) are undone when they land, waited for a bounded time, and nothing owed writes them back
-        (:mod:`kvbm.manager.purges`). Returns copies removed."""
-        names = [t.name for t in self.tiers] if tiers is None else list(tiers)
-        return await purge_copies(self.state, self.moves, self.owed_writes, keys, names, gone=gone)
 
     # -- reporting -------------------------------------------------------------------------------------
     def describe(self) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""A purge of blocks (an admin Evict): deleting them from tiers covers their write-throughs too.
+"""A purge of blocks (an admin Evict, ``manager.purges.purge``): deleting them from tiers covers their write-throughs.
 
 The index says which tiers hold a block, not which are being written: a write-through PUT to S3 under way when the
 purge deletes would land after it and put the purged block back in the bucket. So a purge also
@@ -47,3 +47,17 @@ async def purge_copies(state: ManagerState, moves: Moves, owed: OwedWrites, keys
     if landed:
         removed += await delete_copies(state, landed, [t for t in tiers if any(reg.holds(t, k) for k in landed)])
     return removed
+
+
+class Purges:
+    """The manager's purges: :func:`purge_copies` with its moves and owed writes."""
+
+    def __init__(self, state: ManagerState, moves: Moves, owed: OwedWrites) -> None:
+        self.s = state
+        self.moves = moves
+        self.owed = owed
+
+    async def purge(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None, *, gone: bool = False) -> int:
+        """Delete ``keys`` from ``tiers`` (default all) and undo their write-throughs into them; copies removed."""
+        names = [t.name for t in self.s.tiers] if tiers is None else list(tiers)
+        return await purge_copies(self.s, self.moves, self.owed, keys, names, gone=gone)
