@@ -30,10 +30,11 @@ class AdminHandlers:
             seen: dict[BlockKey, None] = {}
             for t in tiers:
                 seen.update((k, None) for k in reg.keys(t) if k.namespace == msg.namespace)
+            seen.update((k, None) for k in self.manager.moves.moving(tiers, msg.namespace))
             keys = list(seen)
         free = [k for k in keys if not reg.is_pinned(k)]
-        present = [k for k in free if any(reg.holds(t, k) for t in tiers)]
-        removed = await self.manager.delete(present, tiers, gone=msg.gone) if present else 0
+        # A purge, not a plain delete: the blocks' write-throughs in flight into these tiers are undone too.
+        removed = await self.manager.purges.purge(free, tiers, gone=msg.gone)
         return p.Evicted(removed=removed, skipped=len(keys) - len(free))
 
     async def reindex(self, msg: p.Reindex, _w: WorkerSession) -> p.Reindexed:

@@ -43,6 +43,7 @@ from kvbm.manager.owed import CATCH_UP_EVERY_S, DEFAULT_MAX_OWED
 from kvbm.manager.owed_journal import JOURNAL_NAME
 from kvbm.manager.placement import PlacementPolicy
 from kvbm.manager.policy import PERSISTENT
+from kvbm.manager.purges import Purges
 from kvbm.manager.reads import Reads
 from kvbm.manager.room import Room
 from kvbm.manager.scopes import Reconciled, reconcile_once
@@ -92,6 +93,7 @@ class BlockManager:
         self.reads = Reads(self.state, self.moves, self.write_through)  # onboards and reads (kvbm.manager.reads)
         self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
         self.supersedes = Supersedes(self.state, self.moves.in_flight)  # partial blocks a full one covers
+        self.purges = Purges(self.state, self.moves, self.owed_writes)  # an Evict, write-throughs in flight included
         self._pools_registered = False
         self.reconciled = Reconciled()  # bucket scopes (a namespace, None: all) reconciled with the disk, bounded
 

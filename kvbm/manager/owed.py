@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from itertools import islice
 from pathlib import Path
 
@@ -106,6 +106,22 @@ class OwedWrites:
         owed[key] = None
         self._journal.note("+", tier, key)
         self._wake(delay=True)
+
+    def forget(self, keys: Sequence[BlockKey], tiers: Sequence[str]) -> int:
+        """A purge of ``keys`` from ``tiers``: they are owed there no more (journaled as paid, so a restart does
+        not write them back either); returns how many were owed."""
+        n = 0
+        for tier in tiers:
+            owed = self._owed.get(tier)
+            if not owed:
+                continue
+            for key in keys:
+                if key in owed:
+                    del owed[key]
+                    self._again.discard((tier, key))
+                    self._journal.note("-", tier, key)
+                    n += 1
+        return n
 
     def _wake(self, *, delay: bool = False) -> None:
         """Start draining unless already draining. ``delay``: a write just failed there, so the first try waits

@@ -7,24 +7,34 @@ kvbm. Then the connector is reset too (``/reset_prefix_cache?reset_external=true
 nothing loads) and each next turn is computed. Each kvbm turn must answer what the computed one answers, token for
 token: in float32 a wrong block shows in the tokens (noise ~1e-6); in bf16 a hit's last tokens round otherwise
 than a full compute's, so a near tie may flip (``kvbm bench hit-numerics`` measures that rate for vLLM's own hit).
+And every block the pressured epoch stored (turn 1 under preemption, the next turns from kvbm) is compared with the
+block of the same tokens the computed epoch stored (one prefill each): the daemon writes both through to G3, whose
+files (one namespace directory per epoch) are read back after the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
+import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvbm.bench.common import DaemonProc
 from kvbm.bench.openai_server import VLLM_BLOCK, ModelSpec, VllmServer, client, free_port, server_command, write_model
+from kvbm.blocks.format import decode_block
+from kvbm.blocks.keys import parse_disk_relpath
 from kvbm.verify.harness import describe_tokens
 
 WORD = re.compile(r"w(\d+)")
+BLOCK_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.05}  # batching/prefill-vs-decode noise; another block's KV is ~1
 
 
 @dataclass
@@ -42,7 +52,8 @@ class ConversationOptions:
 
 def _daemon(root: Path, block_bytes: str) -> DaemonProc:
     cfg = {"block_bytes": block_bytes, "device": {"enabled": False}, "host": {"capacity": "1GiB"},
-           "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
+           "disk": {"enabled": True, "dir": str(root / "g3"), "capacity": "4GiB"}, "s3": {"enabled": False},
+           "embedded_s3": {"enabled": False},
            "daemon": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "events_endpoint": f"tcp://127.0.0.1:{free_port()}",
                       "metrics_port": -1}}
     return DaemonProc(root, cfg)
@@ -89,10 +100,63 @@ def run(work: Path, o: ConversationOptions) -> dict[str, Any]:
     try:
         with VllmServer(cmd, work / "server.log") as server:
             report = asyncio.run(_turns(server, o, prompts, questions))
+        # The connector's link dropped and came back (ZeroMQ reported it lost on an overloaded host): the turns asked
+        # meanwhile were computed, by design (a recompute, never a stall). Counted, so a miss has its reason.
+        report["link_drops"] = (work / "server.log").read_text(errors="replace").count("unavailable, recomputing")
+        report["blocks"] = compare_epochs(_g3_blocks(work / "daemon" / "g3"), o.dtype)
     finally:
         daemon.stop()
+    report["ok"] = report["ok"] and report["blocks"]["compared"] > 0 and not report["blocks"]["differ"]
     report["options"] = asdict(o)
     return report
+
+
+def _g3_blocks(top: Path, settle_s: float = 30.0) -> dict[str, dict[bytes, np.ndarray]]:
+    """Every block file under ``top`` (once their count stopped growing: the write-through is asynchronous),
+    by namespace and hash, its payload as float32 words."""
+    seen, deadline = -1, time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        n = sum(len(f) for _, _, f in os.walk(top))
+        if n == seen:
+            break
+        seen = n
+        time.sleep(1.0)
+    out: dict[str, dict[bytes, np.ndarray]] = {}
+    for root, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        rel = Path(root).relative_to(top).parts
+        for name in files:
+            key = parse_disk_relpath((*rel, name))
+            if key is None:
+                continue
+            payload = decode_block(key, Path(root, name).read_bytes())
+            out.setdefault(key.namespace, {})[key.hash] = np.frombuffer(bytes(payload), np.uint8)
+    return out
+
+
+def _values(payload: np.ndarray, dtype: str) -> np.ndarray:
+    import torch
+
+    return torch.frombuffer(bytearray(payload), dtype=getattr(torch, dtype)).double().numpy()
+
+
+def compare_epochs(blocks: dict[str, dict[bytes, np.ndarray]], dtype: str) -> dict[str, Any]:
+    """The blocks of the same tokens in the two epochs' namespaces: relative error per block, in the KV's dtype."""
+    tolerance = BLOCK_TOLERANCE[dtype]
+    spaces = sorted(blocks, key=lambda ns: len(blocks[ns]), reverse=True)
+    if len(spaces) < 2:
+        return {"namespaces": len(spaces), "compared": 0, "differ": [], "max_error": None}
+    a, b = blocks[spaces[0]], blocks[spaces[1]]
+    errors = {}
+    for h in sorted(set(a) & set(b)):
+        x, y = _values(a[h], dtype), _values(b[h], dtype)
+        if x.shape != y.shape:
+            errors[h] = float("inf")
+            continue
+        errors[h] = float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-12))
+    bad = [h.hex()[:16] for h, e in errors.items() if not e <= tolerance]
+    return {"namespaces": len(spaces), "compared": len(errors), "differ": bad,
+            "max_error": max(errors.values(), default=None), "tolerance": tolerance}
 
 
 async def _turns(server: VllmServer, o: ConversationOptions, prompts: list[list[int]],

@@ -724,3 +724,33 @@ def _evict_or_none(c, ks):
         if e.code != p.E_UNAVAILABLE:
             raise
         return None
+
+
+def test_a_bucket_purge_of_blocks_owed_to_s3_is_not_undone_after_a_restart(outage_s3, tmp_path):
+    """G2+G3+G4 daemon, S3 down: 5 blocks acked durable (on G3) are owed to G4; an admin Evict of 4 of them from G4
+    (what ``kvbm purge`` tells the daemon once it deleted them from the bucket). The daemon stops cleanly, S3 comes
+    back, the daemon starts again: only the fifth block is written to the bucket; the 4 purged ones are owed no
+    more, before the restart or after it (issue 37: the journal owed them again and the catch-up uploaded them)."""
+    srv, prefix = outage_s3, "owedpurge"
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True))
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(5)]
+    d.start()
+    try:
+        with d.client(admin=True) as c:
+            c.register(LAYOUT, worker_id="w")
+            srv.stop(force=True)
+            assert c.store(ks, [payload(k) for k in ks], durable=True).durable == 5  # on G3
+            assert wait_until(lambda: c.stats()["manager"]["owed"].get("G4") == 5)
+            c.evict(ks[:4], tiers=["G4"])
+            assert c.stats()["manager"]["owed"] == {"G4": 1}
+        d.stop()
+        restart(srv)
+        d.start()
+        assert wait_until(lambda: in_bucket(srv, prefix, ks[4]) is not None, timeout=60), "the owed block never came"
+        with d.client() as c:
+            c.register(LAYOUT, worker_id="w")
+            m = c.stats()["manager"]
+            assert m["owed_resumed"] == 1 and m["owed"] == {}, m
+    finally:
+        d.stop()
+    assert [in_bucket(srv, prefix, k) for k in ks[:4]] == [None] * 4, "a purged block was written to the bucket"

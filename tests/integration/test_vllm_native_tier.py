@@ -160,6 +160,16 @@ def test_two_engines_on_one_node_share_chunks(daemon):
         b.shutdown()
 
 
+def stored_by_another_engine(daemon, keys) -> None:
+    """``keys`` stored (and settled) by an engine of its own, shut down before the test's engine starts."""
+    a = engine(tier(daemon))
+    try:
+        a.store(keys)
+        a.settle()
+    finally:
+        a.shutdown()
+
+
 def _timed(fn, *args):
     t0 = time.monotonic()
     out = fn(*args)
@@ -170,12 +180,7 @@ def test_a_killed_daemon_means_misses_dropped_stores_and_failed_loads_never_an_e
     from kvbm.bench.native import chunk_keys
 
     keys = chunk_keys(3, "killed")
-    a = engine(tier(daemon))
-    try:
-        a.store(keys)
-        a.settle()
-    finally:
-        a.shutdown()
+    stored_by_another_engine(daemon, keys)
     b = engine(tier(daemon))
     try:
         # The tier answered HIT, the promotion is queued for the end of the step, and the daemon dies.
@@ -579,12 +584,7 @@ def test_a_chunk_evicted_between_lookup_and_load_costs_that_chunk_only(daemon):
     from kvbm.integrations.vllm.native_keys import kvbm_hash
 
     keys = chunk_keys(6, "evicted-mid")
-    a = engine(tier(daemon))
-    try:
-        a.store(keys)
-        a.settle()
-    finally:
-        a.shutdown()
+    stored_by_another_engine(daemon, keys)
     b = engine(tier(daemon))
     try:
         lookups = b.tiers[0]._lookups

