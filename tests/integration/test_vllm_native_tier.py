@@ -160,6 +160,16 @@ def test_two_engines_on_one_node_share_chunks(daemon):
         b.shutdown()
 
 
+def stores_and_hits(e, keys) -> bool:
+    """Store ``keys`` through engine ``e`` and look them up with its primary tier emptied: whether both hit."""
+    e.store(keys)
+    e.settle()
+    e.reset_primary()
+    ok = e.lookup(keys)[0] == ["HIT"] * len(keys)
+    e.finish()
+    return ok
+
+
 def stored_by_another_engine(daemon, keys) -> None:
     """``keys`` stored (and settled) by an engine of its own, shut down before the test's engine starts."""
     a = engine(tier(daemon))
@@ -218,15 +228,7 @@ def test_a_killed_daemon_means_misses_dropped_stores_and_failed_loads_never_an_e
         daemon.start()
         after = chunk_keys(2, "after")
 
-        def stored_again() -> bool:
-            b.store(after)
-            b.settle()
-            b.reset_primary()
-            ok = b.lookup(after)[0] == ["HIT", "HIT"]
-            b.finish()
-            return ok
-
-        assert wait_until(stored_again, timeout=30, step=0.5), "no hit after the daemon came back"
+        assert wait_until(lambda: stores_and_hits(b, after), timeout=30, step=0.5), "no hit after the daemon came back"
     finally:
         b.shutdown()
 
@@ -559,15 +561,8 @@ def test_a_daemon_restarted_with_smaller_blocks_that_still_fit_keeps_the_tier_on
         d = ServeProc(tmp_path, daemon_cfg(tmp_path, port, block_bytes="8KiB")).start()
         after = chunk_keys(2, "after")
 
-        def stored_again() -> bool:
-            a.store(after)
-            a.settle()
-            a.reset_primary()
-            ok = a.lookup(after)[0] == ["HIT", "HIT"]
-            a.finish()
-            return ok
-
-        assert wait_until(stored_again, timeout=30, step=0.5), "the tier stayed off after the restart"
+        assert wait_until(lambda: stores_and_hits(a, after), timeout=30, step=0.5), \
+            "the tier stayed off after the restart"
         a.reset_primary()
         assert a.lookup(after)[0] == ["HIT", "HIT"] and exact(a, after)
         a.finish()
