@@ -48,6 +48,8 @@ def verify_cmd(seeds: int, first_seed: int, seed_list: str | None, no_faults: bo
                f"{report['blocks_stored_share']}, hook max {report['hook_step_max_ms_beyond_sync_loads']} ms")
     for name, v in bad.items():
         click.echo(f"  {name}: {v['count']} (seeds {v['seeds']})")
+    if report["harness_errors"]:  # not the connector's: the seeds did not run (named, so a campaign is not short)
+        click.echo(f"  harness errors (seeds not run): {[e['seed'] for e in report['harness_errors']]}")
     if json_path:
         write_json(json_path, report)
         click.echo(f"json: {json_path}")

@@ -28,6 +28,7 @@ def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True, model
               "control_requests": 0, "control_mismatches": 0, "preemptions": 0, "steps": 0}
     explained: dict[str, int] = {}
     hook_max = noise = 0.0
+    harness_errors: list[dict[str, Any]] = []  # seeds the harness could not run (its own parts failed, twice)
     for i, seed in enumerate(seeds):
         family = models[i % len(models)]
         if deadline_s is not None and time.monotonic() - t0 > deadline_s:
@@ -35,8 +36,12 @@ def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True, model
             break
         s0 = time.monotonic()
         rep = run_seed(seed, root, paths[family], faults=faults, family=family)
-        by_model[family] = by_model.get(family, 0) + 1
         rep["wall_s"] = round(time.monotonic() - s0, 1)
+        if "harness_error" in rep:
+            harness_errors.append({"seed": seed, "model": family, "detail": rep["harness_error"][-1500:]})
+            echo(f"seed {seed} ({family}): harness error, not run: {rep['harness_error'][-300:]}")
+            continue
+        by_model[family] = by_model.get(family, 0) + 1
         per_seed.append(rep)
         for k, n in rep["ops"].items():
             planned[k] = planned.get(k, 0) + n
@@ -57,7 +62,7 @@ def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True, model
     share = totals["blocks_stored"] / totals["blocks_expected"] if totals["blocks_expected"] else None
     return {
         "schedules": len(per_seed), "schedules_by_model": by_model, "seeds": [r["seed"] for r in per_seed],
-        "faults": faults,
+        "faults": faults, "harness_errors": harness_errors,
         "wall_s": round(time.monotonic() - t0, 1), "machine": {"cpu": platform.processor() or platform.machine()},
         "operations_planned": planned, "operations_done": done, **totals,
         "blocks_stored_share": None if share is None else round(share, 4), "blocks_missing_explained": explained,

@@ -308,8 +308,12 @@ class Pressure:
 
 def run_pressure(spec: dict[str, Any], out: Path) -> None:
     sched = msgspec.convert(spec["schedule"], Schedule)
-    daemon = VerifyDaemon(Path(spec["root"]) / "daemon")
-    daemon.start()
+    try:
+        daemon = VerifyDaemon(Path(spec["root"]) / "daemon")
+        daemon.start()
+    except Exception:  # the harness's own daemon (a starved machine): no engine ran, nothing to judge
+        out.write_text(json.dumps({"harness_error": traceback.format_exc()[-3000:]}))
+        return
     result: dict[str, Any] = {"violations": []}
     try:
         llm = make_llm(spec["model"], sched, daemon, load=True)

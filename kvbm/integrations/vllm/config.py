@@ -32,6 +32,10 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Before vLLM reuses blocks (a preempted request's, a sliding window's), saves of them not copying yet are
     # waited for at most this long in all per step, then dropped: a stalled daemon costs a step no more.
     fence_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 50.0
+    # A finished request's saves that have not read its blocks yet are copied to host buffers before vLLM reuses
+    # them (kvbm never holds a finished request's blocks): at most this many MiB per step (a memcpy on a CPU
+    # engine, a copy on the stream on a GPU), 4x that held in all; a save past it is dropped and counted.
+    stage_mib: Annotated[float, msgspec.Meta(ge=0)] = 64.0
     save: bool = True
     load: bool = True
     # A finished request's tokens past its last full kvbm block, down to vLLM's block, are saved as a partial

@@ -14,7 +14,7 @@ class BlockTransfer:
     req_id: str
     hashes: list[bytes]
     block_ids: list[list[int]]
-    final: bool = False  # a finished request's last save: vLLM keeps its blocks until the worker reports it
+    final: bool = False  # a finished request's last save: vLLM freed its blocks, the worker stages it first
     # A load's first block: its leading vLLM blocks vLLM holds already (its own prefix-cache hit ended inside
     # the kvbm block); block_ids[0] lists only the others, copied from that far into the stored block.
     skip: int = 0
@@ -49,8 +49,9 @@ class KvbmConnectorMetadata(KVConnectorMetadata):
     # Requests aborted since the last step: vLLM freed their blocks at once (kvbm does not hold an aborted
     # request's blocks), so the worker fences their saves before the forward and never reports them.
     released: list[str] = field(default_factory=list)
+    # Requests that finished since the last step: vLLM freed their blocks at once too (kvbm never holds a finished
+    # request's blocks: an in-process weight sync resets the cache without a step), so before the forward the
+    # worker stages their saves that have not read the blocks yet, and its ``final`` saves, and never reports them.
+    finished: list[str] = field(default_factory=list)
     k: int = 0  # the scheduler's vLLM blocks per kvbm block; workers refuse transfers planned with another
     weights: str = ""  # the scheduler's weights epoch tag: workers follow it before this step's transfers
-    # Saves planned before a weight reset (their KV is the old weights'): never stored, reported finished so
-    # vLLM frees the blocks it kept for them.
-    dropped: list[BlockTransfer] = field(default_factory=list)

@@ -67,12 +67,10 @@ class ReqState:
 
 class SavePlanner:
     """Plans each request's saves from its vLLM blocks: full kvbm blocks as they fill, the partial block at the
-    end of a prompt's prefill and at the finish. ``pending`` is the scheduler's set of requests whose saves the
-    worker may still be reading (their blocks are freed only once it reports them)."""
+    end of a prompt's prefill and at the finish."""
 
-    def __init__(self, cfg: ConnectorConfig, geometry: Geometry, groups: KVGroups, stats: dict[str, int],
-                 pending: set[str]) -> None:
-        self.cfg, self.geometry, self.groups, self.stats, self.pending = cfg, geometry, groups, stats, pending
+    def __init__(self, cfg: ConnectorConfig, geometry: Geometry, groups: KVGroups, stats: dict[str, int]) -> None:
+        self.cfg, self.geometry, self.groups, self.stats = cfg, geometry, groups, stats
 
     @property
     def partials(self) -> bool:
@@ -101,14 +99,10 @@ class SavePlanner:
             tail = self.partial(st, prompt)
             if tail is not None:
                 meta.saves.append(tail)
-                if self.cfg.async_save:
-                    self.pending.add(st.request.request_id)
 
-    def queue(self, meta: KvbmConnectorMetadata, st: ReqState, ready_tokens: int, computed: int,
-              final: bool = False) -> bool:
+    def queue(self, meta: KvbmConnectorMetadata, st: ReqState, ready_tokens: int, computed: int) -> bool:
         """Hand the worker the request's kvbm blocks whose KV exists once ``ready_tokens`` are computed;
         whether any were."""
-        req_id = st.request.request_id
         k = self.geometry.known_k
         if not k or meta.k != k or st.stale:
             return False  # geometry unknown (daemon never reached), or KV of weights before a reset: no saves
@@ -126,8 +120,6 @@ class SavePlanner:
             meta.saves.append(tr)
             self.stats["saves"] += done - st.saved_blocks
             st.saved_blocks = done
-            if self.cfg.async_save or final:
-                self.pending.add(req_id)
             return True
         return False
 

@@ -5,7 +5,8 @@ the reserved G2 slots, CommitStore. Only the copy reads vLLM's blocks, so only t
 vLLM reuses them (a preempted request's blocks, a sliding-window group's freed ones): :meth:`Saver.fence`
 cancels a save whose copy has not started (the daemon's round trip is never waited for on the engine's
 thread) and waits for one that is copying (memory speed, bounded). A copy the fence gave up on is committed
-as failed, never as the request's KV.
+as failed, never as the request's KV. A request vLLM freed at its finish hands its unread saves to
+:mod:`~kvbm.integrations.vllm.staging` (:meth:`Saver.hand_off`): they are saved from host buffers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from kvbm.client.lease import pin_window, reserving
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link, is_load
 from kvbm.integrations.vllm.metadata import BlockTransfer
+from kvbm.integrations.vllm.staging import Staging, write
 
 log = logging.getLogger("kvbm.vllm")
 
@@ -42,6 +44,10 @@ class SaveJob:
         self.poisoned = False  # the fence stopped waiting for the copy: its bytes may be the next user's
         self.lock = threading.Lock()
         self.copied = threading.Event()
+        # Its blocks' bytes, copied out of vLLM's blocks when vLLM freed them (a finished request's), and what to
+        # wait on before reading them: the save reads these instead of vLLM's blocks.
+        self.staged: list[torch.Tensor] | None = None
+        self.staged_ready: Any = None
         self.reads_done = threading.Event()  # it reads no vLLM block any more (its last copy is over, or it ended)
         self.future: Future[None] = Future()
 
@@ -83,17 +89,21 @@ class Saver:
     """Runs saves on one thread with its own daemon session; reports which finished requests' saves are done."""
 
     def __init__(self, link: Link, copy: Callable[[torch.Tensor, list[int], Any], None],
-                 nbytes_of: Callable[[list[int]], int], enabled: bool, stats: dict[str, int]) -> None:
+                 nbytes_of: Callable[[list[int]], int], enabled: bool, stats: dict[str, int],
+                 stage_bytes: int = 0) -> None:
         # copy(slot view, vLLM block ids, stream): the paged cache's copy out of vLLM's blocks; nbytes_of(ids):
         # the bytes of a kvbm block of those vLLM blocks (a partial block has fewer than k).
         self._link, self._copy, self._nbytes_of, self.enabled, self.stats = link, copy, nbytes_of, enabled, stats
+        self.staging = Staging(copy, nbytes_of, stage_bytes)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbm-save")
         self._jobs: dict[str, list[SaveJob]] = {}
+        self._unreported: list[SaveJob] = []  # saves of requests vLLM forgot (freed without waiting for them)
         self._finishing: set[str] = set()
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # the saves' own CUDA stream
 
     def pending(self) -> bool:
-        return any(not j.future.done() for jobs in self._jobs.values() for j in jobs)
+        self._unreported = [j for j in self._unreported if not j.future.done()]
+        return bool(self._unreported) or any(not j.future.done() for jobs in self._jobs.values() for j in jobs)
 
     def busy(self, req_id: str) -> bool:
         """Whether ``req_id`` has saves not reported finished yet."""
@@ -102,14 +112,6 @@ class Saver:
     def _gen(self) -> int:
         epoch = self._link.epoch
         return epoch.gen if epoch is not None else -1
-
-    def report_done(self, trs: Iterable[BlockTransfer]) -> None:
-        """Saves dropped before they started, reported finished like any (vLLM keeps their blocks until then)."""
-        for tr in trs:
-            job = SaveJob(tr)
-            job.state = CANCELLED
-            job.future.set_result(None)
-            self._jobs.setdefault(tr.req_id, []).append(job)
 
     def submit(self, trs: Iterable[BlockTransfer]) -> None:
         """Queue saves after everything queued on the device so far (this step's forward) has run."""
@@ -144,10 +146,48 @@ class Saver:
             log.debug("kvbm: fencing saves of %d requests took %.1f ms", len(ids), (time.monotonic() - started) * 1e3)
 
     def forget(self, req_ids: Iterable[str]) -> None:
-        """Requests vLLM freed without waiting for their saves (aborted; fenced first): never reported."""
+        """Requests vLLM freed without waiting for their saves (aborted and fenced, or finished and handed off):
+        never reported."""
         for rid in req_ids:
-            self._jobs.pop(rid, None)
+            self._unreported.extend(self._jobs.pop(rid, ()))
             self._finishing.discard(rid)
+
+    def hand_off(self, req_ids: Iterable[str], finals: list[BlockTransfer]) -> None:
+        """Before the forward: requests vLLM freed at their finish. Their saves that have not read their blocks
+        yet, and ``finals`` (their last blocks, planned at the finish), are staged (copied to host buffers now)
+        and saved from there; one copying is waited for (memory speed, bounded). Past the staging budget a
+        save is dropped and counted."""
+        self.staging.new_step()
+        for rid in req_ids:
+            for job in self._jobs.get(rid, ()):
+                self._stage(job)
+        self.forget(req_ids)
+        gen = self._gen()
+        for tr in finals:
+            job = SaveJob(tr, gen)
+            if not self.enabled or not self._stage(job):
+                continue
+            self._unreported.append(job)
+            self._pool.submit(self._run, job, None)
+
+    def _stage(self, job: SaveJob) -> bool:
+        """Make ``job`` read host buffers, not vLLM's blocks; whether it will still save."""
+        while not job.reads_done.is_set():
+            with job.lock:
+                if job.state == CANCELLED or job.staged is not None:
+                    return job.state != CANCELLED
+                if job.state == QUEUED:  # not reading now: staged under the lock, the saver waits for it
+                    if not self.staging.fits(job.tr.block_ids):
+                        job.state = CANCELLED
+                        self.stats["saves_unstaged"] = self.stats.get("saves_unstaged", 0) + len(job.tr.hashes)
+                        return False
+                    job.staged, job.staged_ready = self.staging.take(job.tr.block_ids)
+                    return True
+            # Copying one span now (memory speed): then it reads no more, or is queued again for the next span
+            if not job.copied.wait(FENCE_WAIT_S):
+                job.fence(0)
+                return False
+        return True
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished (and kept the blocks of, for their saves) whose saves are all over."""
@@ -174,7 +214,8 @@ class Saver:
             try:
                 if self.stream is not None:
                     with torch.cuda.stream(self.stream):
-                        self.stream.wait_event(ready)
+                        if ready is not None:  # a staged save reads its buffers, not this step's blocks
+                            self.stream.wait_event(ready)
                         self.save(client, job)
                 else:
                     self.save(client, job)
@@ -184,6 +225,8 @@ class Saver:
             log.warning("kvbm: save for request %s failed: %s", job.tr.req_id, e)
         finally:
             job.reads_done.set()
+            if job.staged is not None:
+                self.staging.give_back(job.staged)
             job.future.set_result(None)
 
     def save(self, client: Any, job: SaveJob) -> None:
@@ -221,9 +264,15 @@ class Saver:
                 res.ok = False  # preempted while the daemon answered: its blocks are someone else's now
                 return False
             try:
+                if job.staged_ready is not None:
+                    job.staged_ready.synchronize()
                 for i, vblocks in enumerate(tr.block_ids[span.start : span.stop]):
                     view = res.view(i)
-                    if view is not None:
+                    if view is None:
+                        continue
+                    if job.staged is not None:
+                        write(view, job.staged[span.start + i])
+                    else:
                         self._copy(view, vblocks, self.stream)
                 if self.stream is not None:
                     self.stream.synchronize()  # the bytes are in G2 before the daemon is told to commit

@@ -36,23 +36,23 @@ class SchedulerSide:
         self._reqs: dict[str, ReqState] = {}
         self.hooks = HookTimes("scheduler", cfg.hook_warn_ms)
         self._stats = {"lookups": 0, "hit_blocks": 0, "loads": 0, "saves": 0, "preempted": 0}
-        # Requests whose blocks the worker may still be reading (async saves) or writing (async loads).
-        # vLLM must not free those blocks at request_finished; the worker reports them as finished
-        # sending / receiving instead. Both sides derive this from the same metadata, so they agree.
-        self._save_pending: set[str] = set()
+        # Requests whose blocks the worker may still be writing (async loads): vLLM must not free those blocks at
+        # request_finished; the worker reports them as finished receiving instead. Both sides derive this from the
+        # same metadata, so they agree. Saves never hold blocks: the worker stages a finished request's unread
+        # saves before vLLM reuses them (kvbm.integrations.vllm.staging).
         self._load_pending: set[str] = set()
         # Requests a load failed for: recomputed from then on (offering the prefix again would make a stuck
         # loader fail it again, in a loop); forgotten at request_finished.
         self._load_failed: set[str] = set()
-        # Saves of requests that finished with full blocks not yet saved (completed in their last steps): sent
-        # with the next step's metadata, the blocks held until the worker reports them saved.
+        # Saves of requests that finished with blocks not yet saved (completed in their last steps, the partial
+        # block): sent with the next step's metadata, staged by the worker before that step's forward.
         self._final_saves: list[BlockTransfer] = []
-        # Finished requests whose blocks vLLM keeps for the worker (delay_free), and when they finished: the
-        # engine keeps stepping until the worker reports them (has_pending_push_work).
+        self._finished: list[str] = []  # finished requests whose blocks vLLM freed at once (the worker stages them)
+        # Requests aborted while their async load runs, whose blocks vLLM keeps for the loader (delay_free), and
+        # when they finished: the engine keeps stepping until the worker reports them (has_pending_push_work).
         self._held: dict[str, float] = {}
-        self._dropped: list[BlockTransfer] = []  # final saves planned before a weight reset
         self._released: list[str] = []  # aborted requests whose blocks vLLM freed at once (the worker fences them)
-        self._saves = SavePlanner(cfg, self.geometry, groups, self._stats, self._save_pending)
+        self._saves = SavePlanner(cfg, self.geometry, groups, self._stats)
         # At startup, before any step: a configuration error shows now, not at the first request. From
         # then on only the lookup thread talks to the daemon (and reconnects it).
         for link in self._links:
@@ -133,8 +133,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmConnectorMetadata:
         self._lookups.new_step()  # the end of this step's scheduling: the next one may wait again
         meta = KvbmConnectorMetadata(k=self.geometry.known_k, weights=self.epoch.tag)
-        meta.dropped, self._dropped = self._dropped, []
         meta.released, self._released = self._released, []
+        meta.finished, self._finished = self._finished, []
         step, self._step = self._step, self._step + 1
         for rid in scheduler_output.preempted_req_ids or ():
             # vLLM freed its blocks (this step may reuse them): the worker finishes or drops the copies out of
@@ -203,33 +203,30 @@ class SchedulerSide:
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._lookups.forget(rid)
-        # An aborted request's blocks are not held for its saves: vLLM frees them now, so a pause or a cache reset
-        # right after aborting everything (a weight sync) finds them free. What it saved so far stays; its last
-        # blocks are not saved; the worker fences its running saves before the next forward, as a preemption's.
-        # A request whose async load is running is still held: the loader writes into its blocks.
-        release = request.status == RequestStatus.FINISHED_ABORTED and rid not in self._load_pending
-        if release:
-            self._released.append(rid)
-        elif st is not None and self.cfg.save and st.block_ids:
-            # Blocks completed in the request's last steps (and, with async scheduling, the step whose token
-            # was not appended yet when it was planned): every token but the last sampled one has KV. Saved in
-            # the next step, sync saves too: vLLM keeps the blocks until the worker reports them (delay_free).
-            meta = KvbmConnectorMetadata(k=self.geometry.known_k)
-            computed = request.num_computed_tokens
-            self._saves.queue(meta, st, computed, computed, final=True)
-            tail = self._saves.partial(st, computed)
-            if tail is not None:
-                meta.saves.append(tail)
-                self._save_pending.add(rid)
-            for tr in meta.saves:
-                tr.final = True
-            self._final_saves.extend(meta.saves)
-        # Blocks the worker may still be copying stay allocated until it reports the request: as finished
-        # sending (async saves) or finished receiving (an async load of a request aborted while waiting).
-        delay_free = not release and (rid in self._save_pending or rid in self._load_pending)
+        # kvbm never holds a finished request's blocks for its saves: vLLM frees them now, so a pause or a cache
+        # reset right after (a weight sync; vLLM's in-process engine does not step in between) finds them free.
+        # The worker stages what its saves have not read yet before the next forward (a finished request's) or
+        # fences it (an aborted one's: what it saved so far stays, its last blocks are not saved). Only a request
+        # whose async load is running is held: the loader writes into its blocks.
+        delay_free = rid in self._load_pending
         if delay_free:
             self._held[rid] = time.monotonic()
-        self._save_pending.discard(rid)
+        elif request.status == RequestStatus.FINISHED_ABORTED:
+            self._released.append(rid)
+        else:
+            self._finished.append(rid)
+            if st is not None and self.cfg.save and st.block_ids:
+                # Blocks completed in the request's last steps (and, with async scheduling, the step whose token
+                # was not appended yet when it was planned): every token but the last sampled one has KV.
+                meta = KvbmConnectorMetadata(k=self.geometry.known_k)
+                computed = request.num_computed_tokens
+                self._saves.queue(meta, st, computed, computed)
+                tail = self._saves.partial(st, computed)
+                if tail is not None:
+                    meta.saves.append(tail)
+                for tr in meta.saves:
+                    tr.final = True
+                self._final_saves.extend(meta.saves)
         self._load_failed.discard(rid)
         degraded = [link for link in self._links if link.degraded]
         params: dict[str, Any] = {"kvbm": {
@@ -246,12 +243,12 @@ class SchedulerSide:
         self._load_failed.clear()
         for st in self._reqs.values():
             st.stale = True  # running requests' KV is the old weights': never saved under the new epoch
-        self._dropped.extend(self._final_saves)
-        self._final_saves = []
+        self._final_saves = []  # the old weights' KV; vLLM freed their blocks already
 
     def holds_blocks(self) -> bool:
-        """Whether vLLM keeps blocks of finished requests for the worker (reported once their copies end)."""
-        return bool(self._held)
+        """Whether the worker has work for a step with nothing scheduled: blocks vLLM keeps for an aborted
+        request's running load, or finished requests' last saves to stage."""
+        return bool(self._held or self._final_saves or self._finished)
 
     def frees_soon(self) -> bool:
         """Whether blocks held for kvbm are about to be freed: a request finished less than a fence wait ago

@@ -47,7 +47,7 @@ class WorkerSide:
                              self._load_copy, self._nbytes_of)
         self.saver = Saver(links.open(tp_rank, f"saver-r{tp_rank}-{pid}"),
                            lambda view, ids, stream: self._cache.copy(view, ids, False, stream is not None),
-                           self._nbytes_of, saves, self.stats)
+                           self._nbytes_of, saves, self.stats, int(cfg.stage_mib * 2**20))
 
     def _nbytes_of(self, ids: list[int], unused: int = 0) -> int:
         """The bytes of a kvbm block made of vLLM blocks ``ids`` (``k`` per group; fewer in a partial block), and
@@ -99,13 +99,16 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: Any) -> None:
         """Before this step's forward (vLLM calls it first in every step, sync or async loads): no save reads
-        blocks vLLM freed from now on: a preempted or aborted request's, and under a sliding window those the window
-        dropped or a finished request's skipped blocks (any request's: waited for up to fence_wait_ms, then
-        dropped)."""
+        blocks vLLM freed from now on: a finished request's (its unread saves and its last ones are staged), a
+        preempted or aborted request's, and under a sliding window those the window dropped or a finished
+        request's skipped blocks (any request's: waited for up to fence_wait_ms, then dropped)."""
         with self.hooks.time("handle_preemptions"):
             self._follow(meta)
             if not isinstance(meta, KvbmConnectorMetadata):
                 return
+            finals = [tr for tr in meta.saves if tr.final]
+            if meta.finished or finals:
+                self.saver.hand_off(meta.finished, finals if finals and self._same_k(meta) else [])
             if self.groups.sliding:
                 self.saver.fence(None, self.cfg.fence_wait_ms / 1000)
             elif meta.preempted or meta.released:
@@ -132,20 +135,13 @@ class WorkerSide:
             if not isinstance(meta, KvbmConnectorMetadata):
                 return
             self._follow(meta)
-            self.saver.report_done(meta.dropped)
-            if not meta.saves:
+            saves = [tr for tr in meta.saves if not tr.final]  # the finished requests' were staged already
+            if not saves:
                 return
-            bad, trs = self._intact_saves(meta.saves)
-            if not self._same_k(meta):
-                bad, trs = meta.saves, []
+            trs = self._intact_saves(saves)[1] if self._same_k(meta) else []
             if self.cfg.async_save:
-                # Dropped ones are reported finished sending too: the scheduler keeps those requests' blocks
-                # until then, so an unreported save would hold them forever.
-                self.saver.report_done(bad)
                 self.saver.submit(trs)
                 return
-            # A finished request's last saves are reported like async ones: vLLM keeps their blocks till then.
-            self.saver.report_done([tr for tr in (*bad, *trs) if tr.final])
             client = self._link.get()
             for tr in trs:
                 if client is None or self._link.client is not client:
