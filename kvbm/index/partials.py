@@ -53,14 +53,16 @@ class PartialMarks:
 
 
 def lru_victims(lru: dict[int, int], first: dict[int, int], sizes: Footprints, excess: int,
-                pins: Mapping[tuple[int | None, int], int], i: int) -> list[int] | None:
+                pins: Mapping[tuple[int | None, int], int], i: int, partials_only: bool = False) -> list[int] | None:
     """Unpinned codes of one tier whose footprints add up to ``excess`` bytes: its never-hit partial blocks
     (``first``) in LRU order, then the rest of its LRU order (``lru``); None when the unpinned ones are too few.
-    ``pins``: the pin table's counts, by (tier index or None for every tier, code); ``i``: this tier's index."""
+    ``pins``: the pin table's counts, by (tier index or None for every tier, code); ``i``: this tier's index.
+    ``partials_only``: the never-hit partial blocks alone, as many as there are up to ``excess`` (another eviction
+    policy orders the rest)."""
     out: list[int] = []
     odd, base = sizes.odd, sizes.base or 0
     # A never-hit partial block is in the LRU order too: walked once, in the first pass.
-    order = chain(first, (c for c in lru if c not in first)) if first else lru
+    order = first if partials_only else chain(first, (c for c in lru if c not in first)) if first else lru
     for c in order:
         if pins and ((None, c) in pins or (i, c) in pins):
             continue
@@ -68,4 +70,4 @@ def lru_victims(lru: dict[int, int], first: dict[int, int], sizes: Footprints, e
         excess -= odd.get(c, base) if odd else base
         if excess <= 0:
             return out
-    return None
+    return out if partials_only else None

@@ -249,11 +249,10 @@ class Registry:
             codes = list(self._lru[self._ti[tier]])
         return map(self._key, codes)
 
-    def victims(self, tier: str, need: int, capacity: int) -> list[BlockKey]:
-        """Least-recently-used unpinned blocks of ``tier`` whose removal frees room for ``need`` bytes.
-
-        Returns [] when the room is already there; raises LookupError when pinned blocks make it
-        impossible.
+    def victims(self, tier: str, need: int, capacity: int, *, partials_only: bool = False) -> list[BlockKey]:
+        """Least-recently-used unpinned blocks of ``tier`` whose removal frees room for ``need`` bytes, never-hit
+        partial blocks first. Returns [] when the room is already there; raises LookupError when pinned blocks make
+        it impossible. ``partials_only``: only those partial blocks, as many as there are (never raises).
         """
         i = self._ti[tier]
         with self._lock:
@@ -261,8 +260,7 @@ class Registry:
             excess = sizes.used + need - capacity
             if excess <= 0:
                 return []
-            pins = self._pins.counts
-            out = lru_victims(self._lru[i], self.partials.first[i], sizes, excess, pins, i)
+            out = lru_victims(self._lru[i], self.partials.first[i], sizes, excess, self._pins.counts, i, partials_only)
             if out is None:
                 raise LookupError(f"{tier}: not enough unpinned blocks to free {need} bytes")
             return [self._key(c) for c in out]

@@ -14,6 +14,9 @@ five times stays ~2.5x longer; nothing is refused outright (an admission filter 
 Promotion: a G4 hit onboards through G2 and writes through to G3 with its count, so a block worth keeping
 competes there by its history, not as a newcomer.
 
+Under both, a tier's never-hit partial blocks (:mod:`kvbm.index.partials`) are its first victims, least recently
+used first; the policy orders the rest.
+
 :func:`kvbm.manager.policy_sim.simulate` runs the same eviction rule over a list of requests (prefix hits) for
 ``kvbm bench trace``.
 """
@@ -187,8 +190,13 @@ class PlacementPolicy:
             return []
         per = max(1, reg.footprint(tier))
         want = -(-excess // per)
-        out = self.freq.order(tier, lambda k: reg.is_pinned(k, tier), want)
+        # Never-hit partial blocks go first under every policy (kvbm.index.partials): one-off tails, whatever
+        # their reference counts say; the frequency classes order the rest.
+        out: list[Any] = reg.victims(tier, need, capacity, partials_only=True)
+        if len(out) < want:
+            chosen = set(out)
+            out += self.freq.order(tier, lambda k: k in chosen or reg.is_pinned(k, tier), want - len(out))
         if len(out) < want:
             raise LookupError(f"{tier}: not enough unpinned blocks to free {need} bytes")
-        return out  # type: ignore[return-value]
+        return out
 

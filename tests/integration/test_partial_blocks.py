@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 from serve_proc import ServeProc, wait_until
 from test_slots import LAYOUT, NB, SLOT, daemon_cfg, keys, payload
 
@@ -31,13 +32,19 @@ def tier_of(c, key: BlockKey) -> str:
     return rep.tiers[0] if rep.matched else ""
 
 
-def daemon(tmp_path) -> ServeProc:
+def daemon(tmp_path, eviction: str = "lru") -> ServeProc:
     # No prefetch: the tests' lookups of blocks in G3 must not bring them back up (and evict others for them).
-    return ServeProc(tmp_path, daemon_cfg(tmp_path, host=f"{G2_SLOTS * SLOT // 1024}KiB", prefetch=False)).start()
+    cfg = daemon_cfg(tmp_path, host=f"{G2_SLOTS * SLOT // 1024}KiB", prefetch=False)
+    cfg["policy"] = {"eviction": eviction}
+    return ServeProc(tmp_path, cfg).start()
 
 
-def test_never_hit_partial_blocks_leave_g2_before_older_full_blocks_and_a_hit_one_stays_like_a_full_one(tmp_path):
-    d = daemon(tmp_path)
+# Under ``frequency`` the hit partial block (two references) outranks every full block (one), so the full blocks'
+# order is the same as LRU's here: the never-hit partial block must still go first (it went after full 0 and 1).
+@pytest.mark.parametrize("eviction", ["lru", "frequency"])
+def test_never_hit_partial_blocks_leave_g2_before_older_full_blocks_and_a_hit_one_stays_like_a_full_one(
+        tmp_path, eviction):
+    d = daemon(tmp_path, eviction)
     try:
         c = d.client()
         c.register(LAYOUT, worker_id="partials")
