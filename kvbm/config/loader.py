@@ -164,6 +164,8 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError("daemon.max_workers: must be >= 1")
     if cfg.daemon.max_inflight_per_client < 1:
         raise ConfigError("daemon.max_inflight_per_client: must be >= 1")
+    if cfg.daemon.fair_burst < 1:
+        raise ConfigError("daemon.fair_burst: must be >= 1")
     if cfg.daemon.max_session_slots < 0:
         raise ConfigError("daemon.max_session_slots: must be >= 0 (0: the principal's budget over the engine's ranks)")
     check_embedded_port(cfg.embedded_s3.port, "embedded_s3.port")

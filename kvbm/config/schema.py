@@ -242,6 +242,10 @@ class DaemonConfig(_Redacted, forbid_unknown_fields=True, kw_only=True):
     # One client's requests handled at once (a worker session, else a connection; a tenant has its own
     # max_inflight): beyond it that client's request is answered `busy` at once, so a flood leaves others served.
     max_inflight_per_client: int = 256
+    # Handlers one client (a tenant, else a session) starts per event-loop turn; its requests past it wait in its
+    # own queue, served round-robin with other clients' (kvbm.daemon.fairness): another's request waits for at
+    # most this many of each client's, not their whole backlog. Nothing is refused for it.
+    fair_burst: int = 4
     # G2 slots one session holds at once (pinned + prepared), stated to it in Registered.session_slots; beyond it
     # a slot request is answered `full`. 0: its principal's budget (a tenant's max_slots, else all of G2) over
     # the engine's ranks (the Register's tp_size x its layout's pp_size), so the ranks of one engine together fit.

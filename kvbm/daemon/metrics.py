@@ -87,6 +87,7 @@ _DAEMON = (
     ("quarantined_slots", "gauge", "G2 slots of expired workers held until they finish or their grace ends."),
     ("refused_workers", "counter", "Registrations refused because daemon.max_workers were registered."),
     ("client_limited", "counter", "Requests refused `busy`: their client had its cap in flight."),
+    ("deferred", "counter", "Requests whose start waited a turn or more behind their client's others."),
 )
 # The fleet (kvbm.fleet): the bucket probe's counters (ProbeStats key, metric name, help) and each peer's.
 _PROBE = (

@@ -11,6 +11,7 @@ class DaemonStats(msgspec.Struct):
     dropped: int = 0
     shed: int = 0
     client_limited: int = 0  # requests answered `busy` because their client had its cap in flight
+    deferred: int = 0  # requests whose start waited in their client's queue (kvbm.daemon.fairness)
     offload_seconds: float = 0.0
     onboard_seconds: float = 0.0
     lookup_seconds: float = 0.0

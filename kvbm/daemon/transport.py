@@ -7,7 +7,8 @@ commits waiting on a slow S3 do not shed another's stores); with ``max_inflight`
 the loop stops reading (ZeroMQ queues, then the clients time out). Before that, each client (a tenant, a worker
 session, an unregistered connection: :meth:`RequestService.client_of`) has its own cap: a request beyond it is answered
 ``busy`` at once (load: retry later; ``limit`` means a field out of bounds), so one client's flood (say
-Barriers that wait) neither stops the loop nor delays others.
+Barriers that wait) neither stops the loop nor delays others. An admitted request's handler starts in its
+client's turn (:mod:`kvbm.daemon.fairness`): one client's backlog does not sit in front of another's request.
 Bad frames get an Error reply (or are dropped) and are counted;
 none stops the daemon.
 """
@@ -24,6 +25,7 @@ import zmq.asyncio
 
 from kvbm import protocol as p
 from kvbm.config import DaemonConfig
+from kvbm.daemon.fairness import FairStarts
 from kvbm.daemon.logs import logj
 from kvbm.daemon.sessions import WorkerSession
 from kvbm.daemon.stats import DaemonStats
@@ -81,6 +83,7 @@ class Transport:
         self._slot_free = asyncio.Event()
         self._sync: zmq.Socket[Any] | None = None  # the plain view of the ROUTER that serve() reads and replies on
         self._readable = asyncio.Event()  # the ROUTER's FD signalled, or a send may have hidden a queued request
+        self._fair = FairStarts(dc.fair_burst)  # which admitted request starts next: per client, round-robin
 
     @property
     def curve(self) -> bool:
@@ -204,8 +207,10 @@ class Transport:
         self.offloads += offload
         if offload:
             self.offloads_of[queue] = self.offloads_of.get(queue, 0) + 1
-        self._spawn(self._handle(route, msg, worker, service.handlers[type(msg)],
-                                 queue if offload else None, client))
+        handler = service.handlers[type(msg)]
+        if not self._fair.start(client, lambda: self._spawn(self._handle(route, msg, worker, handler,
+                                                                           queue if offload else None, client))):
+            self.stats.deferred += 1
 
     async def _handle(self, route: list[bytes], msg: Any, worker: WorkerSession | None, handler: Any,
                       queue: str | None, client: object) -> None:
