@@ -25,7 +25,7 @@ def ttft_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-STAGE_SOURCES = ("G2", "G3")  # and every G4-<client>: the kvbm rows of ttft-length
+STAGE_SOURCES = ("G2", "G3", "G1-kvbm")  # and every G4-<client>: the kvbm rows of ttft-length
 
 
 def stage_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -61,6 +61,15 @@ def goals(report: dict[str, Any]) -> dict[str, Any]:
     if per_len:
         g["G2_over_G1_p50"] = dict(sorted(per_len.items()))
         g["G2_within_2x_of_G1"] = all(x <= 2 for x in per_len.values())
+    tl = report.get("ttft_length", {})
+    paired = {}  # each G2 hit over vLLM's own hit timed right after it in the same server: median per length
+    for n, rs in tl.get("G1-kvbm", {}).items():
+        xs = [a["ttft_s"] / b["ttft_s"] for a, b in zip(tl.get("G2", {}).get(n, []), rs, strict=False)
+              if a.get("ttft_s") and b.get("ttft_s")]
+        if xs:
+            paired[int(n)] = round(percentile(xs, 50), 2)
+    if paired:
+        g["G2_over_G1_kvbm_paired_median"] = dict(sorted(paired.items()))
     return g
 
 

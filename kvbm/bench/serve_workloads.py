@@ -114,7 +114,7 @@ async def ttft_length_kvbm(run: Run, server: VllmServer, daemon: BenchDaemon) ->
     """Per length: store each prompt (first pass), then with vLLM's cache emptied and kvbm's upper tiers
     evicted, the same prompt from G2, G3 and G4 (per S3 client: the daemon restarted with it)."""
     o = run.o
-    res: dict[str, Any] = {"first": {}, "G2": {}, "G3": {}}
+    res: dict[str, Any] = {"first": {}, "G2": {}, "G3": {}, "G1-kvbm": {}}
     g2 = max(o.g2_bytes, 2 * max(o.lengths) * o.model_bytes_per_token + 4 * o.block_bytes)
     g3 = max(o.g3_bytes, 2 * sum(len(ps) * n for n, ps in run.lengths.items()) * o.model_bytes_per_token)
     await asyncio.to_thread(daemon.start, g2=g2, g3=g3, s3_client=o.s3_clients[0] if o.s3_clients else "http")
@@ -154,7 +154,17 @@ async def ttft_length_kvbm(run: Run, server: VllmServer, daemon: BenchDaemon) ->
                     hits = _hits(before, after)
                     res[src][n].append(c.as_dict() | {"same_text": c.text == first.text, "tier_hits": hits,
                                                       "stages": stage_row(delta(st0, st1), c.as_dict(), hits)})
-            run.echo(f"    {n:>6} tokens: first {_p(res['first'][n])}, G2 {_p(res['G2'][n])}, G3 {_p(res['G3'][n])}")
+                    if src == "G2":
+                        # vLLM's own hit in this server, at once (paired): the G2 hit left the prompt in its cache.
+                        # On a shared machine the vllm source's G1, timed minutes earlier, ran under another load.
+                        st0 = read_stages(run.hooks)
+                        c1 = await stream_completion(cli, server.model, words(p), o.max_tokens)
+                        st1 = read_stages(run.hooks)
+                        res["G1-kvbm"].setdefault(n, []).append(c1.as_dict() | {
+                            "same_text": c1.text == first.text,
+                            "stages": stage_row(delta(st0, st1), c1.as_dict(), None)})
+            run.echo(f"    {n:>6} tokens: first {_p(res['first'][n])}, G2 {_p(res['G2'][n])}, G3 {_p(res['G3'][n])}"
+                     f", G1 in this server {_p(res['G1-kvbm'][n])}")
         for i, s3c in enumerate(o.s3_clients):
             if i:  # the same blocks in S3, read by another client
                 await asyncio.to_thread(daemon.start, g2=g2, g3=g3, s3_client=s3c)
