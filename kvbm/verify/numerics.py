@@ -81,7 +81,12 @@ def _compare(spec: dict[str, Any]) -> dict[str, Any]:
             o = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
             return list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)
 
-        def reset() -> None:  # vLLM refuses while kvbm's last saves hold blocks: step and ask again
+        def reset() -> None:  # after the connector staged the last saves (its next step), then vLLM's own cache
+            core = llm.llm_engine.engine_core.engine_core
+            for _ in range(1000):
+                if not core.scheduler.has_requests():
+                    break
+                llm.llm_engine.step()
             for _ in range(1000):
                 if llm.reset_prefix_cache():
                     return

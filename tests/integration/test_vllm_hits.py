@@ -138,6 +138,29 @@ def test_a_local_hit_ending_inside_a_kvbm_block_is_continued_from_kvbm(tmp_path,
         daemon.stop()
 
 
+def test_a_prompt_ending_on_a_vllm_block_inside_a_kvbm_block_loads_all_but_that_vllm_block(tmp_path, tiny_model):
+    """A prompt of 3 kvbm blocks of 4 vLLM blocks and 3 more vLLM blocks, exactly (issue 40's 6,016-token prompt:
+    47 vLLM blocks of 128 at 4 per kvbm block). Its first run stores the 3 full blocks and a partial block of its
+    last 3 vLLM blocks. vLLM must compute the last prompt token, so a second run may load 14 vLLM blocks: the lookup
+    asked only for partial blocks of up to 2 and found none, so it cached 12 (1,536 of the 6,016-token prompt's
+    tokens computed again, against vLLM's own hit's 128). Now the stored partial block's head loads: cached to the
+    last vLLM block, as vLLM's own hit, with the first run's KV bytes (caches poisoned: kvbm is the only source) and
+    tokens."""
+    k = 4
+    vbs = BLOCK_TOKENS // K
+    prompt = [(i * 53 + 11) % 941 + 3 for i in range((3 * k + 3) * vbs)]
+    daemon = g2_daemon(tmp_path, block_bytes="256KiB")  # 4 of the tiny model's 64 KiB vLLM blocks
+    try:
+        daemon.start()
+        first, second = run_vllm(tmp_path, "vedge", tiny_model, daemon, [{"settle": True}, {"poison": True}],
+                                 prompt=prompt, digest_blocks=3 * k + 2)
+        assert second["num_cached_tokens"] == len(prompt) - vbs, (second["num_cached_tokens"], len(prompt) - vbs)
+        assert second["kv_digests"] == first["kv_digests"]
+        assert second["tokens"] == first["tokens"]
+    finally:
+        daemon.stop()
+
+
 def test_a_prompt_ending_on_a_kvbm_block_boundary_loads_all_but_its_last_vllm_block(tmp_path, tiny_model):
     """A prompt of exactly 4 kvbm blocks (2 vLLM blocks each), stored by a first run. vLLM must compute the last
     prompt token, so the last kvbm block cannot load whole: the connector used to load 3 blocks and compute the

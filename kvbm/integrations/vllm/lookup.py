@@ -39,9 +39,9 @@ class Hit(NamedTuple):
 
     blocks: int  # the leading kvbm blocks of the ones asked
     partial: int = 0  # the vLLM blocks of a partial block after them
-    # Those vLLM blocks are the head of the next full block (a prompt ending on its end: all of it but the last
-    # vLLM block may load), not a partial block of its own.
-    from_full: bool = False
+    # Those vLLM blocks are the head of the stored block right after them (a prompt ending on a vLLM block's end
+    # loads all of that block but its last vLLM block), not a partial block of their own.
+    from_next: bool = False
 
 
 @dataclass
@@ -52,13 +52,14 @@ class _Job:
     # partial block that continues a run of m full blocks with j vLLM blocks is keyed by vhashes[m*k + j - 1].
     vhashes: list[bytes] = field(default_factory=list)
     k: int = 0
-    # The full block right after the loadable vLLM blocks when they end one vLLM block short of it (a prompt
-    # ending on a kvbm block's end): its head is a partial block's candidate too.
-    next_full: bytes = b""
+    # The block keyed by the vLLM block right after the loadable ones (a prompt ending on a vLLM block's end: vLLM
+    # computes that last block): a full block, or a partial block one vLLM block longer than the loadable ones. Its
+    # head (all but its last vLLM block) is a partial block's candidate too.
+    next_block: bytes = b""
     asked: float = field(default_factory=time.monotonic)
     matched: int | None = None  # kvbm blocks every rank holds, once answered
     partial: int = 0  # and the vLLM blocks of the partial block every rank holds after them
-    from_full: bool = False  # those are the head of ``next_full``
+    from_next: bool = False  # those are the head of ``next_block``
     answered: float = 0.0  # when it was (monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     stale: _Job | None = None  # the answer this job refreshes: it stands while this one is late
@@ -82,22 +83,22 @@ class Lookups:
 
     # Scheduler thread.
     def prefetch(self, req_id: str, hashes: list[bytes], vhashes: list[bytes] | None = None, k: int = 0,
-                 next_full: bytes = b"") -> None:
+                 next_block: bytes = b"") -> None:
         """Queue the lookup of a request that just arrived; :meth:`ask` returns its answer later."""
         if req_id not in self._jobs:
-            self._queue_job(_Job(req_id, hashes, vhashes or [], k, next_full))
+            self._queue_job(_Job(req_id, hashes, vhashes or [], k, next_block))
 
     def ask(self, req_id: str, hashes: list[bytes], vhashes: list[bytes] | None = None,
-            k: int = 0, next_full: bytes = b"") -> Hit | None:
+            k: int = 0, next_block: bytes = b"") -> Hit | None:
         """What every rank holds of ``hashes`` and the partial block after them, or None while that is not known
-        yet. ``vhashes`` and ``k`` name the partial blocks to look for (none if empty), ``next_full`` the full
+        yet. ``vhashes`` and ``k`` name the partial blocks to look for (none if empty), ``next_block`` the full
         block whose head is one too (see :class:`_Job`)."""
         job = self._jobs.get(req_id)
         vhashes = vhashes or []
-        if job is None or job.hashes != hashes or job.vhashes != vhashes or job.next_full != next_full:
-            job = self._queue_job(_Job(req_id, hashes, vhashes, k, next_full))
+        if job is None or job.hashes != hashes or job.vhashes != vhashes or job.next_block != next_block:
+            job = self._queue_job(_Job(req_id, hashes, vhashes, k, next_block))
         elif job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
-            job = self._queue_job(_Job(req_id, hashes, vhashes, k, next_full, stale=job))  # queued a while: again
+            job = self._queue_job(_Job(req_id, hashes, vhashes, k, next_block, stale=job))  # queued a while: again
         if not job.done.is_set() and self._budget > 0:
             t0 = time.monotonic()
             if job.done.wait(self._budget):
@@ -106,10 +107,10 @@ class Lookups:
                 self._budget = 0.0  # the daemon is slow now: the rest of this step does not wait
         if job.done.is_set():
             del self._jobs[req_id]
-            return Hit(job.matched or 0, job.partial, job.from_full)
+            return Hit(job.matched or 0, job.partial, job.from_next)
         if job.stale is not None:
             del self._jobs[req_id]  # the thread's late answer goes nowhere
-            return Hit(job.stale.matched or 0, job.stale.partial, job.stale.from_full)
+            return Hit(job.stale.matched or 0, job.stale.partial, job.stale.from_next)
         if time.monotonic() - job.asked > self.give_up_s:
             del self._jobs[req_id]
             self.gave_up += 1
@@ -223,17 +224,17 @@ class Lookups:
             job.refusals += 1
         retry = {id(j) for j in again}
         partial = self._partials(batch, matched)
-        for job, m, (j, from_full) in zip(batch, matched, partial, strict=True):
+        for job, m, (j, from_next) in zip(batch, matched, partial, strict=True):
             if id(job) in retry:
                 continue
-            job.matched, job.partial, job.from_full, job.answered = m, j, from_full, now
+            job.matched, job.partial, job.from_next, job.answered = m, j, from_next, now
             self._stages.add(lookups=1, lookup_ms=(now - job.asked) * 1e3)  # queued + round trip, every rank
             job.done.set()
         return again
 
     def _partials(self, batch: list[_Job], matched: list[int]) -> list[tuple[int, bool]]:
         """For each job, the longest partial block every rank holds right after its ``matched`` full blocks (its
-        vLLM blocks, 0: none; and whether it is the head of the job's ``next_full``). One more round trip, every
+        vLLM blocks, 0: none; and whether it is the head of the job's ``next_block``). One more round trip, every
         candidate of every job pipelined on every link."""
         cands = [_candidates(job, m) for job, m in zip(batch, matched, strict=True)]
         found: list[tuple[int, bool]] = [(0, False)] * len(batch)
@@ -269,14 +270,16 @@ class Lookups:
 
 def _candidates(job: _Job, m: int) -> list[tuple[bytes, int, bool]]:
     """The blocks that may continue ``job``'s run of ``m`` full blocks, longest first: (key, vLLM blocks, the head
-    of the next full block). A partial block of j vLLM blocks is keyed by ``vhashes[m*k + j - 1]``; where the
-    loadable vLLM blocks end one short of the next full block, its head (all but its last) comes right after the
-    partial block of as many (which holds exactly those bytes, no more)."""
+    of the next block). A partial block of j vLLM blocks is keyed by ``vhashes[m*k + j - 1]``. Where the request
+    has one more vLLM block past the loadable ones (a prompt ending on a vLLM block's end), the block it keys (the
+    next full block, or a partial block of ``room + 1``: what a first run of this prompt stored) holds the
+    loadable ones as its head: a candidate right after the partial block of as many (which holds exactly those
+    bytes, no more)."""
     k = job.k
     if k <= 1 or m < 0:
         return []
     room = len(job.vhashes) - m * k
     out = [(job.vhashes[m * k + j - 1], j, False) for j in range(min(k - 1, room), 0, -1)]
-    if job.next_full and room == k - 1:
-        out.insert(1, (job.next_full, k - 1, True))
+    if job.next_block and 0 < room < k:
+        out.insert(1, (job.next_block, room, True))
     return out

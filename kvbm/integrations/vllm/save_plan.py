@@ -26,7 +26,7 @@ class ReqState:
     step: int = 0  # the scheduler step the state was made in (a preemption of that step is an earlier state's)
     stale: bool = False  # computed under weights before a cache reset: never saved
     partial: bytes = b""  # the partial block this request loaded or saved last (saved once)
-    partial_from_full: bool = False  # its lookup's partial block is the head of the next full block
+    partial_from_next: bool = False  # its lookup's partial block is the head of the next stored block
 
     def full_blocks(self, k: int) -> int:
         """kvbm blocks whose every token is known (prompt and output alike)."""
@@ -50,15 +50,19 @@ class ReqState:
         if skip and self.load.block_ids:
             self.load.block_ids[0] = self.load.block_ids[0][skip:]
             self.load.skip = skip
-        if j:  # a partial block after the full ones: its own key, j vLLM blocks; or the next full block's head
+        # A partial block after the full ones: its own key, j vLLM blocks; or the head of the next stored block (a
+        # full block or a partial block of j + 1, keyed by its last vLLM block): all of it but that last one,
+        # which vLLM computes (the same bytes, stored already).
+        full_next = j == k - 1 and self.partial_from_next
+        if j:
             first = end_block * k
-            self.partial = bytes(self.request.block_hashes[first + (k if self.partial_from_full else j) - 1])
+            self.partial = bytes(self.request.block_hashes[first + j - (0 if self.partial_from_next else 1)])
             self.load.hashes.append(self.partial)
             self.load.block_ids.append([b for ids in self.block_ids for b in ids[first : first + j]])
-            if self.partial_from_full:  # vLLM computes its last k - j vLLM blocks: the same bytes, stored already
-                self.load.tail = k - j
+            if self.partial_from_next:
+                self.load.tail = 1
         self.load_from = first_block
-        self.saved_blocks = end_block + (1 if j and self.partial_from_full else 0)  # loaded blocks are stored already
+        self.saved_blocks = end_block + (1 if j and full_next else 0)  # a full block loaded is stored already
 
     def held_vblocks(self) -> int:
         """vLLM blocks allocated to the request in every group."""

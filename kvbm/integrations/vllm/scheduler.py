@@ -65,8 +65,9 @@ class SchedulerSide:
 
     def _wanted(self, request: Request, num_computed_tokens: int) -> tuple[list[bytes], list[bytes], bytes]:
         """The kvbm block hashes worth looking up for ``request`` beyond its ``num_computed_tokens``, the vLLM
-        block hashes a partial block after them may end at (empty without partial blocks), and the full block
-        whose head may load where the prompt ends on its end (vLLM computes the last token's vLLM block)."""
+        block hashes a partial block after them may end at (empty without partial blocks), and the key of the
+        block whose head may load where the request ends on a vLLM block's end (vLLM computes that last vLLM
+        block; a first run of the prompt stored it in a full block or a partial block one vLLM block longer)."""
         block_tokens = self.geometry.block_tokens  # 0 until a link resolved it (the lookup thread retries)
         if not self.cfg.load or not block_tokens or request.request_id in self._load_failed:
             return [], [], b""
@@ -83,35 +84,34 @@ class SchedulerSide:
         vhashes = [bytes(h) for h in request.block_hashes[:max_vblocks]] if self._saves.partials else []
         if not vhashes and max_vblocks // k * block_tokens <= num_computed_tokens:
             return [], [], b""
-        nxt = max_vblocks  # the vLLM block after the loadable ones: a full block's last one?
-        next_full = bytes(request.block_hashes[nxt]) if vhashes and (nxt + 1) % k == 0 and \
-            len(request.block_hashes) > nxt else b""
-        return hashes, vhashes, next_full
+        nxt = max_vblocks  # the vLLM block after the loadable ones: the last one of a stored block?
+        next_block = bytes(request.block_hashes[nxt]) if vhashes and len(request.block_hashes) > nxt else b""
+        return hashes, vhashes, next_block
 
     def on_new_request(self, request: Request) -> None:
         """A request arrived: its lookup goes to the daemon now, so the answer is there when it is scheduled."""
-        hashes, vhashes, next_full = self._wanted(request, 0)
+        hashes, vhashes, next_block = self._wanted(request, 0)
         if hashes or vhashes:
-            self._lookups.prefetch(request.request_id, hashes, vhashes, self.geometry.known_k, next_full)
+            self._lookups.prefetch(request.request_id, hashes, vhashes, self.geometry.known_k, next_block)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         block_tokens = self.geometry.block_tokens
         matched = partial = 0
-        from_full = False
-        hashes, vhashes, next_full = self._wanted(request, num_computed_tokens)
+        from_next = False
+        hashes, vhashes, next_block = self._wanted(request, num_computed_tokens)
         if hashes or vhashes:
-            got = self._lookups.ask(rid, hashes, vhashes, self.geometry.known_k, next_full)
+            got = self._lookups.ask(rid, hashes, vhashes, self.geometry.known_k, next_block)
             if got is None:
                 return None, False  # not known yet: vLLM asks again next step
-            matched, partial, from_full = got
+            matched, partial, from_next = got
             self._stats["lookups"] += 1
             self._stats["hit_blocks"] += matched
             self._stats["hit_partial_vblocks"] = self._stats.get("hit_partial_vblocks", 0) + partial
         # A new state, also for a preempted request coming back: its saves cut short by the preemption are
         # planned again (the daemon answers those already stored with no slot, so nothing is copied twice).
         self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens, step=self._step,
-                                   partial_from_full=from_full)
+                                   partial_from_next=from_next)
         ext = matched * block_tokens - num_computed_tokens
         if ext >= 0:
             ext += partial * self.geometry.vllm_block_size  # the partial block continues the full run
