@@ -209,16 +209,13 @@ class Engine:
         return [int(x) for x in self.rng.integers(3, self.vocab, size=n)]
 
     def reset(self) -> None:
-        """Empty vLLM's prefix cache, once the connector staged the last request's final saves: the in-process
-        engine does not step after a generate, and kvbm stages them at the next step (has_pending_push_work)."""
+        """Empty vLLM's prefix cache once the connector staged the last request's saves (at the engine's next step:
+        has_pending_push_work; the in-process engine does not step after a generate on its own)."""
         deadline = time.monotonic() + 60
-        core = self.llm.llm_engine.engine_core.engine_core
-        while core.scheduler.has_requests() and time.monotonic() < deadline:
+        while self.llm.llm_engine.engine_core.engine_core.scheduler.has_requests() and time.monotonic() < deadline:
             self.llm.llm_engine.step()
-        while not self.llm.reset_prefix_cache():
-            if time.monotonic() > deadline:
-                raise RuntimeError("vLLM's prefix cache could not be reset")
-            self.llm.generate([{"prompt_token_ids": [5]}], self.params, use_tqdm=False)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM's prefix cache could not be reset")
 
     def generate(self, prompt: list[int]) -> tuple[float, Any]:
         t = time.perf_counter()
