@@ -209,12 +209,11 @@ class Engine:
         return [int(x) for x in self.rng.integers(3, self.vocab, size=n)]
 
     def reset(self) -> None:
-        """Empty vLLM's prefix cache once the connector staged the last request's saves (at the engine's next step:
-        has_pending_push_work; the in-process engine does not step after a generate on its own)."""
-        deadline = time.monotonic() + 60
-        while self.llm.llm_engine.engine_core.engine_core.scheduler.has_requests() and time.monotonic() < deadline:
-            self.llm.llm_engine.step()
-        if not self.llm.reset_prefix_cache():
+        """Empty vLLM's prefix cache once kvbm's saves of the last request landed (the in-process engine does not
+        step after a generate on its own, and a reset is no barrier for kvbm's saves: kvbm.integrations.vllm.drain)."""
+        from kvbm.integrations.vllm.drain import drain
+
+        if not drain(self.llm) or not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM's prefix cache could not be reset")
 
     def generate(self, prompt: list[int]) -> tuple[float, Any]:

@@ -63,6 +63,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 def _compare(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
+    from kvbm.integrations.vllm.drain import drain
     from kvbm.verify.harness import describe_tokens
 
     root = Path(spec["root"])
@@ -81,12 +82,8 @@ def _compare(spec: dict[str, Any]) -> dict[str, Any]:
             o = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
             return list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)
 
-        def reset() -> None:  # after the connector staged the last saves (its next step), then vLLM's own cache
-            core = llm.llm_engine.engine_core.engine_core
-            for _ in range(1000):
-                if not core.scheduler.has_requests():
-                    break
-                llm.llm_engine.step()
+        def reset() -> None:  # once kvbm's saves landed (a reset is no barrier for them), vLLM's own cache
+            drain(llm)
             for _ in range(1000):
                 if llm.reset_prefix_cache():
                     return
