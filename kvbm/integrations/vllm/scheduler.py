@@ -251,8 +251,8 @@ class SchedulerSide:
         return bool(self._held or self._final_saves or self._finished)
 
     def frees_soon(self) -> bool:
-        """Whether blocks held for kvbm are about to be freed: a request finished less than a fence wait ago
-        (a save's copy is memory speed); a stuck save (a stopped daemon) is not waited for, vLLM preempts."""
+        """Whether blocks held for kvbm are about to be freed: a request aborted while its async load ran finished
+        less than a fence wait ago; one held longer (a stopped daemon) is not waited for, vLLM preempts."""
         horizon = time.monotonic() - max(self.cfg.fence_wait_ms, 1.0) / 1000
         return any(t >= horizon for t in self._held.values())
 

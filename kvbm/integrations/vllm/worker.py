@@ -138,7 +138,7 @@ class WorkerSide:
             saves = [tr for tr in meta.saves if not tr.final]  # the finished requests' were staged already
             if not saves:
                 return
-            trs = self._intact_saves(saves)[1] if self._same_k(meta) else []
+            trs = self._intact_saves(saves) if self._same_k(meta) else []
             if self.cfg.async_save:
                 self.saver.submit(trs)
                 return
@@ -153,23 +153,24 @@ class WorkerSide:
                 except Exception as e:  # a save must never take the engine down
                     log.warning("kvbm: save for request %s failed: %s", tr.req_id, e)
 
-    def _intact_saves(self, saves: list[BlockTransfer]) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
-        """(saves dropped, saves to run) after this step's sync loads. A block that did not load holds no KV,
+    def _intact_saves(self, saves: list[BlockTransfer]) -> list[BlockTransfer]:
+        """The saves to run after this step's sync loads (one dropped is not reported: a save holds no blocks).
+        A block that did not load holds no KV,
         and whatever attended to it is not KV either: every save stops before the first such block, whichever
         request it is (vLLM caches a sync load's blocks at allocation, so a request admitted in the same step
         with the same prefix hit them). The scheduler plans them again once vLLM recomputed them."""
         failed = self.loader.failed_blocks_now
         if not failed:
-            return [], saves
-        bad: list[BlockTransfer] = []
+            return saves
         trs: list[BlockTransfer] = []
         for tr in saves:
             n = next((i for i, ids in enumerate(tr.block_ids) if not failed.isdisjoint(ids)), len(tr.hashes))
             if n < len(tr.hashes):
                 log.info("kvbm: request %s: %d block(s) not saved, they hold or follow KV that did not load",
                          tr.req_id, len(tr.hashes) - n)
-            (trs if n else bad).append(tr.head(n) if n else tr)
-        return bad, trs
+            if n:
+                trs.append(tr.head(n))
+        return trs
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) for vLLM's transfer results."""
