@@ -19,9 +19,13 @@ _LOST = zmq.EVENT_DISCONNECTED
 _REFUSED = (zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
-# ZMTP ping interval of a fail-fast client; a peer silent for 4 of them is gone (a daemon killed on this host
-# closes its sockets, which is seen at once: heartbeats are for a host or network that vanished).
-HEARTBEAT_MS = 250
+# ZMTP ping interval of a fail-fast client. A daemon killed on this host closes its sockets, which is seen at once:
+# heartbeats are for a host or network that vanished. A peer silent for SILENT_S is gone: long enough that a loaded
+# host's stalls are not taken for that (a busy 2-core host starved a process 1.1 s; at 1 s a link dropped the
+# saves in flight on it), short enough that nothing waits for the request timeout. Nothing on an engine's hot path
+# waits on the link meanwhile (lookups give up on their own; saves run off the engine's thread).
+HEARTBEAT_MS = 1000
+SILENT_S = 5.0
 
 
 class Wire:
@@ -42,7 +46,7 @@ class Wire:
             sock = self._ctx.socket(zmq.DEALER)
             if self.fail_fast:
                 sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4 * HEARTBEAT_MS)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(SILENT_S * 1000))
                 self._mon = sock.get_monitor_socket(_LOST | _REFUSED | _UP)
             self._setup(sock)
             self._sock, self._up = sock, False
@@ -102,9 +106,9 @@ class Wire:
             poller.register(self._mon, zmq.POLLIN)
         now = time.monotonic()
         deadline = now + timeout_s
-        # A fail-fast connection not up within 4 heartbeats is not going to be (a host that drops the SYN, a
-        # stopped process whose kernel accepted it): heartbeats only watch a connection once it is up.
-        handshake_by = now + 4 * HEARTBEAT_MS / 1000 if self._mon is not None else deadline
+        # A fail-fast connection not up within SILENT_S is not going to be (a host that drops the SYN, a stopped
+        # process whose kernel accepted it): heartbeats only watch a connection once it is up.
+        handshake_by = now + SILENT_S if self._mon is not None else deadline
         while True:
             now = time.monotonic()
             if self._mon is not None and not self._up and now > handshake_by:

@@ -48,6 +48,9 @@ class ConversationOptions:
     layers: int = 8
     dtype: str = "float32"
     seed: int = 0
+    # The scenario checks what kvbm serves, not how long a loaded host's daemon may take to say it: a lookup waits
+    # this long before the turn is computed (the request waits in vLLM's queue meanwhile, the engine does not).
+    lookup_give_up_ms: float = 10_000.0
 
 
 def _daemon(root: Path, block_bytes: str) -> DaemonProc:
@@ -89,7 +92,8 @@ def run(work: Path, o: ConversationOptions) -> dict[str, Any]:
     daemon = _daemon(work / "daemon", f"{per_vblock * 4}B")  # 4 vLLM blocks per kvbm block: partial blocks on
     max_len = o.prompt_tokens + o.answer_tokens + o.question_tokens + o.next_tokens + VLLM_BLOCK
     connector = {"kv_connector": "KvbmConnector", "kv_role": "kv_both",
-                 "kv_connector_extra_config": {"daemon": daemon.endpoint, "model_name": "kvbm-conversations"}}
+                 "kv_connector_extra_config": {"daemon": daemon.endpoint, "model_name": "kvbm-conversations",
+                                               "lookup_give_up_ms": o.lookup_give_up_ms}}
     cmd = server_command(model, free_port(), connector=connector, max_model_len=max_len, dtype=o.dtype,
                          kv_bytes=(o.gpu_blocks + 1) * per_vblock,
                          max_num_seqs=max(o.conversations, 2), served_name="conv",
@@ -102,7 +106,9 @@ def run(work: Path, o: ConversationOptions) -> dict[str, Any]:
             report = asyncio.run(_turns(server, o, prompts, questions))
         # The connector's link dropped and came back (ZeroMQ reported it lost on an overloaded host): the turns asked
         # meanwhile were computed, by design (a recompute, never a stall). Counted, so a miss has its reason.
-        report["link_drops"] = (work / "server.log").read_text(errors="replace").count("unavailable, recomputing")
+        log = (work / "server.log").read_text(errors="replace")
+        report["link_drops"] = log.count("unavailable, recomputing")
+        report["kvbm_log"] = [line for line in log.splitlines() if line.startswith("kvbm:")][-20:]  # a miss's why
         report["blocks"] = compare_epochs(_g3_blocks(work / "daemon" / "g3"), o.dtype)
     finally:
         daemon.stop()

@@ -226,7 +226,7 @@ def _store(daemon, layout, req) -> None:
         assert c.store(keys, [np.zeros(4096, np.uint8)] * len(keys)).stored == len(keys)
 
 
-def test_a_silent_daemon_never_holds_the_scheduler_and_every_rank_is_asked_at_once(daemon):
+def test_a_silent_daemon_never_holds_the_scheduler_and_every_rank_is_asked_at_once(daemon, caplog):
     """A daemon that stops answering (SIGSTOP: alive, silent; or a slow bucket probe) costs the scheduler
     nothing: the hook says "not known yet" at once, every TP rank's lookup is already on the wire (not one
     rank after another), and the answer comes when the daemon does, or is a miss after lookup_give_up_ms."""
@@ -251,8 +251,11 @@ def test_a_silent_daemon_never_holds_the_scheduler_and_every_rank_is_asked_at_on
             assert wait_until(lambda: sched._links[1].client is not None and sched._links[1].client._sent,
                               timeout=10), "rank 1's lookup was not sent while rank 0's reply was awaited"
             # A lookup nobody answers is a miss after lookup_give_up_ms: the request is computed.
-            got, longest = step_until_known(quick, _request("given-up", 1, 500))
+            with caplog.at_level("WARNING", logger="kvbm.vllm"):
+                got, longest = step_until_known(quick, _request("given-up", 1, 500))
             assert got == (0, False) and longest < HOOK_S
+            # ... and said: an operator sees why a prompt kvbm holds was computed.
+            assert "did not answer a lookup within 300 ms" in caplog.text
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
         # Answered once the daemon runs again (or, silent past the heartbeat, the link went down and reconnects:

@@ -32,6 +32,7 @@ log = logging.getLogger("kvbm.vllm")
 # Lookups pipelined on one session at a time: well below the daemon's cap on a session's requests in flight
 # (256), so a burst of new requests is sent in rounds rather than refused as a whole.
 MAX_PIPELINED = 64
+GAVE_UP_LOG_S = 10.0  # lookups given up are logged at most this often (with their count)
 
 
 class Hit(NamedTuple):
@@ -77,6 +78,7 @@ class Lookups:
         self._jobs: dict[str, _Job] = {}  # asked and not yet returned (scheduler thread only)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.gave_up = 0
+        self._gave_up_said = (0, -GAVE_UP_LOG_S)  # gave_up when last logged, and when (monotonic)
         self._stages = stages_of("scheduler")
         self._thread = threading.Thread(target=self._run, name="kvbm-lookup", daemon=True)
         self._thread.start()
@@ -114,8 +116,19 @@ class Lookups:
         if time.monotonic() - job.asked > self.give_up_s:
             del self._jobs[req_id]
             self.gave_up += 1
+            self._say_gave_up()
             return Hit(0)
         return None
+
+    def _say_gave_up(self) -> None:
+        """Log misses of lookups the daemon left unanswered (a recompute an operator should see), at most once per
+        GAVE_UP_LOG_S."""
+        said, at = self._gave_up_said
+        now = time.monotonic()
+        if now - at >= GAVE_UP_LOG_S:
+            log.warning("kvbm: the daemon did not answer a lookup within %.0f ms: computed instead (%d such since "
+                        "the last such line, %d in all)", self.give_up_s * 1000, self.gave_up - said, self.gave_up)
+            self._gave_up_said = (self.gave_up, now)
 
     def _queue_job(self, job: _Job) -> _Job:
         self._jobs[job.req_id] = job

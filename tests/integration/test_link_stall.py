@@ -1,0 +1,67 @@
+"""A fail-fast link (the vLLM connector's) tells a daemon that is gone from a host that stalled: a loaded 2-core
+host starves a process for over a second (measured: 1.1 s under a CPU engine and two busy loops), and a link that
+called that a lost daemon dropped the saves in flight on it (a next turn missing blocks it had stored)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from serve_proc import ServeProc
+
+from kvbm import protocol as p
+from kvbm.client import WorkerClient
+from kvbm.client.errors import DaemonUnavailable
+from kvbm.client.wire import SILENT_S
+
+STALL_S = 2.5  # longer than any stall measured on a loaded CI host, well inside SILENT_S
+
+
+def _cfg(tmp: Path) -> dict:
+    from test_vllm_e2e import free_port
+
+    return {"block_bytes": "1MiB", "device": {"enabled": False}, "host": {"capacity": "4MiB"},
+            "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
+            "daemon": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "events_endpoint": f"ipc://{tmp}/events.sock",
+                       "metrics_port": -1}}
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = ServeProc(tmp_path, _cfg(tmp_path)).start()
+    yield d
+    d.stop()
+
+
+def _stall(daemon: ServeProc, seconds: float) -> None:
+    daemon.proc.send_signal(signal.SIGSTOP)  # alive, silent: its ZeroMQ I/O thread answers no heartbeat
+    try:
+        time.sleep(seconds)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_request_in_flight_across_a_stall_of_a_few_seconds_gets_its_reply(daemon):
+    assert STALL_S < SILENT_S
+    with WorkerClient(daemon.endpoint, timeout_s=30.0, fail_fast=True) as c:
+        c.ping()  # the connection is up
+        msg = c.begin(p.Ping())
+        _stall(daemon, STALL_S)
+        c.finish(msg, p.Pong)  # before: DaemonUnavailable("connection ... lost") after 1 s of silence
+
+
+def test_a_daemon_silent_past_the_limit_is_gone_before_the_request_timeout(daemon):
+    with WorkerClient(daemon.endpoint, timeout_s=60.0, fail_fast=True) as c:
+        c.ping()
+        msg = c.begin(p.Ping())
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailable, match="lost"):
+                c.finish(msg, p.Pong)
+            assert time.monotonic() - t0 < 60.0 / 2  # the heartbeats said so, not the request's timeout
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        c.ping()  # and the link comes back once the daemon does
