@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import zmq
-from serve_proc import ServeProc
+from serve_proc import ServeProc, wait_until
 
 from kvbm import protocol as p
 from kvbm.blocks.layout import KVLayout
@@ -22,29 +22,50 @@ LAYOUT_A = KVLayout(model="team-a/llama", num_layers=2, num_kv_heads=2, head_siz
                     block_bytes=SLOT)
 LAYOUT_B = KVLayout(model="team-b/qwen", num_layers=2, num_kv_heads=2, head_size=64, dtype="float16",
                     block_bytes=SLOT)
-BACKLOG = 60  # b's requests queued ahead of a's (b's max_inflight, 256 by default, admits them all)
+BACKLOG = 30  # b's requests queued ahead of a's (b's max_inflight, 256 by default, admits them all)
+# ZeroMQ reads a connection this much at a time (ZMQ_IN_BATCH_SIZE) and hands the daemon what one read decoded at
+# once: the backlog and a's request fit in one read, so the daemon's receive loop reads them all in one pass.
+# Past it, a's request came in a later read, after the loop had started and answered b's first ones (37 of 60).
+ZMQ_READ = 8192
 
 
 def cfg(tmp: Path) -> dict:
+    from test_vllm_e2e import free_port
+
     return {
         "block_bytes": SLOT, "device": {"enabled": False}, "host": {"capacity": "4MiB"},
         "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
         "transfer": {"backend": "plain"},
-        "daemon": {"metrics_port": 0, "endpoint": f"ipc://{tmp}/d.sock", "events_endpoint": "", "tenants": [
+        "daemon": {"metrics_port": 0, "endpoint": f"tcp://127.0.0.1:{free_port()}", "events_endpoint": "", "tenants": [
             {"name": "a", "token_file": str(tmp / "a.token"), "models": ["team-a/*"]},
             {"name": "b", "token_file": str(tmp / "b.token"), "models": ["team-b/*"]},
         ]},
     }
 
 
+def queued_at(port: int) -> int:
+    """The most bytes waiting unread on one of the connections the (stopped) daemon accepted on ``port``."""
+    most = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if int(f[1].split(":")[1], 16) == port and f[3] == "01":  # ESTABLISHED, the daemon's end
+            most = max(most, int(f[4].split(":")[1], 16))
+    return most
+
+
+def zmtp_bytes(msgs: list[bytes]) -> int:
+    """What ``msgs`` take on the wire, one frame each (ZMTP 3: flags and a 1-byte size, or an 8-byte one)."""
+    return sum(len(m) + (2 if len(m) <= 255 else 9) for m in msgs)
+
+
 def lookup(token: str, ns: str, rid: int) -> bytes:
-    return p.encode(p.Lookup(token=token, rid=rid, namespace=ns, hashes=[rid.to_bytes(4, "big") * 8] * 4))
+    return p.encode(p.Lookup(token=token, rid=rid, namespace=ns, hashes=[rid.to_bytes(4, "big") * 8]))
 
 
 def test_a_tenants_request_is_answered_before_another_tenants_backlog(tmp_path: Path) -> None:
-    """With the daemon stopped (SIGSTOP), b's 60 Lookups and then a's one are queued on one connection; on SIGCONT
+    """With the daemon stopped (SIGSTOP), b's 30 Lookups and then a's one are queued on one connection; on SIGCONT
     the daemon reads them in that order. Before, every request read was started at once and asyncio ran them
-    first come first served: a's Lookup was answered after all 60 of b's. Now b starts ``daemon.fair_burst`` (4)
+    first come first served: a's Lookup was answered after all of b's. Now b starts ``daemon.fair_burst`` (4)
     per loop turn and a's starts the turn it is read: a is answered before most of b's backlog, and every one of
     b's requests is still answered (none refused, none lost)."""
     d = ServeProc(tmp_path, cfg(tmp_path)).start()
@@ -56,13 +77,20 @@ def test_a_tenants_request_is_answered_before_another_tenants_backlog(tmp_path: 
             a.register(LAYOUT_A, worker_id="a0")
             b.register(LAYOUT_B, worker_id="b0")
             sock.connect(d.endpoint)
+            sock.send(p.encode(p.Ping(rid=10_000)))  # the connection is up (handshaken) before the daemon stops
+            assert sock.poll(30_000) and isinstance(p.decode_reply(sock.recv()), p.Pong)
             assert d.proc is not None
             os.kill(d.proc.pid, signal.SIGSTOP)
             try:
-                for i in range(1, BACKLOG + 1):
-                    sock.send(lookup(b.token, b.namespace, i))
-                sock.send(lookup(a.token, a.namespace, 0))
-                time.sleep(0.3)  # lets this side hand them to the socket (they are queued in order either way)
+                msgs = [lookup(b.token, b.namespace, i) for i in range(1, BACKLOG + 1)]
+                msgs.append(lookup(a.token, a.namespace, 0))
+                assert zmtp_bytes(msgs) <= ZMQ_READ
+                for m in msgs:
+                    sock.send(m)
+                # Every byte is in the daemon's socket before it runs again: a loaded host may stall this side's
+                # ZeroMQ I/O thread past any fixed sleep (a's request then came in after b's were answered).
+                port = int(d.endpoint.rsplit(":", 1)[1])
+                assert wait_until(lambda: queued_at(port) >= zmtp_bytes(msgs), timeout=30), (queued_at(port), zmtp_bytes(msgs), port, [x for x in Path("/proc/net/tcp").read_text().splitlines() if f"{port:04X}" in x])
             finally:
                 os.kill(d.proc.pid, signal.SIGCONT)
             order: list[int] = []
