@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import zmq
@@ -90,7 +89,9 @@ def test_a_tenants_request_is_answered_before_another_tenants_backlog(tmp_path: 
                 # Every byte is in the daemon's socket before it runs again: a loaded host may stall this side's
                 # ZeroMQ I/O thread past any fixed sleep (a's request then came in after b's were answered).
                 port = int(d.endpoint.rsplit(":", 1)[1])
-                assert wait_until(lambda: queued_at(port) >= zmtp_bytes(msgs), timeout=30), (queued_at(port), zmtp_bytes(msgs), port, [x for x in Path("/proc/net/tcp").read_text().splitlines() if f"{port:04X}" in x])
+                assert wait_until(lambda: queued_at(port) >= zmtp_bytes(msgs), timeout=30), (
+                    queued_at(port), zmtp_bytes(msgs), [x for x in Path("/proc/net/tcp").read_text().splitlines()
+                                                        if f":{port:04X}" in x])
             finally:
                 os.kill(d.proc.pid, signal.SIGCONT)
             order: list[int] = []
