@@ -43,3 +43,6 @@ def test_a_weight_sync_right_after_generate_goes_through_and_the_last_blocks_are
     assert res["reset_connector"] is True and res["turn2_computed_cached"] == 0, res
     assert res["turn2_kvbm"] == res["turn2_computed"], res
     assert len(res["after_pause"]) == 5, res
+    # The next turn asked at once (no step after the last one finished) waits for the last turn's saves, staged in
+    # the step that starts it: cached from kvbm as far as the first turn above (was: the prompt's blocks only).
+    assert res["at_once_cached"] == (res["at_once_len"] - 1) // VLLM_BLOCK * VLLM_BLOCK, res

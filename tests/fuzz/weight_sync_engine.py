@@ -75,6 +75,15 @@ def main(root: Path, out: Path) -> None:
             res["pause"] = repr(e)
         core.resume_scheduler()
         res["after_pause"], _ = gen(first[:200], 5)
+        # A conversation's next turn at once, no step in between: the finished turn's last blocks are staged in the
+        # step that starts the next one, after its lookup was answered.
+        drain(llm)
+        c = [rng.randint(10, 900) for _ in range(700)]
+        out_c, _ = gen(c, 69)  # its last step completes the vLLM block of tokens 640-767: saved only as a final
+        llm.reset_prefix_cache()  # vLLM's own cache: the next turn is kvbm's
+        at_once = c + out_c + [rng.randint(10, 900) for _ in range(10)]
+        res["at_once_len"] = len(at_once)
+        res["at_once"], res["at_once_cached"] = gen(at_once, 20)
     finally:
         daemon.stop()
     out.write_text(json.dumps(res))

@@ -27,6 +27,10 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # there yet is asked again next step, and computed if none came within lookup_give_up_ms.
     lookup_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     lookup_give_up_ms: Annotated[float, msgspec.Meta(ge=0)] = 500.0
+    # A request whose lookup stops right before a block this engine is still saving (a conversation's next turn
+    # arriving as the last one finished) is asked again for up to this long (vLLM skips it meanwhile, the engine
+    # does not wait), then computed from there (kvbm.integrations.vllm.inflight). 0: never waits.
+    save_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2000.0
     # A step whose kvbm hooks held the engine longer than this is logged (kvbm.integrations.vllm.hooks).
     hook_warn_ms: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     # Before vLLM reuses blocks (a preempted request's, a sliding window's), saves of them not copying yet are

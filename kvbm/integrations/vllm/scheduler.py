@@ -13,6 +13,7 @@ from kvbm.integrations.vllm.epoch import WeightsEpoch
 from kvbm.integrations.vllm.geometry import K_SETTING
 from kvbm.integrations.vllm.groups import SINGLE, KVGroups
 from kvbm.integrations.vllm.hooks import HookTimes
+from kvbm.integrations.vllm.inflight import SavesInFlight
 from kvbm.integrations.vllm.link import Links
 from kvbm.integrations.vllm.lookup import Lookups
 from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
@@ -53,6 +54,7 @@ class SchedulerSide:
         self._held: dict[str, float] = {}
         self._released: list[str] = []  # aborted requests whose blocks vLLM freed at once (the worker fences them)
         self._saves = SavePlanner(cfg, self.geometry, groups, self._stats)
+        self._inflight = SavesInFlight(cfg.save_wait_ms / 1000)  # a next turn waits for its history's last saves
         # At startup, before any step: a configuration error shows now, not at the first request. From
         # then on only the lookup thread talks to the daemon (and reconnects it).
         for link in self._links:
@@ -105,6 +107,10 @@ class SchedulerSide:
             if got is None:
                 return None, False  # not known yet: vLLM asks again next step
             matched, partial, from_next = got
+            if self._inflight.hold(rid, hashes, vhashes, self.geometry.known_k, next_block, *got):
+                self._lookups.forget(rid)  # asked again now: the answer is there by the next step
+                self._lookups.prefetch(rid, hashes, vhashes, self.geometry.known_k, next_block)
+                return None, False
             self._stats["lookups"] += 1
             self._stats["hit_blocks"] += matched
             self._stats["hit_partial_vblocks"] = self._stats.get("hit_partial_vblocks", 0) + partial
@@ -170,6 +176,7 @@ class SchedulerSide:
                     new_ids = cached.new_block_ids[i] if cached.new_block_ids else None
                     self._saves.plan(meta, st, cached.num_computed_tokens[i],
                                      scheduler_output.num_scheduled_tokens.get(req_id, 0), new_ids, req_id in resumed)
+        self._inflight.planned(meta.saves)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -203,6 +210,7 @@ class SchedulerSide:
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._lookups.forget(rid)
+        self._inflight.forget(rid)
         # kvbm never holds a finished request's blocks for its saves: vLLM frees them now, so a pause or a cache
         # reset right after (a weight sync; vLLM's in-process engine does not step in between) finds them free.
         # The worker stages what its saves have not read yet before the next forward (a finished request's) or
@@ -227,11 +235,13 @@ class SchedulerSide:
                 for tr in meta.saves:
                     tr.final = True
                 self._final_saves.extend(meta.saves)
+                self._inflight.planned(meta.saves)
         self._load_failed.discard(rid)
         degraded = [link for link in self._links if link.degraded]
         params: dict[str, Any] = {"kvbm": {
             "degraded": bool(degraded), "misconfigured": any(link.misconfigured for link in degraded),
-            "endpoint": self.endpoint, K_SETTING: self.geometry.known_k, **self._stats}}
+            "endpoint": self.endpoint, K_SETTING: self.geometry.known_k, **self._stats,
+            "waited_for_saves": self._inflight.waited, "computed_past_saves": self._inflight.gave_up}}
         if degraded:
             params["kvbm"]["reason"] = degraded[0].degraded_reason
         return delay_free, params
@@ -244,6 +254,7 @@ class SchedulerSide:
         for st in self._reqs.values():
             st.stale = True  # running requests' KV is the old weights': never saved under the new epoch
         self._final_saves = []  # the old weights' KV; vLLM freed their blocks already
+        self._inflight.clear()
 
     def holds_blocks(self) -> bool:
         """Whether the worker has work for a step with nothing scheduled: blocks vLLM keeps for an aborted
