@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import pytest
 from serve_proc import ServeProc
@@ -19,18 +18,12 @@ from kvbm.client.wire import SILENT_S
 STALL_S = 2.5  # longer than any stall measured on a loaded CI host, well inside SILENT_S
 
 
-def _cfg(tmp: Path) -> dict:
-    from test_vllm_e2e import free_port
-
-    return {"block_bytes": "1MiB", "device": {"enabled": False}, "host": {"capacity": "4MiB"},
-            "disk": {"enabled": False}, "s3": {"enabled": False}, "embedded_s3": {"enabled": False},
-            "daemon": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "events_endpoint": f"ipc://{tmp}/events.sock",
-                       "metrics_port": -1}}
-
-
 @pytest.fixture
 def daemon(tmp_path):
-    d = ServeProc(tmp_path, _cfg(tmp_path)).start()
+    from test_vllm_e2e import free_port
+    from test_vllm_outage import daemon_cfg
+
+    d = ServeProc(tmp_path, daemon_cfg(tmp_path, free_port())).start()
     yield d
     d.stop()
 
