@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +21,12 @@ def held_blocks(llm: Any) -> int:
     return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
 
 
-def drain(llm: Any, timeout_s: float = 60.0) -> None:
-    """What vLLM's multi-process engine does after a finish (has_pending_push_work): step until the connector's
-    saves are in the daemon."""
-    core = llm.llm_engine.engine_core.engine_core
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(llm.collective_rpc("kvbm_verify_saves_done")) and not core.scheduler.has_requests():
-            return
-        llm.llm_engine.step()
-        time.sleep(0.01)
-    raise RuntimeError("the connector's saves did not end")
+def drain(llm: Any) -> None:
+    """Step until the connector's saves are in the daemon (kvbm.integrations.vllm.drain), or fail the run."""
+    from kvbm.integrations.vllm.drain import drain as drained
+
+    if not drained(llm):
+        raise RuntimeError("the connector's saves did not end")
 
 
 def main(root: Path, out: Path) -> None:
