@@ -69,27 +69,9 @@ def test_a_sliding_window_models_queued_save_is_fenced_before_the_forward_reuses
     vLLM calls *after* the forward unless the step has sync loads (a model with several groups never does):
     a save still queued behind a slow daemon then copied the next request's KV under this one's hash. It
     runs in ``handle_preemptions`` now, which vLLM calls before every forward."""
-    import torch
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
 
-    from kvbm.blocks.layout import KVLayout
-    from kvbm.integrations.vllm import (
-        BlockTransfer,
-        ConnectorConfig,
-        Geometry,
-        KvbmConnectorMetadata,
-        Links,
-        WorkerSide,
-    )
-    from kvbm.integrations.vllm.groups import KVGroups
-
-    groups = KVGroups({"layer.0": 0, "layer.1": 1}, (0, 64))  # full attention + a 64-token window
-    links = Links(daemon.endpoint, Geometry(16, 2 * 2048, 1), "window-engine", 5.0,
-                  lambda rank, k: KVLayout(model="window", num_layers=2, num_kv_heads=1, head_size=32,
-                                           dtype="float16", tp_rank=rank, tokens_per_block=16 * k,
-                                           block_bytes=1 << 20))
-    w = WorkerSide(ConnectorConfig.parse({"async_save": True, "async_load": True}), links, 0, 8, groups=groups)
-    caches = {f"layer.{i}": torch.full((8, 2048), 1, dtype=torch.uint8) for i in range(2)}
-    w.register_kv_caches(caches)
+    w, caches = _window_worker(daemon.endpoint)
     victim = b"w" * 32
     try:
         os.kill(daemon.proc.pid, signal.SIGSTOP)  # the save waits for its PrepareStore: queued, not copying
@@ -147,4 +129,61 @@ def test_a_fence_waits_for_a_saves_copies_not_for_its_commit_round_trip(daemon):
     finally:
         if stopped:
             os.kill(daemon.proc.pid, signal.SIGCONT)
+        w.shutdown()
+
+
+def _window_worker(endpoint: str, **cfg):
+    """The worker side of a sliding-window model (two KV-cache groups) over paged caches filled with 1s."""
+    import torch
+
+    from kvbm.blocks.layout import KVLayout
+    from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, WorkerSide
+    from kvbm.integrations.vllm.groups import KVGroups
+
+    groups = KVGroups({"layer.0": 0, "layer.1": 1}, (0, 64))  # full attention + a 64-token window
+    links = Links(endpoint, Geometry(16, 2 * 2048, 1), "window-engine", 5.0,
+                  lambda rank, k: KVLayout(model="window", num_layers=2, num_kv_heads=1, head_size=32,
+                                           dtype="float16", tp_rank=rank, tokens_per_block=16 * k,
+                                           block_bytes=1 << 20))
+    w = WorkerSide(ConnectorConfig.parse({"async_save": True, "async_load": True, **cfg}), links, 0, 8,
+                   groups=groups)
+    caches = {f"layer.{i}": torch.full((8, 2048), 1, dtype=torch.uint8) for i in range(2)}
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def test_a_save_queued_behind_a_stalled_daemon_is_staged_by_the_fence_not_waited_for(daemon):  # noqa: F811
+    """A sliding-window model fences every save before every forward. A save still waiting for its PrepareStore
+    (a stopped or slow daemon) was waited for up to ``fence_wait_ms`` on the engine's thread, every step, then
+    dropped: the engine stalled on the daemon and the block was lost. The fence now copies its blocks to host
+    buffers (as a finished request's) and returns: the save goes on from them once the daemon answers."""
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+
+    wait_ms = 3000.0  # long enough to see a wait, shorter than the links' 5 s silence limit
+    w, caches = _window_worker(daemon.endpoint, fence_wait_ms=wait_ms)
+    victim = b"q" * 32
+    try:
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # the save waits for its PrepareStore: queued, not copying
+        try:
+            w.wait_for_save(KvbmConnectorMetadata(k=1, saves=[BlockTransfer("r1", [victim], [[3, 4]])]))
+            time.sleep(0.1)
+            started = time.monotonic()
+            w.handle_preemptions(KvbmConnectorMetadata(k=1))  # the next step, before its forward
+            fenced_s = time.monotonic() - started
+            for cache in caches.values():  # the forward: another request's KV in the window's freed blocks
+                cache[3:5].fill_(9)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while w.saver.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.stats.get("saves_cancelled", 0) == 0, f"the fence dropped the save: {w.stats}"
+        with daemon.client() as c:
+            c.register(w._link.layout, worker_id="reader")
+            buf = np.zeros(c.registered.slot_bytes, np.uint8)
+            got = c.load([BlockKey(w._link.layout.namespace, victim)], [buf])
+        assert got == 1, f"the save queued behind the stalled daemon was not stored: {w.stats}"
+        assert (buf[:4096] == 1).all(), "the save stored other bytes than its blocks' before the forward"
+        assert fenced_s < wait_ms / 2000, f"the fence waited {fenced_s:.2f} s on the stopped daemon"
+    finally:
         w.shutdown()

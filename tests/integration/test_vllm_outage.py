@@ -269,6 +269,33 @@ def test_a_silent_daemon_never_holds_the_scheduler_and_every_rank_is_asked_at_on
         quick.shutdown()
 
 
+def test_a_next_turn_waits_for_saves_in_flight_only_while_the_daemon_answers(daemon):
+    """A next turn whose lookup stops right before a block this engine is still saving is asked again for up to
+    ``save_wait_ms`` (the save lands meanwhile). A stopped daemon stores nothing meanwhile, yet each such
+    request was held the whole ``save_wait_ms``, every lookup given up and asked again. Now an answer kvbm could
+    not give (a lookup given up, a link down) is final: the request is computed at once."""
+    import signal
+
+    from kvbm.integrations.vllm import BlockTransfer
+
+    sched = _scheduler(daemon.endpoint, "turns", 1, lookup_give_up_ms=300, save_wait_ms=60_000)
+    try:
+        turn = _request("next-turn", 2, 700)
+        assert step_until_known(sched, _request("warm", 1, 900))[0] == (0, False)  # the link is up
+        # The last turn's saves, as build_connector_meta plans them: the next turn's first block is in flight.
+        sched._inflight.planned([BlockTransfer("last-turn", [bytes(turn.block_hashes[0])], [[0]])])
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            got, _ = step_until_known(sched, turn, steps=150)  # 150 steps: 1.5 s of forwards and more
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert got == (0, False)
+        params = sched.request_finished(turn, [])[1] or {}
+        assert params.get("kvbm", {}).get("waited_for_saves", 0) == 0, params
+    finally:
+        sched.shutdown()
+
+
 def _answered(lookups) -> bool:
     """Whether every lookup the scheduler side queued has its answer."""
     return all(job.done.is_set() for job in lookups._jobs.values())
@@ -394,14 +421,20 @@ def _connector_hook(w, hook: str, meta) -> float:
 def test_a_stopped_daemon_never_holds_a_step_through_its_saves(daemon):
     """vLLM calls ``handle_preemptions`` before every forward. It used to wait for every save in flight, each a
     PrepareStore round trip: a SIGSTOPped daemon held each step until the request timed out. Now a step waits
-    on nothing when nothing was preempted, and a preempted request's save whose copy had not started is
-    dropped (its blocks are about to be reused), not waited for, and never stored."""
+    on nothing when nothing was preempted, and a preempted request's save whose copy had not started is staged
+    (its blocks copied to host buffers before the forward reuses them), not waited for: it is stored once the
+    daemon answers, with the bytes its blocks held, not the next forward's (it was dropped until round 14)."""
     import os
     import signal
 
+    import torch
+
+    from kvbm.blocks import BlockKey
     from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
 
     w = _worker(daemon.endpoint, 1, async_load=False, async_save=True)
+    caches = {f"layer.{i}": torch.full((8, 2048), 5, dtype=torch.uint8) for i in range(2)}
+    w.register_kv_caches(caches)
     pid = daemon.proc.pid
     victim = b"v" * 32
     try:
@@ -417,6 +450,8 @@ def test_a_stopped_daemon_never_holds_a_step_through_its_saves(daemon):
             preempt = KvbmConnectorMetadata(k=1)
             preempt.preempted = ["r2"]  # set after construction: the same call shape for the old code
             held_preempt = _connector_hook(w, "handle_preemptions", preempt)
+            for cache in caches.values():  # the forward: another request's KV in r2's freed block
+                cache[2].fill_(9)
         finally:
             os.kill(pid, signal.SIGCONT)
         assert held_quiet < HOOK_S / 2, f"a step with nothing preempted waited {held_quiet:.2f}s on a save"
@@ -424,7 +459,9 @@ def test_a_stopped_daemon_never_holds_a_step_through_its_saves(daemon):
         assert wait_until(lambda: not w.saver.pending(), timeout=30)
         with daemon.client() as c:
             c.register(w._link.layout, worker_id="reader")
-            assert c.lookup([victim]).matched == 0, "the preempted request's save was stored anyway"
+            buf = np.zeros(c.registered.slot_bytes, np.uint8)
+            assert c.load([BlockKey(w._link.layout.namespace, victim)], [buf]) == 1, f"r2's save: {w.stats}"
+        assert (buf[:4096] == 5).all(), "the preempted request's save stored bytes the next forward wrote"
     finally:
         w.shutdown()
 

@@ -29,12 +29,14 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lookup_give_up_ms: Annotated[float, msgspec.Meta(ge=0)] = 500.0
     # A request whose lookup stops right before a block this engine is still saving (a conversation's next turn
     # arriving as the last one finished) is asked again for up to this long (vLLM skips it meanwhile, the engine
-    # does not wait), then computed from there (kvbm.integrations.vllm.inflight). 0: never waits.
+    # does not wait), then computed from there (kvbm.integrations.vllm.inflight). 0: never waits. An answer kvbm
+    # could not give (a link down, a lookup given up) is never waited on.
     save_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2000.0
     # A step whose kvbm hooks held the engine longer than this is logged (kvbm.integrations.vllm.hooks).
     hook_warn_ms: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     # Before vLLM reuses blocks (a preempted request's, a sliding window's), saves of them not copying yet are
-    # waited for at most this long in all per step, then dropped: a stalled daemon costs a step no more.
+    # staged (copied to host buffers, within stage_mib); past the staging budget they are waited for at most this
+    # long in all per step, then dropped: a stalled daemon costs a step no more.
     fence_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 50.0
     # A finished request's saves that have not read its blocks yet are copied to host buffers before vLLM reuses
     # them (kvbm never holds a finished request's blocks): at most this many MiB per step (a memcpy on a CPU

@@ -43,6 +43,9 @@ class Hit(NamedTuple):
     # Those vLLM blocks are the head of the stored block right after them (a prompt ending on a vLLM block's end
     # loads all of that block but its last vLLM block), not a partial block of their own.
     from_next: bool = False
+    # Some rank's daemon did not answer (its link down or broken, or the lookup given up): the answer is a miss
+    # because kvbm is unavailable, not because the blocks are not stored.
+    degraded: bool = False
 
 
 @dataclass
@@ -61,6 +64,7 @@ class _Job:
     matched: int | None = None  # kvbm blocks every rank holds, once answered
     partial: int = 0  # and the vLLM blocks of the partial block every rank holds after them
     from_next: bool = False  # those are the head of ``next_block``
+    degraded: bool = False  # some rank's link was down or broke while answering it
     answered: float = 0.0  # when it was (monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     stale: _Job | None = None  # the answer this job refreshes: it stands while this one is late
@@ -109,15 +113,15 @@ class Lookups:
                 self._budget = 0.0  # the daemon is slow now: the rest of this step does not wait
         if job.done.is_set():
             del self._jobs[req_id]
-            return Hit(job.matched or 0, job.partial, job.from_next)
+            return Hit(job.matched or 0, job.partial, job.from_next, job.degraded)
         if job.stale is not None:
             del self._jobs[req_id]  # the thread's late answer goes nowhere
-            return Hit(job.stale.matched or 0, job.stale.partial, job.stale.from_next)
+            return Hit(job.stale.matched or 0, job.stale.partial, job.stale.from_next, job.stale.degraded)
         if time.monotonic() - job.asked > self.give_up_s:
             del self._jobs[req_id]
             self.gave_up += 1
             self._say_gave_up()
-            return Hit(0)
+            return Hit(0, degraded=True)
         return None
 
     def _say_gave_up(self) -> None:
@@ -202,11 +206,13 @@ class Lookups:
         """Answer ``batch``; the jobs the daemon refused as load and that are young enough to ask again."""
         matched = [len(job.hashes) for job in batch]
         refused: set[int] = set()
+        broken: set[int] = set()  # jobs some rank's link could not answer
         sent: list[tuple[Link, list[PendingLookup | None]]] = []
         for link in self._links:  # every rank's lookups are sent before any reply is awaited
             client = link.get()
             if client is None:
                 matched = [0] * len(batch)
+                broken.update(range(len(batch)))
                 continue
             try:
                 # A job with no full block to look up asks for its partial block only (below).
@@ -214,6 +220,7 @@ class Lookups:
             except LINK_ERRORS as e:
                 link.error(e)
                 matched = [0] * len(batch)
+                broken.update(range(len(batch)))
                 continue
             sent.append((link, msgs))
         for link, msgs in sent:
@@ -227,9 +234,12 @@ class Lookups:
                     matched[i] = 0
                     if is_load(e):
                         refused.add(i)
+                    else:
+                        broken.add(i)
                     if link.client is None:  # the session is gone, and with it the replies still due
                         for j in range(i + 1, len(msgs)):
                             matched[j] = 0
+                        broken.update(range(i + 1, len(msgs)))
                         break
         now = time.monotonic()
         again = [batch[i] for i in sorted(refused) if now - batch[i].asked < self.give_up_s / 2]
@@ -237,10 +247,11 @@ class Lookups:
             job.refusals += 1
         retry = {id(j) for j in again}
         partial = self._partials(batch, matched)
-        for job, m, (j, from_next) in zip(batch, matched, partial, strict=True):
+        for i, (job, m, (j, from_next)) in enumerate(zip(batch, matched, partial, strict=True)):
             if id(job) in retry:
                 continue
             job.matched, job.partial, job.from_next, job.answered = m, j, from_next, now
+            job.degraded = i in broken or i in refused  # a miss kvbm could not answer
             self._stages.add(lookups=1, lookup_ms=(now - job.asked) * 1e3)  # queued + round trip, every rank
             job.done.set()
         return again

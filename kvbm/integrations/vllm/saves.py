@@ -3,10 +3,10 @@
 A save is one request's kvbm blocks: PrepareStore (a daemon round trip), the copy out of vLLM's blocks into
 the reserved G2 slots, CommitStore. Only the copy reads vLLM's blocks, so only the copy has to be over before
 vLLM reuses them (a preempted request's blocks, a sliding-window group's freed ones): :meth:`Saver.fence`
-cancels a save whose copy has not started (the daemon's round trip is never waited for on the engine's
-thread) and waits for one that is copying (memory speed, bounded). A copy the fence gave up on is committed
-as failed, never as the request's KV. A request vLLM freed at its finish hands its unread saves to
-:mod:`~kvbm.integrations.vllm.staging` (:meth:`Saver.hand_off`): they are saved from host buffers.
+stages a save whose copy has not started (its blocks copied to host buffers: the daemon's round trip is never
+waited for on the engine's thread) and waits for one that is copying (memory speed, bounded). A copy the fence
+gave up on is committed as failed, never as the request's KV. A request vLLM freed at its finish hands its
+unread saves to :mod:`~kvbm.integrations.vllm.staging` (:meth:`Saver.hand_off`) the same way.
 """
 
 from __future__ import annotations
@@ -125,20 +125,26 @@ class Saver:
             self._jobs.setdefault(tr.req_id, []).append(job)
             self._pool.submit(self._run, job, ready)
 
+    def new_step(self) -> None:
+        """A step begins (before its forward): its staging budget is whole again."""
+        self.staging.new_step()
+
     def fence(self, req_ids: Iterable[str] | None = None, wait_s: float = 0.0) -> None:
         """Before vLLM reuses blocks: no save reads those of ``req_ids`` (of every request if None) from now on.
-        A save not copying yet is waited for up to ``wait_s`` in all (bounded: a stalled daemon costs at most
-        that per fence), then dropped."""
+        A save that has not read them yet is staged (its blocks copied to host buffers now, as a finished
+        request's), so the engine never waits for the daemon's round trips; one past the staging budget is waited
+        for up to ``wait_s`` in all, then dropped. A copy running now is waited for (memory speed, bounded)."""
         started = time.monotonic()
         deadline = started + wait_s
         ids = list(self._jobs) if req_ids is None else [r for r in req_ids if r in self._jobs]
         for rid in ids:
             for job in self._jobs[rid]:
-                if job.future.done():
+                if job.future.done() or self._stage(job, drop=False):
                     continue
-                left = deadline - time.monotonic()
-                # Waited for: its reads of vLLM's blocks, not its CommitStore round trip after them
-                if left > 0 and job.state != COPYING and job.reads_done.wait(left):
+                if job.state != QUEUED or job.poisoned:
+                    continue  # cancelled already, or its copy overran and is committed as failed
+                left = deadline - time.monotonic()  # past the staging budget: its reads, not its commit
+                if left > 0 and job.reads_done.wait(left):
                     continue
                 if job.fence(FENCE_WAIT_S):
                     self.stats["saves_cancelled"] = self.stats.get("saves_cancelled", 0) + len(job.tr.hashes)
@@ -157,7 +163,6 @@ class Saver:
         yet, and ``finals`` (their last blocks, planned at the finish), are staged (copied to host buffers now)
         and saved from there; one copying is waited for (memory speed, bounded). Past the staging budget a
         save is dropped and counted."""
-        self.staging.new_step()
         for rid in req_ids:
             for job in self._jobs.get(rid, ()):
                 self._stage(job)
@@ -170,14 +175,17 @@ class Saver:
             self._unreported.append(job)
             self._pool.submit(self._run, job, None)
 
-    def _stage(self, job: SaveJob) -> bool:
-        """Make ``job`` read host buffers, not vLLM's blocks; whether it will still save."""
+    def _stage(self, job: SaveJob, drop: bool = True) -> bool:
+        """Make ``job`` read host buffers, not vLLM's blocks; whether it will still save. Past the staging budget
+        it is dropped (``drop``) or left queued (False is returned: the caller decides)."""
         while not job.reads_done.is_set():
             with job.lock:
                 if job.state == CANCELLED or job.staged is not None:
                     return job.state != CANCELLED
                 if job.state == QUEUED:  # not reading now: staged under the lock, the saver waits for it
                     if not self.staging.fits(job.tr.block_ids):
+                        if not drop:
+                            return False
                         job.state = CANCELLED
                         self.stats["saves_unstaged"] = self.stats.get("saves_unstaged", 0) + len(job.tr.hashes)
                         return False

@@ -106,8 +106,9 @@ class SchedulerSide:
             got = self._lookups.ask(rid, hashes, vhashes, self.geometry.known_k, next_block)
             if got is None:
                 return None, False  # not known yet: vLLM asks again next step
-            matched, partial, from_next = got
-            if self._inflight.hold(rid, hashes, vhashes, self.geometry.known_k, next_block, *got):
+            matched, partial, from_next = got.blocks, got.partial, got.from_next
+            if not got.degraded and self._inflight.hold(rid, hashes, vhashes, self.geometry.known_k, next_block,
+                                                        matched, partial, from_next):
                 self._lookups.forget(rid)  # asked again now: the answer is there by the next step
                 self._lookups.prefetch(rid, hashes, vhashes, self.geometry.known_k, next_block)
                 return None, False

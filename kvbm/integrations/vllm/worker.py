@@ -101,11 +101,13 @@ class WorkerSide:
         """Before this step's forward (vLLM calls it first in every step, sync or async loads): no save reads
         blocks vLLM freed from now on: a finished request's (its unread saves and its last ones are staged), a
         preempted or aborted request's, and under a sliding window those the window dropped or a finished
-        request's skipped blocks (any request's: waited for up to fence_wait_ms, then dropped)."""
+        request's skipped blocks (any request's). Saves of them not copying yet are staged to host buffers (past the
+        staging budget: waited for up to fence_wait_ms, then dropped)."""
         with self.hooks.time("handle_preemptions"):
             self._follow(meta)
             if not isinstance(meta, KvbmConnectorMetadata):
                 return
+            self.saver.new_step()
             finals = [tr for tr in meta.saves if tr.final]
             if meta.finished or finals:
                 self.saver.hand_off(meta.finished, finals if finals and self._same_k(meta) else [])
