@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ import numpy as np
 
 from kvbm.verify.engine import HASH_SEED, kvbm_hashes
 from kvbm.verify.schedule import Schedule, generate
+from kvbm.verify.zygote import run_forked
 
 BLOCK_TOLERANCE = 0.01  # float32 batching noise is ~1e-6; a block of other tokens is off by ~1
 HOOK_BUDGET_MS = 5.0
@@ -72,11 +71,11 @@ def run_engine(root: Path, name: str, spec: dict[str, Any], timeout_s: float = 9
            "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVBM_HOOK_TIMES_DIR": str(hooks)}
     log = root / f"{name}.log"
-    with open(log, "wb") as f:
-        proc = subprocess.run([sys.executable, "-m", "kvbm.verify.engine", str(spec_path), str(out)],
-                              stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
-    if proc.returncode != 0 or not out.exists():
-        return {"crashed": f"exit {proc.returncode}: {log.read_text()[-3000:]}"}
+    # A fork of a pre-imported vLLM (kvbm.verify.zygote): a schedule's two engines skip 12 s of imports each.
+    rc = run_forked("kvbm.verify.engine:main", [str(spec_path), str(out)], log, env, timeout_s,
+                    preload=("kvbm.verify.engine",))
+    if rc != 0 or not out.exists():
+        return {"crashed": f"exit {rc}: {log.read_text()[-3000:]}"}
     res = json.loads(out.read_text())
     if "harness_error" in res:
         return res
