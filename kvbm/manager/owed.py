@@ -150,7 +150,14 @@ class OwedWrites:
                 for name in [n for n, keys in self._owed.items() if keys]:
                     if self.s.by_name[name].writable():
                         paid += await self.drain_batch(name)
-                if not paid:
+                if not any(self._owed.values()) and self._journal.pending:
+                    # The paid lines, before this task ends: the flush yields, and a block owed meanwhile (a
+                    # restart's reconcile) finds this task running and starts none, so the loop looks again.
+                    try:
+                        await asyncio.shield(self.flush())
+                    except Exception as e:  # the lines stay pending: the next flush (or the next start) has them
+                        self._journal.failed(e)
+                elif not paid:
                     await asyncio.sleep(self.every_s)
         finally:
             if self._journal.pending:

@@ -48,9 +48,9 @@ def test_a_request_in_flight_across_a_stall_of_a_few_seconds_gets_its_reply(daem
 def test_a_daemon_silent_past_the_limit_is_gone_before_the_request_timeout(daemon):
     with WorkerClient(daemon.endpoint, timeout_s=60.0, fail_fast=True) as c:
         c.ping()
-        msg = c.begin(p.Ping())
-        daemon.proc.send_signal(signal.SIGSTOP)
+        daemon.proc.send_signal(signal.SIGSTOP)  # before the request: a quick daemon would answer it first
         try:
+            msg = c.begin(p.Ping())
             t0 = time.monotonic()
             with pytest.raises(DaemonUnavailable, match="lost"):
                 c.finish(msg, p.Pong)
