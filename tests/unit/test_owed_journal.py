@@ -114,38 +114,33 @@ def test_journal_rewrites_never_share_a_temporary_file(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_block_owed_while_the_drain_flushes_its_last_lines_is_paid(tmp_path, monkeypatch):
+def test_a_block_owed_while_the_drain_flushes_its_last_lines_is_paid(tmp_path):
     """The drain's last act is a journal flush (its paid lines), which yields. A block owed in that window (the
     reconcile at a restart, chaos seed 14042) found the drain task still running, so started none, and the task
     then ended: the block stayed owed with nothing draining (2 acked-durable blocks never reached the bucket).
     The drain now looks again after that flush."""
-    flushing = threading.Event()
-
-    def slow(fn):
-        def wrapped(*a, **kw):
-            flushing.set()
-            time.sleep(0.3)  # a slow disk: the window in which the block is owed
-            return fn(*a, **kw)
-        return wrapped
-
-    monkeypatch.setattr(owed_mod, "_append", slow(owed_mod._append))
     mgr = manager(tmp_path)
 
     async def go() -> tuple[dict[str, int], bool]:
         await mgr.start()
         ow = mgr.owed_writes
         ow.every_s = 0.01
-        ow.journal_delay_s = 3600.0  # the drain's own flushes write the journal, as in a daemon between batches
+        ow.journal_delay_s = 3600.0  # only the drain's own flushes write the journal, as between a daemon's batches
+        flush, last_flush = ow.flush, asyncio.Event()
+
+        async def slow_flush() -> None:  # a slow disk, in the drain's flush once nothing is owed: the window
+            if not ow.counts() and not last_flush.is_set():
+                last_flush.set()
+                await asyncio.sleep(0.3)
+            await flush()
+
+        ow.flush = slow_flush  # type: ignore[method-assign]
         for i in (1, 2):
             await mgr.put(key(i), bytes([i]) * SLOT, cascade=False)  # in G2 only: owed to G3
         ow.owe("G3", key(1))
-        deadline = time.monotonic() + 30
-        while ow.counts() and time.monotonic() < deadline:  # key 1 paid: the drain's last flush comes next
-            await asyncio.sleep(0.001)
-        flushing.clear()
-        while not flushing.is_set() and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)
+        await asyncio.wait_for(last_flush.wait(), 30)  # key 1 paid; the drain flushes its paid line
         ow.owe("G3", key(2))  # while that flush runs
+        deadline = time.monotonic() + 30
         while ow.counts() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         counts, held = ow.counts(), mgr.where(key(2)) == ["G2", "G3"]
@@ -155,4 +150,4 @@ def test_a_block_owed_while_the_drain_flushes_its_last_lines_is_paid(tmp_path, m
         return counts, held
 
     counts, held = asyncio.run(go())
-    assert counts == {} and held, f"still owed {counts}, key 2 in {held}"
+    assert counts == {} and held, f"still owed {counts}, key 2 held in G2 and G3: {held}"
