@@ -63,39 +63,6 @@ def test_a_request_aborted_while_its_async_load_runs_is_reported_once_after_the_
         w.shutdown()
 
 
-def test_a_sliding_window_models_queued_save_is_fenced_before_the_forward_reuses_its_blocks(daemon):  # noqa: F811
-    """A sliding-window group frees blocks mid-request and the next forward may write another request's KV
-    into them. The fence that stops earlier saves from reading such blocks ran in ``start_load_kv``, which
-    vLLM calls *after* the forward unless the step has sync loads (a model with several groups never does):
-    a save still queued behind a slow daemon then copied the next request's KV under this one's hash. It
-    runs in ``handle_preemptions`` now, which vLLM calls before every forward."""
-    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
-
-    w, caches = _window_worker(daemon.endpoint)
-    victim = b"w" * 32
-    try:
-        os.kill(daemon.proc.pid, signal.SIGSTOP)  # the save waits for its PrepareStore: queued, not copying
-        try:
-            w.wait_for_save(KvbmConnectorMetadata(k=1, saves=[BlockTransfer("r1", [victim], [[3, 4]])]))
-            time.sleep(0.1)
-            w.handle_preemptions(KvbmConnectorMetadata(k=1))  # the next step, before its forward
-            for cache in caches.values():  # the forward: another request's KV in the freed blocks
-                cache[3:5].fill_(9)
-        finally:
-            os.kill(daemon.proc.pid, signal.SIGCONT)  # the daemon answers while the step is still running
-        deadline = time.monotonic() + 30
-        while w.saver.pending() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        w.start_load_kv(KvbmConnectorMetadata(k=1))  # after the forward, as vLLM calls it for async loads
-        with daemon.client() as c:
-            c.register(w._link.layout, worker_id="reader")
-            buf = np.zeros(c.registered.slot_bytes, np.uint8)
-            got = c.load([BlockKey(w._link.layout.namespace, victim)], [buf])
-        assert got == 0 or not (buf[:4096] == 9).any(), "a save copied the KV the next forward wrote"
-    finally:
-        w.shutdown()
-
-
 def test_a_fence_waits_for_a_saves_copies_not_for_its_commit_round_trip(daemon):  # noqa: F811
     """A fence (before a forward that may reuse a preempted or aborted request's blocks) needs only the copies
     out of those blocks to be over. It waited for the whole save, CommitStore round trip included, and a save
@@ -153,10 +120,14 @@ def _window_worker(endpoint: str, **cfg):
 
 
 def test_a_save_queued_behind_a_stalled_daemon_is_staged_by_the_fence_not_waited_for(daemon):  # noqa: F811
-    """A sliding-window model fences every save before every forward. A save still waiting for its PrepareStore
-    (a stopped or slow daemon) was waited for up to ``fence_wait_ms`` on the engine's thread, every step, then
-    dropped: the engine stalled on the daemon and the block was lost. The fence now copies its blocks to host
-    buffers (as a finished request's) and returns: the save goes on from them once the daemon answers."""
+    """A sliding-window group frees blocks mid-request and the next forward may write another request's KV into
+    them, so a sliding-window model fences every save before every forward, in ``handle_preemptions`` (in
+    ``start_load_kv``, which vLLM calls after the forward for async loads, a save queued behind a slow daemon
+    copied the next request's KV under this one's hash). A save still waiting for its PrepareStore (a stopped or
+    slow daemon) was then waited for up to ``fence_wait_ms`` on the engine's thread, every step, and dropped: the
+    engine stalled on the daemon and the block was lost. The fence now copies its blocks to host buffers (as a
+    finished request's) and returns: the save goes on from them once the daemon answers, with the bytes the
+    blocks held before the forward."""
     from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
 
     wait_ms = 3000.0  # long enough to see a wait, shorter than the links' 5 s silence limit
