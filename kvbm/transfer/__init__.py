@@ -14,22 +14,10 @@ Modules: ``nixl_agent`` (the NIXL probe, agents and transfer wait), ``memory`` (
 ``aligned`` (page alignment, scratch buffers), ``fileio`` (block-file readers/writers).
 """
 
-from typing import Any
-
 from kvbm.transfer.aligned import O_DIRECT, PAGE, round_up
 from kvbm.transfer.fileio import FileIO, NixlFileIO, PlainFileIO, make_file_io
+from kvbm.transfer.memory import MemoryMover, NixlMemoryMover, TorchMemoryMover, make_memory_mover
 from kvbm.transfer.nixl_agent import TransferBackendError, nixl_available
-
-_MEMORY = ("MemoryMover", "NixlMemoryMover", "TorchMemoryMover", "make_memory_mover")
-
-
-def __getattr__(name: str) -> Any:
-    """The memory movers on first use: they import torch (2 s), which a CLI command or a file copy never needs."""
-    if name in _MEMORY:
-        from kvbm.transfer import memory
-
-        return getattr(memory, name)
-    raise AttributeError(f"module 'kvbm.transfer' has no attribute {name!r}")
 
 __all__ = [
     "O_DIRECT",
