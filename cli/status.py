@@ -59,6 +59,8 @@ def daemon_report(link: DaemonLink) -> dict[str, Any]:
         row = {"tier": t.get("tier"), "kind": t.get("kind"), "capacity_bytes": t.get("capacity_bytes"),
                "used_bytes": t.get("used_bytes"), "blocks": t.get("blocks"),
                "hit_rate": round(st.get("hits", 0) / looked, 4) if looked else None, "errors": st.get("errors", 0)}
+        if t.get("read_only"):
+            row["read_only"] = t["read_only"]
         if t.get("kind") == "s3":
             row.update(endpoint=t.get("endpoint"), bucket=t.get("bucket"), breaker=breaker_state(t),
                        pending_writes=t.get("pending_writes"))
@@ -144,7 +146,8 @@ def render_daemon(rep: dict[str, Any]) -> list[str]:
              f"lookup hit rate {'-' if hr is None else f'{hr:.1%}'}"]
     rows = [["tier", "kind", "capacity", "used", "blocks", "hit rate", "errors"]]
     for t in rep["tiers"]:
-        rows.append([str(t["tier"]), str(t["kind"]), human_bytes(t["capacity_bytes"] or 0),
+        kind = f"{t['kind']} (read-only)" if t.get("read_only") else str(t["kind"])
+        rows.append([str(t["tier"]), kind, human_bytes(t["capacity_bytes"] or 0),
                      human_bytes(t["used_bytes"] or 0), str(t["blocks"]),
                      "-" if t["hit_rate"] is None else f"{t['hit_rate']:.1%}", str(t["errors"])])
     lines += ["  " + line for line in _table(rows, {2, 3, 4, 5, 6})]

@@ -62,6 +62,9 @@ class Tier(abc.ABC):
     # An existing directory on this node that outlives a restart (the disk tier's): where the manager keeps what must
     # survive one, e.g. the journal of writes owed to S3. None for memory and remote tiers.
     local_dir: Path | None = None
+    # Why this tier takes no writes for the rest of this run (a G3 directory the daemon cannot write: its blocks are
+    # still served and read to pay what they owe lower tiers); None when it takes them. Writers skip such a tier.
+    read_only: str | None = None
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -144,6 +147,7 @@ class Tier(abc.ABC):
             "capacity_bytes": self.capacity_bytes,
             "used_bytes": self.used_bytes(),
             "stats": msgspec.structs.asdict(self.stats),
+            **({"read_only": self.read_only} if self.read_only is not None else {}),
         }
 
 

@@ -3,8 +3,11 @@ that delete take it shared, so they cannot run behind a daemon's back (see :mod:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import os
+import secrets
 from pathlib import Path
 
 from kvbm.errors import ConfigError, KvbmError
@@ -57,6 +60,37 @@ class DirLock:
         self._fd = fd
         return self
 
+    def claim(self) -> str | None:
+        """The owning tier's start: the exclusive lock, and None; for a directory it cannot write (:func:`unwritable`),
+        the lock taken read-only (:meth:`acquire_read_only`) and why it cannot be written."""
+        why = unwritable(self.dir)
+        (self.acquire if why is None else self.acquire_read_only)()
+        return why
+
+    def acquire_read_only(self) -> DirLock:
+        """The exclusive lock of a directory this process cannot write (read-only, immutable): taken through an
+        existing lock file opened for reading (``flock`` needs no write access), so a second daemon still fails with
+        :class:`DiskDirBusy`. With no lock file there is nothing to lock, and nobody can write there either."""
+        if self._fd is not None:
+            return self
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return self
+        except OSError as e:
+            raise ConfigError(f"disk.dir {self.dir}: cannot read its lock file {LOCK_FILE} ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = self.owner(fd)
+            os.close(fd)
+            raise DiskDirBusy(f"disk directory {self.dir} is in use by another kvbm process ({owner})") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return self
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock
@@ -81,6 +115,26 @@ class DirLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def unwritable(dir: Path) -> str | None:
+    """Why nothing can be written in ``dir`` (read-only filesystem, immutable, not ours), found by creating and
+    removing an empty probe file; None when it can be. A full disk is not unwritable (its writes are shed).
+    :class:`ConfigError` naming ``disk.dir`` when the directory cannot even be created."""
+    try:
+        dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"disk.dir {dir}: cannot create it ({e.strerror})") from None
+    probe = dir / f".tmp-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return None
+        return f"disk.dir {dir} cannot be written ({e.strerror})"
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
 
 
 def _cmdline(pid: int) -> str:

@@ -118,14 +118,17 @@ class DiskTier(Tier):
         async with self._start_lock:
             if self._started:
                 return
-            # Own the directory before sweeping temp files and dropping blocks in it.
-            await self._io(self.dir_lock.acquire)
+            # Own the directory before sweeping temp files and dropping blocks in it. One it cannot write is opened
+            # read-only: indexed and served (and read to pay what it owes the bucket), nothing written or dropped.
+            read_only = await self._io(self.dir_lock.claim)
             try:
                 partials: set[BlockKey] = set()
-                found, corrupt, tmp = await self._io(self._reindex, None, True, partials)
+                found, corrupt, tmp = await self._io(walk_blocks, self.dir, self.file_io, self.header_len, None,
+                                                     read_only is None, partials)
             except BaseException:
                 self.dir_lock.release()
                 raise
+            self.read_only = read_only
             self._index.clear()
             self._used = 0
             for key, (n, mtime) in found.items():
@@ -136,11 +139,15 @@ class DiskTier(Tier):
             self._started = True
             log.info("G3 %s: %d blocks (%d B), %d corrupt and %d temp files removed",
                      self.dir, len(found), self._used, corrupt, tmp)
+            if read_only is not None:
+                log.error("G3 is READ-ONLY for this run (%s): its %d blocks are served and paid to the tiers below, "
+                          "nothing is written to it", read_only, len(found))
 
     async def refresh(self, namespace: str | None = None) -> None:
         """Index block files that other processes (``kvbm prewarm``) renamed into place since start."""
         partials: set[BlockKey] = set()
-        found, corrupt, _ = await self._io(self._reindex, namespace, False, partials)
+        found, corrupt, _ = await self._io(walk_blocks, self.dir, self.file_io, self.header_len, namespace, False,
+                                           partials)
         for key, (n, mtime) in found.items():
             if key not in self._index:
                 self._remember(key, n, mtime)
@@ -148,17 +155,17 @@ class DiskTier(Tier):
                     self._partials.add(key)
         self.stats.corrupt += corrupt
 
-    def _reindex(
-        self, namespace: str | None = None, clean_tmp: bool = True, partials: set[BlockKey] | None = None
-    ) -> tuple[dict[BlockKey, tuple[int, float]], int, int]:
-        return walk_blocks(self.dir, self.file_io, self.header_len, namespace, clean_tmp, partials)
-
     async def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.dir_lock.release()
 
     # -- data path ---------------------------------------------------------------------------------
+    def writable(self) -> bool:
+        return self.read_only is None
+
     async def put(self, key: BlockKey, data: memoryview | bytes) -> None:
+        if self.read_only is not None:
+            raise TierUnavailableError(f"G3 is read-only: {self.read_only}")
         view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
         n = len(view)
         need = self.footprint(n)
@@ -283,16 +290,7 @@ class DiskTier(Tier):
     # -- benchmarks --------------------------------------------------------------------------------
     def drop_page_cache(self, key: BlockKey) -> bool:
         """Evict a block file's pages from the page cache (for cold-read measurements)."""
-        try:
-            fd = os.open(self.path_for(key), os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return True
+        return drop_file_pages(self.path_for(key))
 
     def describe(self) -> dict[str, object]:
         d = super().describe()
@@ -339,8 +337,25 @@ def walk_blocks(
                 continue
             except (CorruptBlockError, ValueError) as e:
                 log.warning("G3: dropping %s: %s", path, e)
-                corrupt += _unlink(path)
+                try:
+                    corrupt += _unlink(path)
+                except OSError as e2:  # a read-only directory: never indexed, left where it is
+                    log.warning("G3: %s not removed: %s", path, e2.strerror)
     return found, corrupt, tmp
+
+
+def drop_file_pages(path: Path) -> bool:
+    """Evict a file's pages from the page cache; False if it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _unlink_each(paths: list[str]) -> list[OSError | None]:

@@ -116,10 +116,14 @@ class Daemon:
             self._metrics = MetricsServer(self.metrics, self.dc.metrics_host, max(self.dc.metrics_port, 0))
             self.metrics_port = await self._metrics.bind()
         # The bucket is listed apart from the other tiers: S3 being down must not stop G2/G3 serving.
-        # A G3 it cannot write (read-only, not its own) is turned off and logged: G2 and G4 still serve.
+        # A G3 it cannot write (read-only, immutable) is opened read-only: served, and read to pay what it owes G4.
+        # One that cannot start at all is turned off and logged: G2 and G4 still serve.
         await self.manager.start(index=("device", "host", "disk"), optional=("disk",))
         for name, why in self.manager.state.off.items():
             logj("tier.off", level=logging.ERROR, tier=name, why=why)
+        for tier in self.manager.tiers:
+            if tier.read_only is not None:
+                logj("tier.read_only", level=logging.ERROR, tier=tier.name, why=tier.read_only)
         await self.indexer.start()
         self.transport.bind(*self._curve_keys)
         if self.dc.events_endpoint:

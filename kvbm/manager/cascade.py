@@ -58,6 +58,8 @@ class WriteThrough:
             return False
         durable = False
         for tier in s.below(where[0]):
+            if tier.read_only is not None and not s.registry.holds(tier.name, key):
+                continue  # takes no writes this run: nothing is owed to it either
             if s.registry.holds(tier.name, key):
                 # Counted only if it is known to be there (a shared tier's entry may be stale: kvbm.manager.knowledge).
                 if key in await self._real_copies(tier.name, [key]):

@@ -125,7 +125,7 @@ class BlockManager:
                     await self.index_tier(tier.name)
                     if tier.local_dir is not None and self.owed_writes.journal is None:
                         # What was owed to S3 when the last run stopped (kvbm.manager.owed), the disk now indexed.
-                        await self.owed_writes.resume(tier.local_dir / JOURNAL_NAME)
+                        await self.owed_writes.resume(tier.local_dir / JOURNAL_NAME, read_only=bool(tier.read_only))
 
     async def index_tier(self, name: str, namespace: str | None = None, *, refresh: bool = False) -> int:
         """Load what tier ``name`` holds into the registry (see :meth:`IndexSync.index_tier`). The first listing

@@ -197,11 +197,12 @@ class OwedWrites:
         t = self.s.by_name[tier]
         return isinstance(t, SharedTier) and not t.seen_within(key)
 
-    async def resume(self, journal: Path) -> int:
+    async def resume(self, journal: Path, *, read_only: bool = False) -> int:
         """Use ``journal`` from now on and owe again what it holds unpaid (a restart after an outage); returns how
-        many blocks that is. Blocks no tier holds any more are left out."""
+        many blocks that is. Blocks no tier holds any more are left out. ``read_only``: its directory cannot be
+        written this run (see :meth:`OwedJournal.open`)."""
         self._journal.retry_s = self.every_s
-        clean, owed = await self._journal.open(journal)
+        clean, owed = await self._journal.open(journal, read_only=read_only)
         self._clean_start = self._settled = clean
         n = 0
         for (tier, key) in owed:

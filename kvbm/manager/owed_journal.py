@@ -33,6 +33,7 @@ class OwedJournal:
     def __init__(self, state: ManagerState, owed_lines: Callable[[], list[str]], total: Callable[[], int]) -> None:
         self.s = state
         self.path: Path | None = None
+        self.read_only = False  # the directory cannot be written this run: replayed at open, never written
         self.delay_s = JOURNAL_DELAY_S
         self.retry_s = RETRY_S
         self._owed_lines = owed_lines
@@ -48,7 +49,7 @@ class OwedJournal:
         return bool(self._lines)
 
     def note(self, op: str, tier: str, key: BlockKey) -> None:
-        if self.path is not None:
+        if self.path is not None and not self.read_only:
             self._lines.append(f"{op} {tier} {key.hash.hex()} {key.namespace}\n")
             if self._flusher is None or self._flusher.done():
                 self._flusher = asyncio.get_running_loop().create_task(self._flush_soon())
@@ -111,14 +112,18 @@ class OwedJournal:
             if err is not None:
                 raise err
 
-    async def open(self, path: Path) -> tuple[bool, dict[tuple[str, BlockKey], None]]:
+    async def open(self, path: Path, *, read_only: bool = False) -> tuple[bool, dict[tuple[str, BlockKey], None]]:
         """Use ``path`` from now on: (whether the last run stopped cleanly with its journal in place, what the
-        journal holds owed and unpaid). The clean mark is taken, a killed compaction's temporary files removed."""
+        journal holds owed and unpaid). The clean mark is taken, a killed compaction's temporary files removed.
+        ``read_only`` (a directory this run cannot write): the journal is only replayed, the mark only read (this
+        run journals nothing, so a crash of it leaves the journal as true as it found it)."""
         self.path = path
-        clean = await asyncio.to_thread(_take_clean_mark, path.with_name(CLEAN_NAME))
+        self.read_only = read_only
+        mark = path.with_name(CLEAN_NAME)
+        clean = await asyncio.to_thread(mark.exists if read_only else lambda: _take_clean_mark(mark))
         # A journal deleted while the daemon was stopped took what it owed along: then reconcile after all.
         clean = clean and await asyncio.to_thread(path.exists)
-        stale = await asyncio.to_thread(_remove_stale_temps, path)
+        stale = 0 if read_only else await asyncio.to_thread(_remove_stale_temps, path)
         if stale:
             log.info("removed %d temporary journal files a stopped run left (killed while compacting)", stale)
         try:
@@ -131,6 +136,8 @@ class OwedJournal:
     async def rewrite(self) -> None:
         """Write the journal whole (what is owed now), as at start."""
         assert self.path is not None
+        if self.read_only:
+            return
         current = self._owed_lines()
         try:
             await asyncio.to_thread(_rewrite, self.path, current)
@@ -140,7 +147,7 @@ class OwedJournal:
             self._in_file = 2 * len(current) + 10_000  # unknown: the next flush rewrites it
 
     async def mark_clean(self) -> None:
-        if self.path is not None and not self._lines:
+        if self.path is not None and not self.read_only and not self._lines:
             await asyncio.to_thread(_mark_clean, self.path.with_name(CLEAN_NAME))
 
     def tasks(self) -> list[asyncio.Task[None]]:

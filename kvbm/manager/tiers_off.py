@@ -1,10 +1,12 @@
 """Starting the tiers, and turning off one that cannot start when the caller can serve without it.
 
-A daemon whose G3 directory it cannot write (a read-only or full filesystem, a directory not its own) still
-serves G2 and G4: the disk tier is taken out of the tier order (as if ``disk.enabled`` were false), logged loudly,
-and reported as a tier of kind ``off`` with the reason (``kvbm status`` shows it). Only a kind the caller names
-as optional is turned off, and only for a start failure that names the setting (:class:`ConfigError`) or an OS
-error; another process holding the directory (``DiskDirBusy``) still stops the start."""
+A G3 directory the daemon can read but not write (a read-only or immutable filesystem) is not turned off: the disk
+tier starts read-only (:class:`~kvbm.tiers.disk.DiskTier`), so what it holds is still served and still paid to the
+bucket. One that cannot start at all (a directory that cannot be created or read) still lets the daemon serve G2 and
+G4: the disk tier is taken out of the tier order (as if ``disk.enabled`` were false), logged loudly, and reported as
+a tier of kind ``off`` with the reason (``kvbm status`` shows it). Only a kind the caller names as optional is turned
+off, and only for a start failure that names the setting (:class:`ConfigError`) or an OS error; another process
+holding the directory (``DiskDirBusy``) still stops the start."""
 
 from __future__ import annotations
 

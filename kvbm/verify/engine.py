@@ -249,6 +249,11 @@ class Pressure:
                    f"async_save {self.sched.engine.async_save})")
             if kind in ("reset_running", "reset_connector") and RESET_REFUSED in str(e):
                 self.refused.append((time.monotonic(), kind, why))  # asked again after the next steps (run)
+            elif kind == "pause_abort" and RESET_REFUSED in str(e):
+                # The pause aborted every request, only its cache reset was refused: vLLM keeps the blocks of a request
+                # aborted while its async load runs until the connector reports the load, a step later (vLLM's own
+                # limitation, with any connector that loads asynchronously; seed 5006). A weight sync resets again.
+                self.refused.append((time.monotonic(), "reset_connector", why))
             else:
                 self.violations.append({"invariant": "engine_alive", "step": self.step, "request": None,
                                         "detail": why})
