@@ -5,6 +5,7 @@ some seconds; a daemon that cannot start again is a violation."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import signal
 import time
 from collections.abc import Callable
@@ -28,7 +29,9 @@ class Faults:
 
     def heal_due(self, step: int, *, all_: bool = False) -> None:
         for _ in range(2 if all_ else 1):  # a heal may have to wait for another (a filler in an immutable dir)
-            due = sorted((x for x in self.pending if all_ or x[0] <= step), key=lambda x: x[1] != "disk_immutable")
+            # The disk made writable again first: a filler's removal needs it (seed 15006: EROFS).
+            due = sorted((x for x in self.pending if all_ or x[0] <= step),
+                         key=lambda x: x[1] not in ("disk_immutable", "disk_ro"))
             self.pending = [x for x in self.pending if x not in due]
             for _, _what, heal in due:
                 heal()
@@ -96,7 +99,9 @@ class Faults:
     def _unfill(self, filler: Path) -> None:
         try:
             filler.unlink(missing_ok=True)
-        except PermissionError:  # the directory is immutable now (disk_ro): once that is healed
+        except OSError as e:  # the directory is immutable or read-only now (disk_ro): once that is healed
+            if e.errno not in (errno.EPERM, errno.EACCES, errno.EROFS):
+                raise
             self.later(1, "disk_full", lambda: self._unfill(filler))
 
     def op_disk_ro(self, op: Op) -> None:
