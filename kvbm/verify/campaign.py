@@ -28,6 +28,7 @@ def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True, model
               "control_requests": 0, "control_mismatches": 0, "preemptions": 0, "steps": 0}
     explained: dict[str, int] = {}
     hook_max = noise = 0.0
+    sync_max = {"sync_load_max_ms": 0.0, "sync_save_max_ms": 0.0}  # what hook_time leaves out (harness.check)
     harness_errors: list[dict[str, Any]] = []  # seeds the harness could not run (its own parts failed, twice)
     for i, seed in enumerate(seeds):
         family = models[i % len(models)]
@@ -55,6 +56,7 @@ def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True, model
         for k, n in c["blocks_missing_explained"].items():
             explained[k] = explained.get(k, 0) + n
         hook_max = max(hook_max, c.get("hook_step_max_ms", 0.0))
+        sync_max = {k: max(sync_max[k], c.get(k, 0.0)) for k in sync_max}
         noise = max(noise, c.get("max_error_within_tolerance", 0.0))
         bad = sorted({v["invariant"] for v in rep["violations"]})
         echo(f"seed {seed} ({family}): {rep['wall_s']}s, {c['blocks_checked']} blocks checked, {rep['preemptions']} "
@@ -66,7 +68,7 @@ def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True, model
         "wall_s": round(time.monotonic() - t0, 1), "machine": {"cpu": platform.processor() or platform.machine()},
         "operations_planned": planned, "operations_done": done, **totals,
         "blocks_stored_share": None if share is None else round(share, 4), "blocks_missing_explained": explained,
-        "hook_step_max_ms_beyond_sync_loads": hook_max, "block_error_noise_floor": noise,
+        "hook_step_max_ms_beyond_sync_loads": hook_max, **sync_max, "block_error_noise_floor": noise,
         "violations": {name: {"count": len(vs), "seeds": sorted({v["seed"] for v in vs}),
                               "models": sorted({v.get("model", "") for v in vs}), "first": vs[:20]}
                        for name, vs in by_invariant.items()},

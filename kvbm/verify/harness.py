@@ -161,6 +161,13 @@ def check(sched: Schedule, pressure: dict[str, Any], clean: dict[str, Any]) -> d
     worst = hook_excess(pressure.get("hooks", {}), sync_load=not sched.engine.async_load,
                         sync_save=not sched.engine.async_save)
     counts["hook_step_max_ms"] = worst
+    # What hook_time leaves out, shown rather than hidden: a sync load's start_load_kv (waiting on the daemon
+    # included: a daemon stopped mid-load holds the step until the link gives up) and async_save: false's saves.
+    worker = pressure.get("hooks", {}).get("worker", {}).get("hooks", {})
+    counts["sync_load_max_ms"] = worker.get("start_load_kv", {}).get("max_ms", 0.0) if not sched.engine.async_load \
+        else 0.0
+    counts["sync_save_max_ms"] = worker.get("wait_for_save", {}).get("max_ms", 0.0) if not sched.engine.async_save \
+        else 0.0
     if worst > HOOK_BUDGET_MS:
         violations.append({"invariant": "hook_time", "seed": seed, "request": None,
                            "detail": f"a step spent {worst:.1f} ms in the connector's hooks beyond its sync "
