@@ -45,15 +45,7 @@ class DirLock:
             raise ConfigError(f"disk.dir {self.dir}: cannot open its lock file {LOCK_FILE} ({e.strerror}); make the "
                               f"directory writable, point disk.dir (KVBM_DISK_DIR) elsewhere, or set disk.enabled: "
                               f"false") from None
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = self.owner(fd)
-            os.close(fd)
-            raise DiskDirBusy(f"disk directory {self.dir} is in use by another kvbm process ({owner})") from None
-        except BaseException:
-            os.close(fd)
-            raise
+        self._flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         if not shared:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n{_cmdline(os.getpid())}\n".encode(), 0)
@@ -79,8 +71,14 @@ class DirLock:
             return self
         except OSError as e:
             raise ConfigError(f"disk.dir {self.dir}: cannot read its lock file {LOCK_FILE} ({e.strerror})") from None
+        self._flock(fd, fcntl.LOCK_EX)
+        self._fd = fd
+        return self
+
+    def _flock(self, fd: int, mode: int) -> None:
+        """``flock`` without waiting; ``fd`` closed and :class:`DiskDirBusy` naming the holder if it is taken."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             owner = self.owner(fd)
             os.close(fd)
@@ -88,8 +86,6 @@ class DirLock:
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
-        return self
 
     def release(self) -> None:
         if self._fd is not None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
 import time
 
 import numpy as np
 import pytest
 from serve_proc import ServeProc, wait_until
+from tmpfs_mount import mounted_tmpfs
 
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
@@ -371,15 +373,37 @@ def test_disk_eviction_never_drops_a_block_s3_lacks(outage_s3, tmp_path):
 LAYOUT = KVLayout(model="durable", num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_block=64)
 
 
-def daemon_cfg(tmp_path, endpoint: str, srv: EmbeddedS3, prefix: str, *, disk: bool) -> dict:
+def daemon_cfg(tmp_path, endpoint: str, srv: EmbeddedS3, prefix: str, *, disk: bool, disk_dir=None) -> dict:
     return {
         "block_bytes": "64KiB", "device": {"enabled": False}, "host": {"capacity": "1MiB", "pin": False},
-        "disk": {"enabled": disk, "dir": str(tmp_path / "disk"), "capacity": "16MiB", "fsync": False},
+        "disk": {"enabled": disk, "dir": str(disk_dir or tmp_path / "disk"), "capacity": "16MiB", "fsync": False},
         "s3": {"endpoint": endpoint, "bucket": srv.bucket, "prefix": prefix, "access_key": srv.access_key,
                "secret_key": srv.secret_key, **FAST},
         "embedded_s3": {"enabled": False},
         "daemon": {"endpoint": f"ipc://{tmp_path}/d.sock", "events_endpoint": "", "metrics_port": 0},
     }
+
+
+def owe_eight(c, srv: EmbeddedS3, ks: list[BlockKey]) -> None:
+    """Blocks ``ks[:4]`` stored durable with S3 up, then S3 stopped and ``ks[4:]`` (8) acked durable on G3: owed."""
+    assert c.store(ks[:4], [payload(k) for k in ks[:4]], durable=True).durable == 4
+    srv.stop(force=True)
+    ack = c.store(ks[4:], [payload(k) for k in ks[4:]], durable=True)
+    assert ack.stored == 8 and ack.durable == 8  # on G3
+
+
+def all_paid(d: ServeProc, srv: EmbeddedS3, prefix: str, ks: list[BlockKey]) -> dict:
+    """Wait until every block of ``ks`` is in the bucket, the 8 owed ones paid; the daemon's manager stats."""
+
+    def in_s3() -> int:
+        return sum(in_bucket(srv, prefix, k) is not None for k in ks)
+
+    assert wait_until(lambda: in_s3() == len(ks), timeout=60) or in_s3() == len(ks), f"{in_s3()} of {len(ks)} in bucket"
+    with d.client() as c:
+        c.register(LAYOUT, worker_id="w")
+        m = c.stats()["manager"]
+    assert m["owed_paid"] == 8 and m["owed"] == {}, m
+    return m
 
 
 def payload(k: BlockKey) -> np.ndarray:
@@ -565,23 +589,12 @@ def test_blocks_owed_to_s3_when_the_daemon_stopped_reach_it_after_a_restart(outa
     try:
         with d.client() as c:
             c.register(LAYOUT, worker_id="w")
-            assert c.store(ks[:4], [payload(k) for k in ks[:4]], durable=True).durable == 4
-            srv.stop(force=True)
-            ack = c.store(ks[4:], [payload(k) for k in ks[4:]], durable=True)
-            assert ack.stored == 8 and ack.durable == 8  # on G3
+            owe_eight(c, srv, ks)
             assert wait_until(lambda: c.stats()["manager"]["owed"].get("G4") == 8)
         d.stop()
         restart(srv)
         d.start()
-
-        def in_s3() -> int:
-            return sum(in_bucket(srv, prefix, k) is not None for k in ks)
-
-        assert wait_until(lambda: in_s3() == 12, timeout=60) or in_s3() == 12, f"{in_s3()} of 12 in the bucket"
-        with d.client() as c:
-            c.register(LAYOUT, worker_id="w")
-            m = c.stats()["manager"]
-            assert m["owed_resumed"] == 8 and m["owed_paid"] == 8 and m["owed"] == {}
+        assert all_paid(d, srv, prefix, ks)["owed_resumed"] == 8
     finally:
         d.stop()
     assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks)
@@ -600,31 +613,50 @@ def test_blocks_owed_to_s3_when_the_daemon_crashed_reach_it_after_a_restart(outa
     try:
         with d.client() as c:
             c.register(LAYOUT, worker_id="w")
-            assert c.store(ks[:4], [payload(k) for k in ks[:4]], durable=True).durable == 4
-            srv.stop(force=True)
-            ack = c.store(ks[4:], [payload(k) for k in ks[4:]], durable=True)
-            assert ack.stored == 8 and ack.durable == 8  # on G3
+            owe_eight(c, srv, ks)
         time.sleep(0.3)
         d.kill9()
         if journal == "lost":
             (tmp_path / "disk" / ".kvbm-owed.journal").unlink(missing_ok=True)
         restart(srv)
         d.start()
-
-        def in_s3() -> int:
-            return sum(in_bucket(srv, prefix, k) is not None for k in ks)
-
-        assert wait_until(lambda: in_s3() == 12, timeout=60) or in_s3() == 12, f"{in_s3()} of 12 in the bucket"
-        with d.client() as c:
-            c.register(LAYOUT, worker_id="w")
-            m = c.stats()["manager"]
-            assert m["owed_paid"] == 8 and m["owed"] == {}, m
-            if journal == "kept":
-                assert m["owed_resumed"] == 8, m
-            else:
-                assert m["owed_reconciled"] == 8, m
+        m = all_paid(d, srv, prefix, ks)
+        assert m["owed_resumed" if journal == "kept" else "owed_reconciled"] == 8, m
     finally:
         d.stop()
+    assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks)
+
+
+def test_blocks_owed_from_a_g3_that_became_read_only_are_served_and_reach_the_bucket(outage_s3, tmp_path):
+    """Chaos seeds 14020/14065: as above (SIGKILLed with 8 blocks owed from G3), but G3's filesystem becomes read-only
+    before the restart, which comes with S3 still down. G3 is opened read-only (it was turned off: its blocks and its
+    journal never read again): the 8 are served from it meanwhile, and once S3 is back all 12 reach the bucket with
+    their bytes; G3's files are untouched."""
+    srv, prefix = outage_s3, "owed-g3ro"
+    ks = [BlockKey(LAYOUT.namespace, os.urandom(16)) for _ in range(12)]
+    with mounted_tmpfs(tmp_path, "16m") as mnt:
+        d = ServeProc(tmp_path, daemon_cfg(tmp_path, srv.endpoint, srv, prefix, disk=True, disk_dir=mnt / "disk"))
+        try:
+            d.start()
+            with d.client() as c:
+                c.register(LAYOUT, worker_id="w")
+                owe_eight(c, srv, ks)
+                assert wait_until(lambda: c.stats()["manager"]["owed"].get("G4") == 8)
+            time.sleep(0.3)  # the journal has its lines
+            d.kill9()
+            assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode == 0
+            files = sorted((p.name, p.stat().st_mtime_ns) for p in (mnt / "disk").rglob("*") if p.is_file())
+            d.start()
+            with d.client() as c:
+                c.register(LAYOUT, worker_id="w")
+                outs = [np.zeros(LAYOUT.block_nbytes, np.uint8) for _ in ks[4:]]
+                assert c.load(ks[4:], outs) == 8, "G3's blocks are not served"
+                assert all(np.array_equal(o, payload(k)) for o, k in zip(outs, ks[4:], strict=True))
+            restart(srv)
+            all_paid(d, srv, prefix, ks)
+            assert sorted((p.name, p.stat().st_mtime_ns) for p in (mnt / "disk").rglob("*") if p.is_file()) == files
+        finally:
+            d.stop()
     assert all(in_bucket(srv, prefix, k) == block(k, LAYOUT.block_nbytes) for k in ks)
 
 
