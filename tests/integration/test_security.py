@@ -390,7 +390,7 @@ def test_no_secret_in_any_output_of_the_commands(weed_binary, tmp_path):
             assert r.returncode == 0, r.stderr
             outs.append(r.stdout + r.stderr)
     finally:
-        kvbm_cli("s3", "stop", "--config", str(d.cfg_path), env=env)
+        kvbm_cli("s3", "stop", "--timeout", "3", "--config", str(d.cfg_path), env=env)  # weed lingers 15 s on SIGTERM
         d.stop()
     ident = tmp_path / "weed" / "identity.json"
     assert stat.S_IMODE(ident.stat().st_mode) == 0o600

@@ -14,9 +14,10 @@ pytestmark = [pytest.mark.slow, needs("vllm", importlib.util.find_spec("vllm") i
                                       "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")]
 
 
-# (prompt, answer) tokens: a block completed 63 tokens before the end, and one completed by the last step
-# (1,000 + 281 - 1 = 1,280 = 5 blocks of 256): the answer's last block used to be lost (4 of 5 cached).
-@pytest.mark.parametrize("prompt_len,answer", [(1000, 600), (1000, 281)])
+# (prompt, answer) tokens: a block completed 63 tokens before the end (1,000 + 344 - 1 = 1,280 + 63), and one
+# completed by the last step (1,000 + 281 - 1 = 1,280 = 5 blocks of 256): the answer's last block used to be lost
+# (4 of 5 cached).
+@pytest.mark.parametrize("prompt_len,answer", [(1000, 344), (1000, 281)])
 def test_the_next_turn_of_a_conversation_loads_the_answer_too(tmp_path, tiny_model, s3_server, prompt_len, answer):
     daemon = Daemon(tmp_path, s3_server, f"kvbm-chat-{uuid.uuid4().hex[:8]}")
     k = 128 * 1024 // VBLOCK_BYTES  # 2 vLLM blocks of 128 tokens per kvbm block
