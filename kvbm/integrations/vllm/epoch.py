@@ -23,13 +23,29 @@ from kvbm.blocks.layout import KVLayout
 
 
 class WeightsEpoch:
-    """The current epoch of one process's links; ``gen`` counts its changes (a link re-registers on a change)."""
+    """The current epoch of one process's links; ``gen`` counts its changes (a link re-registers on a change).
+
+    The scheduler's or worker's main thread changes it while the links' threads (saves, loads, lookups) read it, so
+    an epoch's ``gen`` and ``tag`` are one tuple, replaced whole: a reader takes :meth:`snapshot` once and never
+    pairs one epoch's generation with the next one's tag (a saver that did registered under the new namespace as
+    the old generation, and stored the old weights' KV there)."""
 
     def __init__(self, weights_version: str | None) -> None:
         self.version = weights_version or ""
         self.resets = 0
-        self.gen = 0
-        self.tag = self._tag()
+        self._state = (0, self._tag())
+
+    @property
+    def gen(self) -> int:
+        return self._state[0]
+
+    @property
+    def tag(self) -> str:
+        return self._state[1]
+
+    def snapshot(self) -> tuple[int, str]:
+        """``(gen, tag)`` of one epoch, read at once."""
+        return self._state
 
     def _tag(self) -> str:
         if self.resets == 0:
@@ -41,21 +57,23 @@ class WeightsEpoch:
     def reset(self) -> str:
         """A new epoch (the scheduler side, on ``reset_cache``); its tag."""
         self.resets += 1
-        self.tag = self._tag()
-        self.gen += 1
-        return self.tag
+        tag = self._tag()
+        self._state = (self._state[0] + 1, tag)
+        return tag
 
     def follow(self, tag: str) -> bool:
         """Take the scheduler's epoch (a worker, from the step's metadata); whether it changed."""
-        if tag == self.tag:
+        gen, current = self._state
+        if tag == current:
             return False
-        self.tag = tag
-        self.gen += 1
+        self._state = (gen + 1, tag)
         return True
 
-    def apply(self, layout: KVLayout) -> KVLayout:
-        """``layout`` named for this epoch (its revision carries the tag; the fingerprint covers the revision)."""
-        if not self.tag:
+    @staticmethod
+    def apply(layout: KVLayout, tag: str) -> KVLayout:
+        """``layout`` named for the epoch of ``tag`` (its revision carries the tag; the fingerprint covers the
+        revision)."""
+        if not tag:
             return layout
-        revision = f"{layout.revision}+{self.tag}" if layout.revision else self.tag
+        revision = f"{layout.revision}+{tag}" if layout.revision else tag
         return msgspec.structs.replace(layout, revision=revision)

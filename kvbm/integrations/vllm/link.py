@@ -66,11 +66,11 @@ class Link:
         except Exception as e:  # a ZeroMQ error (EMFILE, a bad endpoint): this attempt fails, the link stays
             self.fail(e)
             return None
-        gen = self.epoch.gen if self.epoch is not None else -1  # read before the tag: a race re-registers
+        # One epoch's generation and tag, read before the round trips: registered under that tag, the session is
+        # that generation's (a change meanwhile re-registers at the next get, and no save of another is let in).
+        gen, tag = self.epoch.snapshot() if self.epoch is not None else (-1, "")
         try:
-            layout = self.layout_of(self.geometry.resolve(daemon_block_bytes(client)))
-            if self.epoch is not None:
-                layout = self.epoch.apply(layout)
+            layout = WeightsEpoch.apply(self.layout_of(self.geometry.resolve(daemon_block_bytes(client))), tag)
             try:
                 client.register(layout, worker_id=self.worker_id, engine_id=self.engine_id)
             except DaemonError as e:

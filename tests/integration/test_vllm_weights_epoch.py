@@ -1,0 +1,89 @@
+"""A weight update (a new weights epoch) never lets the old weights' KV into the new epoch's namespace, whatever the
+threads' interleaving. Real parts: the connector's worker side (its saver thread and session) against a real daemon.
+
+Found by CI (round 16, ``test_vllm_server.py::test_a_weight_update_through_the_server_never_loads_the_old_weights_kv``:
+the request after ``/pause`` got 768 cached tokens of the old weights). The daemon's log showed the saver's session
+registering under the new epoch's namespace while the first request's saves were still due, then at once again: the
+saver's link had read the epoch's generation, then (after a round trip to the daemon, during which the worker
+followed the new epoch) its tag, so it registered under the new namespace as the old generation, and the save's
+"planned in this generation?" check let the old weights' blocks in."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import pytest
+from needs import needs
+from test_vllm_outage import daemon  # noqa: F401 (the daemon fixture)
+
+from kvbm.blocks import BlockKey
+
+pytestmark = [pytest.mark.slow, needs("vllm", importlib.util.find_spec("vllm") is not None,
+                                      "vLLM not installed (KVBM_EXTRAS=vllm bash scripts/install.sh)")]
+
+NEW_TAG = "reset=0123456789abcdef"
+
+
+def _worker(endpoint: str):
+    """The worker side of TP rank 0 over a 2-layer paged cache of 8 blocks (4 KiB each), k = 1, with the weights
+    epoch the connector gives every engine."""
+    import torch
+
+    from kvbm.blocks.layout import KVLayout
+    from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, WorkerSide
+    from kvbm.integrations.vllm.epoch import WeightsEpoch
+
+    links = Links(endpoint, Geometry(16, 2 * 2048, 1), "epoch-engine", 5.0,
+                  lambda rank, k: KVLayout(model="epoch", num_layers=2, num_kv_heads=1, head_size=32,
+                                           dtype="float16", tp_rank=rank, tokens_per_block=16 * k,
+                                           block_bytes=1 << 20),
+                  epoch=WeightsEpoch(None))
+    w = WorkerSide(ConnectorConfig.parse({"async_save": True, "async_load": True}), links, 0, 8)
+    w.register_kv_caches({f"layer.{i}": torch.full((8, 2048), 7, dtype=torch.uint8) for i in range(2)})
+    return w
+
+
+def test_a_save_of_the_old_weights_never_lands_in_the_new_epoch_while_its_session_registers(daemon, monkeypatch):  # noqa: F811
+    """The saver's session first connects for a save planned before the weight update; while its link asks the
+    daemon for the block size (a round trip), the worker follows the scheduler's new epoch (vLLM's next step).
+    The block must be stored under the old epoch's namespace (its KV is the old weights') or not at all; never
+    under the new one, where the next request would load it."""
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata, link
+
+    w = _worker(daemon.endpoint)
+    old_layout = w._link.layout  # the worker's own session registered at register_kv_caches: the old epoch
+    key = b"e" * 32
+    in_round_trip, followed = threading.Event(), threading.Event()
+    real = link.daemon_block_bytes
+
+    def round_trip_across_the_update(client):  # the saver's first connection: the update lands in its round trip
+        in_round_trip.set()
+        assert followed.wait(30), "the worker never followed the new epoch"
+        return real(client)
+
+    monkeypatch.setattr(link, "daemon_block_bytes", round_trip_across_the_update)
+    try:
+        w.wait_for_save(KvbmConnectorMetadata(k=1, saves=[BlockTransfer("r1", [key], [[2]])]))
+        (job,) = w.saver._jobs["r1"]
+        assert in_round_trip.wait(30), "the saver never connected"
+        w.handle_preemptions(KvbmConnectorMetadata(k=1, weights=NEW_TAG))  # vLLM's next step, after the update
+        assert w.epoch.tag == NEW_TAG
+        followed.set()
+        assert job.future.result(timeout=30) is None
+        monkeypatch.setattr(link, "daemon_block_bytes", real)
+        # The next request's lookup: a session of the new epoch (as the scheduler's, once it reset).
+        reader = _worker(daemon.endpoint)
+        try:
+            reader.epoch.follow(NEW_TAG)
+            client = reader._link.get()
+            assert client is not None and reader._link.layout.namespace != old_layout.namespace
+            leaked = client.lookup([BlockKey(reader._link.layout.namespace, key)]).matched
+        finally:
+            reader.shutdown()
+        assert leaked == 0, "the old weights' block was stored under the new weights epoch"
+        assert w.saver._link.gen == w.epoch.gen or w.saver._link.layout.namespace == old_layout.namespace, \
+            "the saver's session is named for one epoch and counted as another"
+    finally:
+        followed.set()
+        w.shutdown()
