@@ -128,8 +128,9 @@ def _request(rid: str, n_blocks: int, first_token: int):
                    None, block_hasher=kcu.get_request_block_hasher(16, fn))
 
 
-def _worker(endpoint: str, k: int | None, **cfg):
-    """The connector's worker side of TP rank 0 over a 2-layer paged cache of 8 blocks (4 KiB each), k = 1."""
+def _worker(endpoint: str, k: int | None, epoch=None, **cfg):
+    """The connector's worker side of TP rank 0 over a 2-layer paged cache of 8 blocks (4 KiB each), k = 1; its
+    links share ``epoch`` (a ``WeightsEpoch``, as the connector gives every engine) when one is given."""
     import torch
 
     from kvbm.blocks.layout import KVLayout
@@ -139,7 +140,7 @@ def _worker(endpoint: str, k: int | None, **cfg):
     links = Links(endpoint, geometry, "outage-engine", TIMEOUT_S,
                   lambda rank, k: KVLayout(model="outage", num_layers=2, num_kv_heads=1, head_size=32,
                                            dtype="float16", tp_rank=rank, tokens_per_block=16 * k,
-                                           block_bytes=MiB))
+                                           block_bytes=MiB), epoch=epoch)
     w = WorkerSide(ConnectorConfig.parse(cfg), links, 0, 8)
     w.register_kv_caches({f"layer.{i}": torch.zeros(8, 2048, dtype=torch.uint8) for i in range(2)})
     return w

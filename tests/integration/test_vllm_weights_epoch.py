@@ -15,6 +15,7 @@ import threading
 
 import pytest
 from needs import needs
+from test_vllm_outage import _worker as _outage_worker
 from test_vllm_outage import daemon  # noqa: F401 (the daemon fixture)
 
 from kvbm.blocks import BlockKey
@@ -26,22 +27,10 @@ NEW_TAG = "reset=0123456789abcdef"
 
 
 def _worker(endpoint: str):
-    """The worker side of TP rank 0 over a 2-layer paged cache of 8 blocks (4 KiB each), k = 1, with the weights
-    epoch the connector gives every engine."""
-    import torch
-
-    from kvbm.blocks.layout import KVLayout
-    from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, WorkerSide
+    """The outage tests' worker side (k = 1), with the weights epoch the connector gives every engine."""
     from kvbm.integrations.vllm.epoch import WeightsEpoch
 
-    links = Links(endpoint, Geometry(16, 2 * 2048, 1), "epoch-engine", 5.0,
-                  lambda rank, k: KVLayout(model="epoch", num_layers=2, num_kv_heads=1, head_size=32,
-                                           dtype="float16", tp_rank=rank, tokens_per_block=16 * k,
-                                           block_bytes=1 << 20),
-                  epoch=WeightsEpoch(None))
-    w = WorkerSide(ConnectorConfig.parse({"async_save": True, "async_load": True}), links, 0, 8)
-    w.register_kv_caches({f"layer.{i}": torch.full((8, 2048), 7, dtype=torch.uint8) for i in range(2)})
-    return w
+    return _outage_worker(endpoint, 1, epoch=WeightsEpoch(None), async_save=True, async_load=True)
 
 
 def test_a_save_of_the_old_weights_never_lands_in_the_new_epoch_while_its_session_registers(daemon, monkeypatch):  # noqa: F811
