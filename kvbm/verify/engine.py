@@ -41,7 +41,6 @@ class VerifyWorker:
 
     def kvbm_verify_saves_done(self) -> bool:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
-
         saver = getattr(get_kv_transfer_group().worker, "saver", None)
         return saver is None or not saver.pending()
 
@@ -55,8 +54,7 @@ def kvbm_hashes(tokens: list[int], k: int) -> list[bytes]:
     return vllm_block_hashes(tokens[: full * k * VLLM_BLOCK], VLLM_BLOCK, seed=HASH_SEED)[k - 1 :: k]
 
 
-def external_id(request_id: str) -> str:
-    """The harness's request id of vLLM's internal one (vLLM appends ``-<random suffix>``)."""
+def external_id(request_id: str) -> str:  # vLLM appends ``-<random suffix>`` to the harness's request id
     return request_id.rsplit("-", 1)[0]
 
 
@@ -182,7 +180,7 @@ class Pressure:
         self.new_hashes = set()
 
     def _op(self, kind: str, arg: int) -> bool:
-        """Run one op; False: nothing to do now (an abort_loading with no request loading: retried)."""
+        """Run one op; False: nothing to do now (an abort/pause_loading with no request loading: retried)."""
         ev: dict[str, Any] = {"step": self.step, "op": kind}
         if kind == "abort":
             live = self.live()
@@ -190,7 +188,7 @@ class Pressure:
                 return False
             self._abort([live[arg % len(live)]], kind)
             return True
-        if kind == "abort_loading":
+        if kind in ("abort_loading", "pause_loading"):  # pause_loading: a directed schedule's weight sync
             from vllm.v1.request import RequestStatus
 
             loading = sorted(external_id(r) for r, q in self.scheduler.requests.items()
@@ -198,8 +196,10 @@ class Pressure:
             loading = [r for r in loading if r not in self.status]
             if not loading:
                 return False
-            self._abort([loading[arg % len(loading)]], kind)
-            return True
+            if kind == "abort_loading":
+                self._abort([loading[arg % len(loading)]], kind)
+                return True
+            ev["loading"], kind = loading, "pause_abort"  # a pause while these requests' async loads run
         try:
             if kind == "reset_prefix_cache":
                 ev["ok"] = self.eng.reset_prefix_cache()
@@ -250,9 +250,9 @@ class Pressure:
             if kind in ("reset_running", "reset_connector") and RESET_REFUSED in str(e):
                 self.refused.append((time.monotonic(), kind, why))  # asked again after the next steps (run)
             elif kind == "pause_abort" and RESET_REFUSED in str(e):
-                # The pause aborted every request, only its cache reset was refused: vLLM keeps the blocks of a request
-                # aborted while its async load runs until the connector reports the load, a step later (vLLM's own
-                # limitation, with any connector that loads asynchronously; seed 5006). A weight sync resets again.
+                # The pause aborted every request, only its reset was refused: vLLM keeps the blocks of a request
+                # aborted while its async load runs until the connector reports the load, a step later (vLLM's
+                # limitation, with any async-loading connector; test_verify_directed.py). A sync resets again.
                 self.refused.append((time.monotonic(), "reset_connector", why))
             else:
                 self.violations.append({"invariant": "engine_alive", "step": self.step, "request": None,

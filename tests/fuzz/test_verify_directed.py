@@ -49,3 +49,38 @@ def test_a_weight_sync_pause_right_after_aborting_requests_with_saves_goes_throu
     assert report["counts"]["blocks_checked"] > 0, report["counts"]
     broken = [v for v in report["violations"] if v["invariant"] != "hook_time"]
     assert not broken, broken
+
+
+def test_a_weight_sync_pause_while_an_async_load_runs_goes_through_on_a_retry(tmp_path):
+    """A weight sync (``pause_generation(mode="abort", clear_cache=True)``) while a request waits for its async
+    load from kvbm: vLLM keeps an aborted loading request's blocks until the connector reports the load, a step
+    later, so the pause's cache reset may be refused (``Failed to reset KV cache``: vLLM's limitation, with any
+    connector that loads asynchronously). What a weight sync does then, step and reset again, goes through, the
+    engine serves on, and the same prompt after the resume is computed under the new epoch, never loaded from the
+    old one. (Was seed 5006 of test_verify_seeds.py, whose pause met a loading request only on some runs and
+    whose requests were all aborted, so that a loaded machine's run could check no block at all.)"""
+    first = _tokens(3, 600)
+    sched = Schedule(
+        seed=-2, model="llama",
+        engine=Engine(num_gpu_blocks=20, max_num_seqs=4, async_load=True, async_save=True),
+        requests=[Request("r0", 0, first, 5),  # finishes: its blocks must be stored (blocks_stored)
+                  Request("r1", 30, first, 8, reset_before=True),  # vLLM's cache reset: its hit is kvbm's load
+                  Request("r2", 60, first, 8)],  # after the resume: computed under the new epoch
+        ops=[Op(30, "pause_loading", 3)])
+    model = write_model(tmp_path)
+    plain = msgspec.to_builtins(sched)
+    pressure = run_engine(tmp_path, "pressure", {"role": "pressure", "model": model, "schedule": plain})
+    assert "crashed" not in pressure, pressure["crashed"]
+    paused = [e for e in pressure["events"] if e["op"] == "pause_loading"]
+    assert paused and paused[0].get("loading") == ["r1"], pressure["events"]  # the pause met r1's load
+    if "raised" in paused[0]:  # refused: the harness reset again at the next steps, as a weight sync does
+        retried = [e for e in pressure["events"] if e["op"] == "reset_connector" and e.get("ok")]
+        assert retried, pressure["events"]
+    assert pressure["requests"]["r1"]["status"] == "aborted"
+    assert pressure["requests"]["r2"]["status"] == "finished"
+    jobs = {r: {"prompt": q["prompt"], "output": q["output"]} for r, q in pressure["requests"].items()}
+    clean = run_engine(tmp_path, "clean", {"role": "clean", "model": model, "schedule": plain, "jobs": jobs})
+    report = check(sched, pressure, clean)
+    assert report["counts"]["blocks_checked"] > 0, report["counts"]
+    broken = [v for v in report["violations"] if v["invariant"] != "hook_time"]
+    assert not broken, broken

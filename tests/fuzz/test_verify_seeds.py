@@ -39,11 +39,9 @@ SEEDS = [
     # request's blocks are held for kvbm's last saves or a request waits for its async load; the harness steps the
     # engine and asks again, as a weight sync would, and the reset goes through within steps (was xfail).
     pytest.param(21, "llama", id="seed-21-reset-refused-then-retried"),
-    # Round 15's campaign: pause_generation(mode="abort", clear_cache=True) while requests wait for their async loads
-    # raises 'Failed to reset KV cache' (vLLM keeps an aborted loading request's blocks until the connector reports
-    # the load, a step later: vLLM's limitation). The harness steps and resets again, as a weight sync must; the
-    # reset goes through within steps and every invariant holds.
-    pytest.param(5006, "llama", id="seed-5006-pause-while-async-loads-run"),
+    # Seed 5006 (round 15's campaign: a weight sync's pause while requests wait for their async loads) met a loading
+    # request on some runs only, and aborted every request it had: a loaded machine's run checked no block at all
+    # (round 16's CI). test_verify_directed.py holds that contract now, its pause held back until a load runs.
     # Seed 15 (E2: pause_generation(clear_cache) raised 'Failed to reset KV cache' while kvbm held an aborted
     # request's blocks for its saves) was a strict xfail; with aborted requests' blocks freed at once it keeps every
     # invariant but its pause aborts every request it checks: test_verify_directed.py holds that contract instead.
