@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from needs import needs
-from serve_proc import ServeProc
+from serve_proc import ServeProc, wait_until
 
 from kvbm.bench.openai_server import VllmServer, client, free_port, stream_completion, words
 
@@ -89,13 +89,23 @@ def test_openai_server_second_request_from_kvbm(daemon: ServeProc, tmp_path: Pat
         bs = int(cmd[cmd.index("--block-size") + 1])
         k = (128 << 10) // (bs * TINY_TOKEN_BYTES)  # vLLM blocks per kvbm block, as the connector derives it
         kvbm_tokens = (len(PROMPT) - 1) // bs * bs  # full kvbm blocks, then the partial one: to vLLM's block
+        # The saver's session opens at start-up, before any request: the first request's saves do not wait for
+        # its set-up (it opened at the first save, and under load landed after the next request's lookup).
+        assert wait_until(lambda: "-saver-r0-" in daemon.log_path.read_text(), timeout=30), daemon.tail()
 
         async def go() -> list:
             cli = client(srv, timeout_s=300)
             try:
                 first = await stream_completion(cli, srv.model, words(PROMPT), max_tokens=12)
-                srv.reset_prefix_cache()
-                second = await stream_completion(cli, srv.model, words(PROMPT), max_tokens=12)
+                for _ in range(20):
+                    # The lookup does not wait for saves in flight: under load a request sent at once can come
+                    # before the first one's blocks land (a clean-clone run beside a campaign, load ~6: the saver
+                    # registered after the second answer, the lookup gave up at 500 ms). Asked again until then.
+                    srv.reset_prefix_cache()
+                    second = await stream_completion(cli, srv.model, words(PROMPT), max_tokens=12)
+                    if second.cached_tokens == kvbm_tokens:
+                        break
+                    await asyncio.sleep(0.5)
                 return [first, second]
             finally:
                 await cli.close()

@@ -34,7 +34,7 @@ def _worker(endpoint: str):
 
 
 def test_a_save_of_the_old_weights_never_lands_in_the_new_epoch_while_its_session_registers(daemon, monkeypatch):  # noqa: F811
-    """The saver's session first connects for a save planned before the weight update; while its link asks the
+    """The saver's session connects (again) for a save planned before the weight update; while its link asks the
     daemon for the block size (a round trip), the worker follows the scheduler's new epoch (vLLM's next step).
     The block must be stored under the old epoch's namespace (its KV is the old weights') or not at all; never
     under the new one, where the next request would load it."""
@@ -42,11 +42,14 @@ def test_a_save_of_the_old_weights_never_lands_in_the_new_epoch_while_its_sessio
 
     w = _worker(daemon.endpoint)
     old_layout = w._link.layout  # the worker's own session registered at register_kv_caches: the old epoch
+    # The saver's session opened at start-up too; dropped (on its thread: a link is one thread's), as an outage
+    # drops it, so that this save connects it again: where the update can still land in its round trips.
+    w.saver._pool.submit(w.saver._link.close).result(timeout=30)
     key = b"e" * 32
     in_round_trip, followed = threading.Event(), threading.Event()
     real = link.daemon_block_bytes
 
-    def round_trip_across_the_update(client):  # the saver's first connection: the update lands in its round trip
+    def round_trip_across_the_update(client):  # the saver's connection: the update lands in its round trip
         in_round_trip.set()
         assert followed.wait(30), "the worker never followed the new epoch"
         return real(client)

@@ -101,6 +101,12 @@ class Saver:
         self._finishing: set[str] = set()
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # the saves' own CUDA stream
 
+    def warm(self) -> None:
+        """Open the saver's session now, on its thread (a link is used from one thread), not at the first save:
+        the first request's saves then do not wait for the session's set-up round trips."""
+        if self.enabled:
+            self._pool.submit(self._link.get)
+
     def pending(self) -> bool:
         self._unreported = [j for j in self._unreported if not j.future.done()]
         return bool(self._unreported) or any(not j.future.done() for jobs in self._jobs.values() for j in jobs)

@@ -71,6 +71,7 @@ class WorkerSide:
             log.info("kvbm: engine block is %d B, layout arithmetic says %d B; storing the engine's bytes",
                      per_block, computed)
         client = self._link.get()  # at startup: a configuration error shows now, not at the first request
+        self.saver.warm()
         if client is not None and client.registered is not None and self._block_bytes > client.registered.slot_bytes:
             # k came from the layout arithmetic; the engine's real blocks are bigger and overflow a slot.
             slot = client.registered.slot_bytes
