@@ -60,12 +60,17 @@ class SlotHandlers:
             raise Handled(p.E_BAD_REQUEST, f"nbytes {msg.nbytes} outside (0, {slot_bytes}]")
         t0 = time.perf_counter()
         keys = msg.keys()
-        need = self.manager.store_need(keys, TierName.G2)
-        if why := self.sessions.no_room(w, need):
-            raise Handled(p.E_FULL, why)
-        self.sessions.reserve(w, need)  # counted while we wait for room: a concurrent request sees it
+        need = 0
+
+        def admit(n: int) -> None:  # the slots the store would take, before it waits for room
+            nonlocal need
+            if why := self.sessions.no_room(w, n):
+                raise Handled(p.E_FULL, why)
+            self.sessions.reserve(w, n)  # counted while we wait for room: a concurrent request sees it
+            need = n
+
         try:
-            slots = await self.manager.prepare_store(keys, msg.nbytes, TierName.G2)
+            slots = await self.manager.prepare_store(keys, msg.nbytes, TierName.G2, admit)
         finally:
             self.sessions.unreserve(w, need)
             self.stats.offload_seconds += time.perf_counter() - t0

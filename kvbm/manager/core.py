@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -214,19 +214,16 @@ class BlockManager:
         return started
 
     # -- external stores (a worker copies into G2 slots itself; kvbm.manager.external) --------------------------
-    async def prepare_store(self, keys: Sequence[BlockKey], nbytes: int,
-                            tier: str = TierName.G2) -> list[int | None]:
+    async def prepare_store(self, keys: Sequence[BlockKey], nbytes: int, tier: str = TierName.G2,
+                            admit: Callable[[int], None] | None = None) -> list[int | None]:
         """Reserve a slot in pool tier ``tier`` for each key; None for keys already stored there or being
-        stored right now (another worker's prepared store, a prefetch or a cascade copying it in).
+        stored right now (another worker's prepared store, a prefetch or a cascade copying it in). ``admit(n)``
+        hears how many slots that is before room is made (a caller's budget check: it may raise).
 
         The caller fills the slots (e.g. a GPU worker copying through shared memory) and then calls
         :meth:`complete_store`. Slots stay reserved, and out of eviction's reach, until then.
         """
-        return await self.external.prepare(keys, nbytes, tier)
-
-    def store_need(self, keys: Sequence[BlockKey], tier: str = TierName.G2) -> int:
-        """At most how many slots :meth:`prepare_store` of ``keys`` would reserve now."""
-        return self.external.wanted(keys, tier)
+        return await self.external.prepare(keys, nbytes, tier, admit)
 
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True,
                        partial: bool = False) -> int:

@@ -36,33 +36,25 @@ class ExternalStores:
             raise KvbmError(f"{tier} is not a slot pool")
         return pool
 
-    def wanted(self, keys: Sequence[BlockKey], tier: str) -> int:
-        """How many slots :meth:`prepare` of ``keys`` would hand out now, at most (the distinct keys not held
-        in ``tier`` nor being stored there)."""
-        pool = self._pool(tier)
-        prepared, pending = self._prepared, pool.is_pending
-        return len({k for k, held in zip(keys, self.s.registry.holding(tier, keys), strict=True)
-                    if not held and k not in prepared and not pending(k)})
-
-    async def prepare(self, keys: Sequence[BlockKey], nbytes: int, tier: str) -> list[int | None]:
+    async def prepare(self, keys: Sequence[BlockKey], nbytes: int, tier: str,
+                      admit: Callable[[int], None] | None = None) -> list[int | None]:
         """A reserved slot per key; None for keys already stored there or being stored right now (another
         worker's prepared store, a prefetch or a cascade copying it in, or an earlier copy in this batch).
-        Room is made once for the whole batch (one reservation, one eviction pass), not per block."""
+        Room is made once for the whole batch (one reservation, one eviction pass), not per block. ``admit(n)``
+        is told how many slots it is about to reserve, before it waits for room (it may raise: nothing is held)."""
         pool = self._pool(tier)
         fp = pool.footprint(nbytes)
         slots: list[int | None] = [None] * len(keys)
-        todo: dict[BlockKey, int] = {}  # key -> its first index in ``keys``
-        prepared, pending = self._prepared, pool.is_pending
-        # A block being moved in (a prefetch) is the worker's to store if the move fails: wait for it (bounded).
-        moves = {f for k in keys if k not in prepared and pending(k) and (f := self._moving(k, tier)) is not None}
-        if moves:
+        todo, moves = self._todo(keys, tier, pool)
+        if moves:  # a block being moved in (a prefetch) is the worker's to store if the move fails: wait (bounded)
             await asyncio.wait([asyncio.shield(f) for f in moves], timeout=MOVE_WAIT_S)
-        for i, (key, held) in enumerate(zip(keys, self.s.registry.holding(tier, keys), strict=True)):
-            if not held and key not in todo and key not in prepared and not pending(key):
-                todo[key] = i
+            todo, _ = self._todo(keys, tier, pool)
+        if admit is not None:
+            admit(len(todo))
         if not todo:
             return slots
         await self.room.reserve(pool, fp * len(todo))
+        prepared, pending = self._prepared, pool.is_pending
         unused = len(todo)  # reservations not (yet) owned by a prepared slot
         try:
             await self.room.free_a_slot(pool, len(todo))
@@ -79,6 +71,22 @@ class ExternalStores:
         finally:
             self.room.unreserve(pool, fp * unused)
         return slots
+
+    def _todo(self, keys: Sequence[BlockKey], tier: str,
+              pool: SlotPoolTier) -> tuple[dict[BlockKey, int], set[asyncio.Future[bool]]]:
+        """One pass over ``keys``: the distinct ones to hand a slot (key -> its first index), and the moves into
+        ``tier`` under way of those being stored there now."""
+        todo: dict[BlockKey, int] = {}
+        moves: set[asyncio.Future[bool]] = set()
+        prepared, pending = self._prepared, pool.is_pending
+        for i, (key, held) in enumerate(zip(keys, self.s.registry.holding(tier, keys), strict=True)):
+            if held or key in todo or key in prepared:
+                continue
+            if not pending(key):
+                todo[key] = i
+            elif (f := self._moving(key, tier)) is not None:
+                moves.add(f)
+        return todo, moves
 
     def complete(self, keys: Sequence[BlockKey], ok: bool = True, *, cascade: bool = True,
                  partial: bool = False) -> int:
