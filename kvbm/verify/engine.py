@@ -25,24 +25,16 @@ import numpy as np
 
 from kvbm.verify.daemon import VerifyDaemon
 from kvbm.verify.schedule import VLLM_BLOCK, Schedule
+from kvbm.verify.settle import settle
 
 HASH_SEED = "0"  # PYTHONHASHSEED of the engine: vLLM's block hashes depend on it
 MAX_STEPS = 4000
 STUCK_S = 60.0  # a schedule that has not drained after this long has a stuck request (they take ~10 s)
-# vLLM refuses a reset with running requests (raises) while blocks stay held after it preempted them all: requests
-# waiting for an async load, a finished request's blocks kept for its last saves. What a caller (an RL framework's
-# weight sync) does then: keep stepping the engine and ask again. Still refused after this long is a violation.
+# vLLM refuses a reset with running requests (raises) while blocks stay held after it preempted them all (requests
+# waiting for an async load): a weight sync keeps stepping and asks again. Still refused after this: a violation.
 RESET_REFUSED = "Failed to reset KV cache"
 RESET_RETRY_S = 20.0
-
-
-class VerifyWorker:
-    """vLLM worker extension: whether every save the connector's worker side started has finished."""
-
-    def kvbm_verify_saves_done(self) -> bool:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-        saver = getattr(get_kv_transfer_group().worker, "saver", None)
-        return saver is None or not saver.pending()
+RETRY_STEPS = {"pause_loading": 2000}  # how long an op with nothing to do yet is retried (else 20 steps)
 
 
 def kvbm_hashes(tokens: list[int], k: int) -> list[bytes]:
@@ -67,21 +59,9 @@ def make_llm(model: str, sched: Schedule, daemon: VerifyDaemon, load: bool) -> A
     blocks = eng.num_gpu_blocks if load else 64  # the clean engine runs one request at a time, no pressure
     return LLM(model=model, enforce_eager=True, enable_prefix_caching=True, skip_tokenizer_init=True,
                dtype="float32", seed=0, max_model_len=eng.max_model_len, max_num_seqs=eng.max_num_seqs,
-               num_gpu_blocks_override=blocks, worker_extension_cls="kvbm.verify.engine.VerifyWorker",
+               num_gpu_blocks_override=blocks, worker_extension_cls="kvbm.verify.settle.VerifyWorker",
                kv_transfer_config={"kv_connector": "KvbmConnector", "kv_role": "kv_both",
                                    "kv_connector_extra_config": conn})
-
-
-def settle(llm: Any, timeout_s: float = 60.0) -> bool:
-    """Step until the saves are in the daemon and no request holds blocks; whether that happened."""
-    core = llm.llm_engine.engine_core.engine_core
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(llm.collective_rpc("kvbm_verify_saves_done")) and not core.scheduler.has_requests():
-            return True
-        llm.llm_engine.step()
-        time.sleep(0.02)
-    return False
 
 
 class Pressure:
@@ -194,7 +174,8 @@ class Pressure:
             loading = sorted(external_id(r) for r, q in self.scheduler.requests.items()
                              if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
             loading = [r for r in loading if r not in self.status]
-            if not loading:
+            if not loading:  # retried (run): a directed pause for RETRY_STEPS, 10 ms or more each
+                time.sleep(0.01 if kind == "pause_loading" else 0)
                 return False
             if kind == "abort_loading":
                 self._abort([loading[arg % len(loading)]], kind)
@@ -214,6 +195,8 @@ class Pressure:
                 self._abort(self.live(), "pause_abort")
                 self.core.pause_scheduler(mode="abort", clear_cache=True)
                 self._reset_epoch()
+            elif kind == "settle":  # a directed schedule's barrier: the saves so far are in the daemon, none running
+                ev["ok"] = settle(self.llm, 30.0)
             elif kind == "pause_keep":
                 self.pending.append((self.step + arg, "resume"))
                 self.core.pause_scheduler(mode="keep", clear_cache=False)
@@ -287,8 +270,8 @@ class Pressure:
                 todo.remove(req)
             for item in [o for o in ops if o[0] <= self.step]:
                 ops.remove(item)
-                if not self._op(item[1], item[2]) and self.step - item[0] < 20:
-                    ops.append(item)  # retried at the next steps (an abort_loading waits for a load)
+                if not self._op(item[1], item[2]) and self.step - item[0] < RETRY_STEPS.get(item[1], 20):
+                    ops.append(item)  # retried at the next steps (an abort/pause_loading waits for a load)
             for item in [p for p in self.pending if p[0] <= self.step]:
                 self.pending.remove(item)
                 self._op(item[1], 0)

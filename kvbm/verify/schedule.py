@@ -39,9 +39,8 @@ class Op(msgspec.Struct, frozen=True):
 
 OP_KINDS = ("abort", "abort_loading", "reset_prefix_cache", "reset_running", "reset_connector", "pause_abort",
             "pause_keep", "daemon_stop", "daemon_kill")
-# Directed schedules only (never drawn, so every seed keeps its schedule): a pause_abort held back until a request
-# waits for its async load.
-DIRECTED_KINDS = ("pause_loading",)
+# Directed schedules also have (never drawn, so every seed keeps its schedule) pause_loading, a pause_abort held back
+# until a request waits for its async load, and settle, which steps until the saves so far are in the daemon.
 
 
 class Engine(msgspec.Struct, frozen=True):

@@ -64,15 +64,17 @@ def test_a_weight_sync_pause_while_an_async_load_runs_goes_through_on_a_retry(tm
         seed=-2, model="llama",
         engine=Engine(num_gpu_blocks=20, max_num_seqs=4, async_load=True, async_save=True),
         requests=[Request("r0", 0, first, 5),  # finishes: its blocks must be stored (blocks_stored)
-                  Request("r1", 30, first, 8, reset_before=True),  # vLLM's cache reset: its hit is kvbm's load
-                  Request("r2", 60, first, 8)],  # after the resume: computed under the new epoch
-        ops=[Op(30, "pause_loading", 3)])
+                  # vLLM's cache reset first: r1's hit is kvbm's (its load), r0's saves being in the daemon (settle)
+                  Request("r1", 11, first, 8, reset_before=True),
+                  # r1's prompt again once the pause aborted it, and after the resume: computed under the new epoch
+                  Request("r2", 16, _tokens(4, 20), 8, follow_up_of="r1")],
+        ops=[Op(10, "settle"), Op(11, "pause_loading", 3)])
     model = write_model(tmp_path)
     plain = msgspec.to_builtins(sched)
     pressure = run_engine(tmp_path, "pressure", {"role": "pressure", "model": model, "schedule": plain})
     assert "crashed" not in pressure, pressure["crashed"]
     paused = [e for e in pressure["events"] if e["op"] == "pause_loading"]
-    assert paused and paused[0].get("loading") == ["r1"], pressure["events"]  # the pause met r1's load
+    assert paused and paused[0].get("loading") == ["r1"], (pressure["events"], pressure["requests"]["r1"])
     if "raised" in paused[0]:  # refused: the harness reset again at the next steps, as a weight sync does
         retried = [e for e in pressure["events"] if e["op"] == "reset_connector" and e.get("ok")]
         assert retried, pressure["events"]

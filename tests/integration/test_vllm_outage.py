@@ -143,6 +143,7 @@ def _worker(endpoint: str, k: int | None, epoch=None, **cfg):
                                            block_bytes=MiB), epoch=epoch)
     w = WorkerSide(ConnectorConfig.parse(cfg), links, 0, 8)
     w.register_kv_caches({f"layer.{i}": torch.zeros(8, 2048, dtype=torch.uint8) for i in range(2)})
+    w.saver._pool.submit(lambda: None).result(timeout=60)  # the saver's session, opened on its thread, is open
     return w
 
 
