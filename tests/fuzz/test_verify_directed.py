@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -22,6 +23,25 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randint(*VOCAB) for _ in range(n)]
 
 
+def _run(sched: Schedule, tmp_path) -> tuple[dict, Callable[[], None]]:
+    """The schedule's pressured engine (its result), and the check of its blocks and tokens against a clean engine's
+    (every invariant but hook time; at least one block checked), to call once the test's own asserts passed."""
+    model = write_model(tmp_path)
+    plain = msgspec.to_builtins(sched)
+    pressure = run_engine(tmp_path, "pressure", {"role": "pressure", "model": model, "schedule": plain})
+    assert "crashed" not in pressure, pressure["crashed"]
+
+    def checked() -> None:
+        jobs = {r: {"prompt": q["prompt"], "output": q["output"]} for r, q in pressure["requests"].items()}
+        clean = run_engine(tmp_path, "clean", {"role": "clean", "model": model, "schedule": plain, "jobs": jobs})
+        report = check(sched, pressure, clean)
+        assert report["counts"]["blocks_checked"] > 0, report["counts"]
+        broken = [v for v in report["violations"] if v["invariant"] != "hook_time"]
+        assert not broken, broken
+
+    return pressure, checked
+
+
 def test_a_weight_sync_pause_right_after_aborting_requests_with_saves_goes_through(tmp_path):
     """``pause_generation(mode="abort", clear_cache=True)``, an RL weight sync, in vLLM's in-process engine:
     it aborts every request and resets the prefix cache at once, without a step in between. kvbm held an
@@ -36,19 +56,11 @@ def test_a_weight_sync_pause_right_after_aborting_requests_with_saves_goes_throu
         requests=[Request("r0", 0, first, 5), Request("r1", 0, long, 150),  # r1 is decoding at the pause
                   Request("r2", 30, first, 8)],
         ops=[Op(14, "pause_abort", 3)])
-    model = write_model(tmp_path)
-    plain = msgspec.to_builtins(sched)
-    pressure = run_engine(tmp_path, "pressure", {"role": "pressure", "model": model, "schedule": plain})
-    assert "crashed" not in pressure, pressure["crashed"]
+    pressure, checked = _run(sched, tmp_path)
     paused = [e for e in pressure["events"] if e["op"] == "pause_abort" and "requests" not in e]
     assert paused and "raised" not in paused[0], paused  # was: RuntimeError('Failed to reset KV cache ...')
     assert pressure["requests"]["r1"]["status"] == "aborted"
-    jobs = {r: {"prompt": q["prompt"], "output": q["output"]} for r, q in pressure["requests"].items()}
-    clean = run_engine(tmp_path, "clean", {"role": "clean", "model": model, "schedule": plain, "jobs": jobs})
-    report = check(sched, pressure, clean)
-    assert report["counts"]["blocks_checked"] > 0, report["counts"]
-    broken = [v for v in report["violations"] if v["invariant"] != "hook_time"]
-    assert not broken, broken
+    checked()
 
 
 def test_a_weight_sync_pause_while_an_async_load_runs_goes_through_on_a_retry(tmp_path):
@@ -69,10 +81,7 @@ def test_a_weight_sync_pause_while_an_async_load_runs_goes_through_on_a_retry(tm
                   # r1's prompt again once the pause aborted it, and after the resume: computed under the new epoch
                   Request("r2", 16, _tokens(4, 20), 8, follow_up_of="r1")],
         ops=[Op(10, "settle"), Op(11, "pause_loading", 3)])
-    model = write_model(tmp_path)
-    plain = msgspec.to_builtins(sched)
-    pressure = run_engine(tmp_path, "pressure", {"role": "pressure", "model": model, "schedule": plain})
-    assert "crashed" not in pressure, pressure["crashed"]
+    pressure, checked = _run(sched, tmp_path)
     paused = [e for e in pressure["events"] if e["op"] == "pause_loading"]
     assert paused and paused[0].get("loading") == ["r1"], (pressure["events"], pressure["requests"]["r1"])
     if "raised" in paused[0]:  # refused: the harness reset again at the next steps, as a weight sync does
@@ -80,9 +89,4 @@ def test_a_weight_sync_pause_while_an_async_load_runs_goes_through_on_a_retry(tm
         assert retried, pressure["events"]
     assert pressure["requests"]["r1"]["status"] == "aborted"
     assert pressure["requests"]["r2"]["status"] == "finished"
-    jobs = {r: {"prompt": q["prompt"], "output": q["output"]} for r, q in pressure["requests"].items()}
-    clean = run_engine(tmp_path, "clean", {"role": "clean", "model": model, "schedule": plain, "jobs": jobs})
-    report = check(sched, pressure, clean)
-    assert report["counts"]["blocks_checked"] > 0, report["counts"]
-    broken = [v for v in report["violations"] if v["invariant"] != "hook_time"]
-    assert not broken, broken
+    checked()
