@@ -25,8 +25,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 PRELOAD = ("vllm", "vllm.v1.engine.core", "vllm.v1.engine.llm_engine", "vllm.v1.worker.cpu_worker",
            "vllm.v1.worker.cpu_model_runner", "kvbm.integrations.vllm.connector")
@@ -47,6 +48,10 @@ class Zygote:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvbm.verify.zygote", *preload],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                                          text=True, bufsize=1)
+        # The replies are read from the pipe's fd into this buffer, never through a buffered reader: a reader
+        # takes both of a quick run's lines ({"pid"} and {"rc"}) at once, and select() then waits on an empty
+        # pipe for the line it already holds (a clean-clone run: the harness-error test hung 900 s).
+        self._replies = b""
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -58,22 +63,29 @@ class Zygote:
         req = {"target": target, "args": args, "log": str(log), "env": env}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
-        pid = int(self._read(self.proc.stdout, 300)["pid"])  # the first run waits for the zygote's imports
+        pid = int(self._read(300)["pid"])  # the first run waits for the zygote's imports
         try:
-            return int(self._read(self.proc.stdout, timeout_s)["rc"])
+            return int(self._read(timeout_s)["rc"])
         except TimeoutError:
             os.kill(pid, signal.SIGKILL)
-            self._read(self.proc.stdout, 30)
+            self._read(30)
             raise subprocess.TimeoutExpired([target, *args], timeout_s) from None
 
-    def _read(self, stream: IO[str], timeout_s: float) -> dict[str, Any]:
-        ready, _, _ = select.select([stream], [], [], timeout_s)
-        if not ready:
-            raise TimeoutError(f"the zygote said nothing in {timeout_s:.0f} s")
-        line = stream.readline()
-        if not line:
-            raise RuntimeError(f"the zygote exited (status {self.proc.wait()}):\n"
-                               + self.log.read_text(errors="replace")[-4000:])
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        """The zygote's next reply line."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._replies:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"the zygote said nothing in {timeout_s:.0f} s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the zygote exited (status {self.proc.wait()}):\n"
+                                   + self.log.read_text(errors="replace")[-4000:])
+            self._replies += chunk
+        line, self._replies = self._replies.split(b"\n", 1)
         return json.loads(line)
 
     def close(self) -> None:
