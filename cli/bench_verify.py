@@ -46,8 +46,8 @@ def verify_cmd(seeds: int, first_seed: int, seed_list: str | None, no_faults: bo
     click.echo(f"{report['schedules']} schedules, {report['blocks_checked']} blocks checked, "
                f"{report['hit_requests']} requests after a kvbm hit, blocks stored "
                f"{report['blocks_stored_share']}, hook max {report['hook_step_max_ms_beyond_sync_loads']} ms "
-               f"(not counted in it: a sync load's step up to {report['sync_load_max_ms']} ms, a sync save's up to "
-               f"{report['sync_save_max_ms']} ms)")
+               f"(copies left out; with them, a sync load's step up to {report['sync_load_max_ms']} ms, a sync "
+               f"save's up to {report['sync_save_max_ms']} ms)")
     for name, v in bad.items():
         click.echo(f"  {name}: {v['count']} (seeds {v['seeds']})")
     if report["harness_errors"]:  # not the connector's: the seeds did not run (named, so a campaign is not short)

@@ -28,7 +28,7 @@ def run_campaign(seeds: Iterable[int], root: Path, *, faults: bool = True, model
               "control_requests": 0, "control_mismatches": 0, "preemptions": 0, "steps": 0}
     explained: dict[str, int] = {}
     hook_max = noise = 0.0
-    sync_max = {"sync_load_max_ms": 0.0, "sync_save_max_ms": 0.0}  # what hook_time leaves out (harness.check)
+    sync_max = {"sync_load_max_ms": 0.0, "sync_save_max_ms": 0.0}  # those hooks, copies included
     harness_errors: list[dict[str, Any]] = []  # seeds the harness could not run (its own parts failed, twice)
     for i, seed in enumerate(seeds):
         family = models[i % len(models)]

@@ -9,8 +9,8 @@
    for token (greedy, float32). Requests without a hit are the control: their mismatches measure the noise.
 4. ``blocks_stored``: every full block of a finished request is stored, unless a counted reason explains it
    (the daemon was stopped or killed, a connector reset started a new epoch, the connector degraded).
-5. ``hook_time``: the most a step spent in the connector's hooks, less a synchronous load's own copy (and the
-   synchronous saves ``async_save: false`` asks for), is at most 5 ms (the hook-time histograms the connector
+5. ``hook_time``: the most a step spent in the connector's hooks, less its own copies (a synchronous load's into
+   vLLM's blocks, ``async_save: false``'s out of them), is at most 5 ms (the hook-time histograms the connector
    writes under ``KVBM_HOOK_TIMES_DIR``).
 Plus ``stale_after_reset`` (checked in the engine process): no load after ``reset_prefix_cache(reset_connector=
 True)`` or a clearing pause serves a block stored before it.
@@ -158,11 +158,10 @@ def check(sched: Schedule, pressure: dict[str, Any], clean: dict[str, Any]) -> d
         else:
             counts["control_requests"] += 1
             counts["control_mismatches"] += r["output"] != want
-    worst = hook_excess(pressure.get("hooks", {}), sync_load=not sched.engine.async_load,
-                        sync_save=not sched.engine.async_save)
+    worst = hook_excess(pressure.get("hooks", {}))
     counts["hook_step_max_ms"] = worst
-    # What hook_time leaves out, shown rather than hidden: a sync load's start_load_kv (waiting on the daemon
-    # included: a daemon stopped mid-load holds the step until the link gives up) and async_save: false's saves.
+    # Shown beside hook_time: the slowest sync load's start_load_kv and async_save: false's wait_for_save, copies
+    # included (hook_time leaves the copies out, not what they wait on).
     worker = pressure.get("hooks", {}).get("worker", {}).get("hooks", {})
     counts["sync_load_max_ms"] = worker.get("start_load_kv", {}).get("max_ms", 0.0) if not sched.engine.async_load \
         else 0.0
@@ -176,18 +175,14 @@ def check(sched: Schedule, pressure: dict[str, Any], clean: dict[str, Any]) -> d
             "events": pressure.get("events", [])}
 
 
-def hook_excess(hooks: dict[str, Any], sync_load: bool, sync_save: bool = False) -> float:
-    """The slowest step's hook time on either side, less (with sync loads) the slowest load copy and (with
-    ``async_save: false``, whose saves the option puts on the engine's thread, round trips and all) the slowest
-    save: an upper bound of the time beyond them (the histograms keep maxima per hook, not per step)."""
+def hook_excess(hooks: dict[str, Any]) -> float:
+    """The slowest step's hook time on either side, less that step's own copies on the worker's side (a
+    synchronous load's into vLLM's blocks, ``async_save: false``'s out of them: the connector counts them); a
+    daemon round trip is not a copy."""
     worst = 0.0
     for side, h in hooks.items():
-        step = h["step"]["max_ms"]
-        if side == "worker" and sync_load:
-            step -= h["hooks"].get("start_load_kv", {}).get("max_ms", 0.0)
-        if side == "worker" and sync_save:
-            step -= h["hooks"].get("wait_for_save", {}).get("max_ms", 0.0)
-        worst = max(worst, step)
+        step = h.get("step_beyond_copies", h["step"]) if side == "worker" else h["step"]
+        worst = max(worst, step["max_ms"])
     return round(worst, 3)
 
 

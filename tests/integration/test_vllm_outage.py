@@ -128,19 +128,23 @@ def _request(rid: str, n_blocks: int, first_token: int):
                    None, block_hasher=kcu.get_request_block_hasher(16, fn))
 
 
+def _layout(rank: int, k: int):
+    """The KV layout :func:`_worker`'s rank ``rank`` stores kvbm blocks of ``k`` vLLM blocks under."""
+    from kvbm.blocks.layout import KVLayout
+
+    return KVLayout(model="outage", num_layers=2, num_kv_heads=1, head_size=32, dtype="float16", tp_rank=rank,
+                    tokens_per_block=16 * k, block_bytes=MiB)
+
+
 def _worker(endpoint: str, k: int | None, epoch=None, **cfg):
     """The connector's worker side of TP rank 0 over a 2-layer paged cache of 8 blocks (4 KiB each), k = 1; its
     links share ``epoch`` (a ``WeightsEpoch``, as the connector gives every engine) when one is given."""
     import torch
 
-    from kvbm.blocks.layout import KVLayout
     from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, WorkerSide
 
     geometry = Geometry(16, 2 * 2048, k)  # k None: unknown until a link reaches the daemon
-    links = Links(endpoint, geometry, "outage-engine", TIMEOUT_S,
-                  lambda rank, k: KVLayout(model="outage", num_layers=2, num_kv_heads=1, head_size=32,
-                                           dtype="float16", tp_rank=rank, tokens_per_block=16 * k,
-                                           block_bytes=MiB), epoch=epoch)
+    links = Links(endpoint, geometry, "outage-engine", TIMEOUT_S, _layout, epoch=epoch)
     w = WorkerSide(ConnectorConfig.parse(cfg), links, 0, 8)
     w.register_kv_caches({f"layer.{i}": torch.zeros(8, 2048, dtype=torch.uint8) for i in range(2)})
     w.saver._pool.submit(lambda: None).result(timeout=60)  # the saver's session, opened on its thread, is open
@@ -466,6 +470,121 @@ def test_a_stopped_daemon_never_holds_a_step_through_its_saves(daemon):
         assert (buf[:4096] == 5).all(), "the preempted request's save stored bytes the next forward wrote"
     finally:
         w.shutdown()
+
+
+def test_a_sync_save_copies_its_blocks_out_and_never_waits_on_a_stopped_daemon(daemon):
+    """``async_save: false`` saved on the engine's thread, PrepareStore and CommitStore round trips included: a
+    SIGSTOPped daemon held the step for the link's timeout (2 s in the verify harness, seed 5074). Now the step
+    copies the saves' blocks out of vLLM's (staged) and the saver's thread writes them once the daemon answers:
+    the step waits on nothing, and what is stored is what the blocks held then, not the next forward's bytes."""
+    import os
+    import signal
+
+    import torch
+
+    from kvbm.blocks import BlockKey
+    from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
+
+    w = _worker(daemon.endpoint, 1, async_load=False, async_save=False)
+    caches = {f"layer.{i}": torch.full((8, 2048), 5, dtype=torch.uint8) for i in range(2)}
+    w.register_kv_caches(caches)
+    w.saver._pool.submit(lambda: None).result(timeout=60)
+    pid = daemon.proc.pid
+    key = b"q" * 32
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            step = KvbmConnectorMetadata(k=1, saves=[BlockTransfer("r1", [key], [[3]])])
+            t0 = time.monotonic()
+            w.wait_for_save(step)
+            held = time.monotonic() - t0
+            for cache in caches.values():  # the next forward: another request's KV in that block
+                cache[3].fill_(9)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert held < HOOK_S / 4, f"the step's sync save waited {held:.2f}s on the stopped daemon"
+        assert wait_until(lambda: not w.saver.pending(), timeout=30)
+        with daemon.client() as c:
+            c.register(w._link.layout, worker_id="reader")
+            buf = np.zeros(c.registered.slot_bytes, np.uint8)
+            assert c.load([BlockKey(w._link.layout.namespace, key)], [buf]) == 1, f"the save: {w.stats}"
+        assert (buf[:4096] == 5).all(), "the sync save stored bytes the next forward wrote"
+    finally:
+        w.shutdown()
+
+
+def test_a_sync_load_copies_what_the_lookup_pinned_and_never_waits_on_a_stopped_daemon(daemon):
+    """A synchronous load (the CPU engine's default) runs on the engine's step, before the forward. It used to
+    Onboard there: a daemon SIGSTOPped between the lookup and the step held that step for the link's timeout (10 s
+    here, 2 s by default), and a hit from disk or S3 held it while the blocks came up. Now the scheduler's lookup
+    thread pins the blocks before vLLM schedules the request, the load names their G2 slots, and the step only
+    copies: the stored bytes, at memory speed, with the daemon stopped. The pins go once the worker says the step
+    ran. A hit longer than the pin window (half of this 4-slot G2) pins its head and brings the rest up as before."""
+    import os
+    import signal
+
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, SchedulerSide
+
+    w = _worker(daemon.endpoint, 1, async_load=False, async_save=True)
+    cfg = ConnectorConfig.parse({"timeout_s": TIMEOUT_S, "async_load": False, "lookup_wait_ms": 10_000})
+    sched = SchedulerSide(cfg, Links(daemon.endpoint, Geometry(16, 4096, 1), "outage-engine", TIMEOUT_S, _layout),
+                          [0])
+    pid = daemon.proc.pid
+    try:
+        meta = _planned_load(daemon, w, sched, _request("pinned", 2, 700), (5, 6, 1), fill=10)
+        (load,) = meta.loads
+        assert len(load.pins[0][1]) == 2, f"the load names no pinned slots: {load}"
+        assert _stats(daemon)["daemon"]["pins"] == 2
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            held = _connector_hook(w, "start_load_kv", meta)
+            errors = w.get_block_ids_with_load_errors()
+            done = w.worker_meta()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert held < HOOK_S / 4, f"the step's load waited {held:.2f}s on the stopped daemon"
+        assert errors == set(), f"blocks {errors} did not load"
+        _assert_loaded(w, (5, 6), fill=10)
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=done))
+        assert wait_until(lambda: _stats(daemon)["daemon"]["pins"] == 0, timeout=10), "the pins were not released"
+
+        meta = _planned_load(daemon, w, sched, _request("longer", 3, 900), (2, 3, 4, 7), fill=20)
+        assert len(meta.loads[0].pins[0][1]) == 2  # the window's worth
+        w.start_load_kv(meta)
+        assert w.get_block_ids_with_load_errors() == set()
+        _assert_loaded(w, (2, 3, 4), fill=20)
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=w.worker_meta()))
+        assert wait_until(lambda: _stats(daemon)["daemon"]["pins"] == 0, timeout=10), "the pins were not released"
+    finally:
+        sched.shutdown()
+        w.shutdown()
+
+
+def _planned_load(daemon, w, sched, req, block_ids: tuple[int, ...], fill: int):
+    """Store ``req``'s blocks (block i filled with ``fill + i``) and plan its load onto ``block_ids`` through the
+    scheduler side, as vLLM does: the step's metadata."""
+    from test_vllm_connector import _empty_scheduler_output
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvbm.blocks import BlockKey
+
+    n = len(req.block_hashes)
+    lay = w._link.layout
+    with daemon.client() as c:
+        c.register(lay, worker_id="filler")
+        keys = [BlockKey(lay.namespace, bytes(h)) for h in req.block_hashes]
+        assert c.store(keys, [np.full(4096, fill + i, np.uint8) for i in range(n)]).stored == n
+    assert sched.get_num_new_matched_tokens(req, 0) == (16 * n, False)
+    sched.update_state_after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(i) for i in block_ids),)), 16 * n)
+    return sched.build_connector_meta(_empty_scheduler_output())
+
+
+def _assert_loaded(w, block_ids: tuple[int, ...], fill: int) -> None:
+    for i, vb in enumerate(block_ids):  # every vLLM block holds its kvbm block's bytes
+        assert all(bool((t[vb] == fill + i).all()) for _name, t, _dim, _group, _nbytes in w._cache.layers), vb
 
 
 def test_a_burst_of_lookups_beyond_the_daemons_in_flight_cap_is_answered_not_a_broken_link(tmp_path, s3_server):

@@ -23,6 +23,7 @@ from kvbm.integrations.vllm.geometry import Geometry
 from kvbm.integrations.vllm.groups import kv_groups
 from kvbm.integrations.vllm.hooks import KvbmConnectorStats
 from kvbm.integrations.vllm.link import Links
+from kvbm.integrations.vllm.metadata import KvbmWorkerMetadata
 from kvbm.integrations.vllm.scheduler import SchedulerSide
 from kvbm.integrations.vllm.worker import WorkerSide
 
@@ -83,8 +84,10 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             rank = get_pp_group().rank_in_group * pc.tensor_parallel_size + get_tensor_model_parallel_rank()
+            storing = storing_ranks(vllm_config)
             self._worker = WorkerSide(cfg, links, rank, getattr(self._kv_cache_config, "num_blocks", None),
-                                      saves=rank in storing_ranks(vllm_config), groups=groups)
+                                      saves=rank in storing, groups=groups,
+                                      pin_rank=max(r for r in storing if r <= rank))
 
     @property
     def scheduler(self) -> SchedulerSide:
@@ -165,6 +168,9 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._get_connector_metadata())
+
+    def build_connector_worker_meta(self) -> KvbmWorkerMetadata | None:
+        return self.worker.worker_meta()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _ = self.worker.get_finished(finished_req_ids)

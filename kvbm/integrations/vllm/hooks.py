@@ -63,6 +63,10 @@ class HookTimes:
         self._interval: dict[str, Histogram] = {}  # since the last take_interval (vLLM's stats interval)
         self._interval_slow = 0
         self.step = Histogram()
+        # Each step's hook time less the synchronous loads' copies (:meth:`exclude`): what a step spent beyond moving
+        # the bytes its forward needs.
+        self.beyond_copies = Histogram()
+        self._copies_in_step = 0.0
         self.slow_steps = 0
         self._in_step = 0.0
         self._slowest: tuple[float, str] = (0.0, "")
@@ -85,11 +89,17 @@ class HookTimes:
             if ms > self._slowest[0]:
                 self._slowest = (ms, hook)
 
+    def exclude(self, ms: float) -> None:
+        """``ms`` of the current hook were a synchronous load's copy (counted in the step, not beyond copies)."""
+        self._copies_in_step += ms
+
     def end_step(self) -> None:
         """The last hook of an engine step on this side has run: its total is one step's observation."""
         ms, self._in_step = self._in_step, 0.0
+        copies, self._copies_in_step = self._copies_in_step, 0.0
         slowest, self._slowest = self._slowest, (0.0, "")
         self.step.observe(ms)
+        self.beyond_copies.observe(max(0.0, ms - copies))
         now = time.monotonic()
         if ms > self.warn_ms:
             self.slow_steps += 1
@@ -107,6 +117,7 @@ class HookTimes:
     def snapshot(self) -> dict[str, Any]:
         return {"side": self.side, "bounds_ms": list(BOUNDS_MS), "warn_ms": self.warn_ms,
                 "slow_steps": self.slow_steps, "step": self.step.to_dict(),
+                "step_beyond_copies": self.beyond_copies.to_dict(),
                 "hooks": {name: h.to_dict() for name, h in sorted(self.hooks.items())},
                 "stages": self.stages.snapshot()}
 

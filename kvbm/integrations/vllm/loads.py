@@ -1,7 +1,11 @@
 """The worker's loads: kvbm blocks copied out of G2 into the vLLM blocks the scheduler allocated for them.
 
-A step's Onboards are pipelined (one is sent before the replies to earlier ones are read, so the daemon brings
-the step's blocks up from disk or S3 together) within the session's pin budget, which the daemon states:
+A synchronous load's blocks come pinned (:mod:`~kvbm.integrations.vllm.pins`): the scheduler's lookup thread
+pinned them, the load names their G2 slots, and the engine's step only copies, out of this process's mapping of
+the pool of that generation (a pool it has not mapped yet, after a daemon restart, is mapped on the loader's
+thread, and the load meanwhile is recomputed). Otherwise (async loads) a step's Onboards are pipelined (one is
+sent before the replies to earlier ones are read, so the daemon brings the step's blocks up from disk or S3
+together) within the session's pin budget, which the daemon states:
 every block an Onboard answers stays pinned in G2 until it is released, and loads beyond the budget would stop
 short. Each request is reported as its blocks arrive. A load that comes up short is reported two ways, as vLLM
 asks for: the vLLM block ids that did not arrive (vLLM recomputes from the first), and the request itself
@@ -23,8 +27,11 @@ from kvbm.integrations.vllm.groups import NULL_BLOCK
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link
 from kvbm.integrations.vllm.metadata import BlockTransfer
 from kvbm.integrations.vllm.stages import stages_of
+from kvbm.tiers.host import HostTier
 
 log = logging.getLogger("kvbm.vllm")
+
+MAP_RETRY_S = 1.0  # a pool that could not be mapped (a daemon gone again) is tried again this often at most
 
 
 def failed_ids(tr: BlockTransfer, loaded: int) -> set[int]:
@@ -47,7 +54,7 @@ class Loader:
     """Runs a step's loads, on the engine's thread (sync) or a thread of their own (async)."""
 
     def __init__(self, link: Link, async_link: Link, copy: Callable[[torch.Tensor, list[int], int, int], None],
-                 nbytes_of: Callable[[list[int], int], int]) -> None:
+                 nbytes_of: Callable[[list[int], int], int], pin_rank: int = 0) -> None:
         # copy(slot view, vLLM block ids, skip, unused): the paged cache's copy into vLLM's blocks, from the stored
         # block's vLLM block ``skip`` on, of a block holding ``unused`` vLLM blocks more than ``ids``.
         # nbytes_of(ids, unused): the bytes of a stored kvbm block of those vLLM blocks and ``unused`` more (a
@@ -60,6 +67,17 @@ class Loader:
         self._failed: set[str] = set()  # requests whose load came up short, until vLLM reads them
         self.failed_now: set[str] = set()  # requests whose sync load of the current step came up short
         self.failed_blocks_now: set[int] = set()  # and the vLLM block ids that did not load
+        self._pin_rank = pin_rank  # whose pins this worker copies (its own; under MLA its TP group's storing rank)
+        # Pools mapped on the loader's thread, by generation, for pinned loads: only ever added to (a mapping the
+        # engine's thread copies from is never unmapped under it); the few a daemon's restarts leave are kept.
+        self._maps: dict[str, HostTier] = {}
+        self._mapping: dict[str, float] = {}  # generations the loader's thread was asked to map, and when
+        self.copied_pinned = False  # this step copied pinned loads (the scheduler may release their pins)
+
+    def warm(self) -> None:
+        """Open the async link's session now, on the loader's thread, not at the first load (its set-up round
+        trips would come before the first hit's blocks)."""
+        self._pool.submit(self._async_link.get)
 
     def fail_all(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
         """Loads never started, reported as failed (vLLM recomputes them, and never waits for them)."""
@@ -74,6 +92,19 @@ class Loader:
                 self.failed_blocks_now.update(bad)
 
     def start(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
+        pinned = [tr for tr in trs if tr.pins] if not asynchronous else []
+        if pinned:
+            self.copied_pinned = True
+            trs = [tr for tr in trs if not tr.pins]
+            for tr in pinned:
+                n, whole = self._copy_pinned(tr)
+                if whole and n < len(tr.hashes):
+                    # Pinned as far as a pin window goes: the rest is brought up and copied as before.
+                    self._sync_result(tr.req_id, self._load_all([tr.after(n)], self._link)[tr.req_id])
+                else:
+                    self._sync_result(tr.req_id, failed_ids(tr, n))
+            if not trs:
+                return
         if asynchronous:
             # The requests wait (WAITING_FOR_REMOTE_KVS) while others keep stepping; each is reported as soon
             # as its own blocks are in.
@@ -82,11 +113,62 @@ class Loader:
             self._pool.submit(self._load_all, trs, self._async_link, futs)
         else:
             for rid, bad in self._load_all(trs, self._link).items():
-                if bad:
-                    self._errors.update(bad)
-                    self._failed.add(rid)
-                    self.failed_now.add(rid)
-                    self.failed_blocks_now.update(bad)
+                self._sync_result(rid, bad)
+
+    def _sync_result(self, rid: str, bad: set[int]) -> None:
+        if bad:
+            self._errors.update(bad)
+            self._failed.add(rid)
+            self.failed_now.add(rid)
+            self.failed_blocks_now.update(bad)
+
+    def _copy_pinned(self, tr: BlockTransfer) -> tuple[int, bool]:
+        """Copy a load out of the slots its pins name: the leading blocks copied, and whether every pinned one was."""
+        pins = tr.pins.get(self._pin_rank)
+        if pins is None:
+            return 0, False
+        generation, slots, nbytes = pins
+        g2 = self._pool_of(generation)
+        if g2 is None:
+            return 0, False
+        loaded = 0
+        try:
+            for i in range(min(len(slots), len(tr.hashes))):
+                ids, unused = tr.block_ids[i], tr.unused(i)
+                if nbytes[i] != self._nbytes_of(ids, unused):
+                    break
+                self._copy(g2.slot_tensor(slots[i], nbytes[i]), ids, tr.first_unused(i), unused)
+                loaded += 1
+        except Exception as e:  # a load must never take the engine down: the request is recomputed
+            log.warning("kvbm: load for request %s failed: %s", tr.req_id, e)
+        self._stages.add(pinned_blocks=loaded)
+        return loaded, loaded == len(slots)
+
+    def _pool_of(self, generation: str) -> HostTier | None:
+        """This process's mapping of the pool of ``generation`` (no round trip); None, and mapped on the loader's
+        thread for the next loads, when it has none yet."""
+        client = self._link.client  # the engine thread's own session, mapped at start-up
+        if client is not None and client.generation == generation and client.g2 is not None:
+            return client.g2
+        g2 = self._maps.get(generation)
+        now = time.monotonic()
+        if g2 is None and now - self._mapping.get(generation, -MAP_RETRY_S) >= MAP_RETRY_S:
+            self._mapping[generation] = now
+            self._pool.submit(self._map, generation)
+        return g2
+
+    def _map(self, generation: str) -> None:
+        """(The loader's thread.) Map the pool of ``generation``: its session registers again if it is another's."""
+        try:
+            client = self._async_link.get()
+            if client is not None and client.generation != generation:
+                self._async_link.close()  # registered with an earlier daemon: register with this one
+                client = self._async_link.get()
+            if client is not None and client.generation == generation and client.registered is not None:
+                reg = client.registered
+                self._maps[generation] = HostTier.attach(reg.shm_name, reg.capacity_bytes, reg.slot_bytes)
+        except Exception as e:
+            log.warning("kvbm: mapping G2 pool %s failed: %s", generation, e)
 
     def busy(self, req_id: str) -> bool:
         """Whether an async load of ``req_id`` is still to be reported (it may be writing its blocks)."""

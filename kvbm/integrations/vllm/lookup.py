@@ -20,11 +20,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvbm.client.lease import PendingLookup, is_load
-from kvbm.integrations.vllm.link import LINK_ERRORS, Link
+from kvbm.client.lease import pin_window
+from kvbm.integrations.vllm.link import Link
+from kvbm.integrations.vllm.lookup_rounds import Job, look
+from kvbm.integrations.vllm.pins import Pinned, pin_all, release_all
 from kvbm.integrations.vllm.stages import stages_of
 
 log = logging.getLogger("kvbm.vllm")
@@ -46,29 +47,9 @@ class Hit(NamedTuple):
     # Some rank's daemon did not answer (its link down or broken, or the lookup given up): the answer is a miss
     # because kvbm is unavailable, not because the blocks are not stored.
     degraded: bool = False
-
-
-@dataclass
-class _Job:
-    req_id: str
-    hashes: list[bytes]
-    # A partial block's candidates: the request's vLLM block hashes (as many as may be loaded) and k. The
-    # partial block that continues a run of m full blocks with j vLLM blocks is keyed by vhashes[m*k + j - 1].
-    vhashes: list[bytes] = field(default_factory=list)
-    k: int = 0
-    # The block keyed by the vLLM block right after the loadable ones (a prompt ending on a vLLM block's end: vLLM
-    # computes that last block): a full block, or a partial block one vLLM block longer than the loadable ones. Its
-    # head (all but its last vLLM block) is a partial block's candidate too.
-    next_block: bytes = b""
-    asked: float = field(default_factory=time.monotonic)
-    matched: int | None = None  # kvbm blocks every rank holds, once answered
-    partial: int = 0  # and the vLLM blocks of the partial block every rank holds after them
-    from_next: bool = False  # those are the head of ``next_block``
-    degraded: bool = False  # some rank's link was down or broke while answering it
-    answered: float = 0.0  # when it was (monotonic)
-    done: threading.Event = field(default_factory=threading.Event)
-    stale: _Job | None = None  # the answer this job refreshes: it stands while this one is late
-    refusals: int = 0  # times the daemon refused it as load (busy, full, shed): asked again, within give_up_s
+    # Asked with ``pin_from`` (a synchronous load): the blocks from that one on and the partial block, pinned in
+    # G2 for the load (:mod:`~kvbm.integrations.vllm.pins`); the caller owns them and releases them.
+    pins: Pinned | None = None
 
 
 class Lookups:
@@ -79,8 +60,9 @@ class Lookups:
         self._links = links
         self.wait_s, self.give_up_s, self.idle_s, self.fresh_s = wait_s, give_up_s, idle_s, fresh_s
         self._budget = wait_s  # what asks of this step may still wait in all (scheduler thread only)
-        self._jobs: dict[str, _Job] = {}  # asked and not yet returned (scheduler thread only)
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: dict[str, Job] = {}  # asked and not yet returned (scheduler thread only)
+        self._queue: queue.SimpleQueue[Job | Pinned | None] = queue.SimpleQueue()  # Pinned: to release
+        self._lock = threading.Lock()  # a job's pins and ``forgotten``, between the thread and the scheduler
         self.gave_up = 0
         self._gave_up_said = (0, -GAVE_UP_LOG_S)  # gave_up when last logged, and when (monotonic)
         self._stages = stages_of("scheduler")
@@ -92,19 +74,26 @@ class Lookups:
                  next_block: bytes = b"") -> None:
         """Queue the lookup of a request that just arrived; :meth:`ask` returns its answer later."""
         if req_id not in self._jobs:
-            self._queue_job(_Job(req_id, hashes, vhashes or [], k, next_block))
+            self._queue_job(Job(req_id, hashes, vhashes or [], k, next_block))
 
     def ask(self, req_id: str, hashes: list[bytes], vhashes: list[bytes] | None = None,
-            k: int = 0, next_block: bytes = b"") -> Hit | None:
+            k: int = 0, next_block: bytes = b"", pin_from: int = -1) -> Hit | None:
         """What every rank holds of ``hashes`` and the partial block after them, or None while that is not known
         yet. ``vhashes`` and ``k`` name the partial blocks to look for (none if empty), ``next_block`` the full
-        block whose head is one too (see :class:`_Job`)."""
+        block whose head is one too (see :class:`Job`). With ``pin_from`` >= 0 the answer comes once the held
+        blocks from that one on are pinned too (:attr:`Hit.pins`)."""
         job = self._jobs.get(req_id)
         vhashes = vhashes or []
         if job is None or job.hashes != hashes or job.vhashes != vhashes or job.next_block != next_block:
-            job = self._queue_job(_Job(req_id, hashes, vhashes, k, next_block))
-        elif job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
-            job = self._queue_job(_Job(req_id, hashes, vhashes, k, next_block, stale=job))  # queued a while: again
+            job = self._queue_job(Job(req_id, hashes, vhashes, k, next_block, pin_from=pin_from))
+        elif pin_from >= 0 and job.done.is_set() and (job.pins is None or job.pin_from != pin_from):
+            # Answered without pins (prefetched at arrival), or pinned from another block: pin now.
+            self._unpin(job)
+            job.pin_from = pin_from
+            job.done.clear()
+            self._queue.put(job)
+        elif job.pins is None and job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
+            job = self._queue_job(Job(req_id, hashes, vhashes, k, next_block, stale=job))  # queued a while: again
         if not job.done.is_set() and self._budget > 0:
             t0 = time.monotonic()
             if job.done.wait(self._budget):
@@ -113,12 +102,13 @@ class Lookups:
                 self._budget = 0.0  # the daemon is slow now: the rest of this step does not wait
         if job.done.is_set():
             del self._jobs[req_id]
-            return Hit(job.matched or 0, job.partial, job.from_next, job.degraded)
-        if job.stale is not None:
+            pins, job.pins = job.pins, None
+            return Hit(job.matched or 0, job.partial, job.from_next, job.degraded, pins)
+        if job.stale is not None and pin_from < 0:
             del self._jobs[req_id]  # the thread's late answer goes nowhere
             return Hit(job.stale.matched or 0, job.stale.partial, job.stale.from_next, job.stale.degraded)
         if time.monotonic() - job.asked > self.give_up_s:
-            del self._jobs[req_id]
+            self.forget(req_id)
             self.gave_up += 1
             self._say_gave_up()
             return Hit(0, degraded=True)
@@ -134,7 +124,8 @@ class Lookups:
                         "the last such line, %d in all)", self.give_up_s * 1000, self.gave_up - said, self.gave_up)
             self._gave_up_said = (self.gave_up, now)
 
-    def _queue_job(self, job: _Job) -> _Job:
+    def _queue_job(self, job: Job) -> Job:
+        self.forget(job.req_id)  # a job it replaces: its pins, if any, are released
         self._jobs[job.req_id] = job
         self._queue.put(job)
         return job
@@ -144,11 +135,29 @@ class Lookups:
         self._budget = self.wait_s
 
     def forget(self, req_id: str) -> None:
-        self._jobs.pop(req_id, None)
+        """Drop ``req_id``'s job; what it pinned is released (by the thread, if it is still pinning)."""
+        job = self._jobs.pop(req_id, None)
+        if job is not None:
+            with self._lock:
+                job.forgotten = True
+                pins, job.pins = job.pins, None
+            if pins is not None:
+                self.release(pins)
+
+    def _unpin(self, job: Job) -> None:
+        """Release what an answered job pinned (the thread is done with it)."""
+        pins, job.pins = job.pins, None
+        if pins is not None:
+            self.release(pins)
+
+    def release(self, pins: Pinned) -> None:
+        """Release ``pins`` (from any thread): the lookup thread sends the Releases."""
+        self._queue.put(pins)
 
     def reset(self) -> None:
         """Forget every answer (a new weights epoch: they were for the old namespace); asks are sent again."""
-        self._jobs.clear()
+        for rid in list(self._jobs):
+            self.forget(rid)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -158,28 +167,27 @@ class Lookups:
     def _run(self) -> None:
         while True:
             try:
-                job = self._queue.get(timeout=self.idle_s)
+                first = self._queue.get(timeout=self.idle_s)
             except queue.Empty:
                 try:
                     self._reconnect()
                 except Exception as e:
                     log.warning("kvbm: reconnecting failed unexpectedly: %r", e)
                 continue
-            if job is None:
-                return
-            batch = [job]
-            stop = False
-            while len(batch) < MAX_PIPELINED:
+            items = [first]
+            while first is not None and len(items) < MAX_PIPELINED:
                 try:
-                    more = self._queue.get_nowait()
+                    items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-                if more is None:
-                    stop = True
+                if items[-1] is None:
                     break
-                batch.append(more)
+            stop = items[-1] is None
+            batch = [j for j in items if isinstance(j, Job)]
             try:
-                again = self._answer(batch)
+                for pins in (i for i in items if isinstance(i, Pinned)):
+                    release_all(self._links, pins)  # first: the slots they hold may be what the next pins need
+                again = self._answer(batch) if batch else []
                 if again:
                     # Refused as load (a tenant's in-flight cap shared by its sessions, a burst): asked again after
                     # a short backoff instead of answered as misses; the scheduler never waits for it meanwhile.
@@ -202,108 +210,47 @@ class Lookups:
             if link.client is None:
                 link.get()
 
-    def _answer(self, batch: list[_Job]) -> list[_Job]:
-        """Answer ``batch``; the jobs the daemon refused as load and that are young enough to ask again."""
-        matched = [len(job.hashes) for job in batch]
-        refused: set[int] = set()
-        broken: set[int] = set()  # jobs some rank's link could not answer
-        sent: list[tuple[Link, list[PendingLookup | None]]] = []
-        for link in self._links:  # every rank's lookups are sent before any reply is awaited
-            client = link.get()
-            if client is None:
-                matched = [0] * len(batch)
-                broken.update(range(len(batch)))
-                continue
-            try:
-                # A job with no full block to look up asks for its partial block only (below).
-                msgs = [PendingLookup(client, job.hashes) if job.hashes else None for job in batch]
-            except LINK_ERRORS as e:
-                link.error(e)
-                matched = [0] * len(batch)
-                broken.update(range(len(batch)))
-                continue
-            sent.append((link, msgs))
-        for link, msgs in sent:
-            for i, msg in enumerate(msgs):
-                if msg is None:
-                    continue
-                try:
-                    matched[i] = min(matched[i], msg.matched())
-                except LINK_ERRORS as e:
-                    link.error(e)
-                    matched[i] = 0
-                    if is_load(e):
-                        refused.add(i)
-                    else:
-                        broken.add(i)
-                    if link.client is None:  # the session is gone, and with it the replies still due
-                        for j in range(i + 1, len(msgs)):
-                            matched[j] = 0
-                        broken.update(range(i + 1, len(msgs)))
-                        break
-        now = time.monotonic()
-        again = [batch[i] for i in sorted(refused) if now - batch[i].asked < self.give_up_s / 2]
-        for job in again:
-            job.refusals += 1
+    def _answer(self, batch: list[Job]) -> list[Job]:
+        """Answer ``batch`` (look up the jobs not answered yet, then pin what the pinning ones hold); the jobs the
+        daemon refused as load and that are young enough to ask again."""
+        fresh = [j for j in batch if j.matched is None]
+        again = look(self._links, fresh, self.give_up_s, self._stages) if fresh else []
         retry = {id(j) for j in again}
-        partial = self._partials(batch, matched)
-        for i, (job, m, (j, from_next)) in enumerate(zip(batch, matched, partial, strict=True)):
-            if id(job) in retry:
-                continue
-            job.matched, job.partial, job.from_next, job.answered = m, j, from_next, now
-            job.degraded = i in broken or i in refused  # a miss kvbm could not answer
-            self._stages.add(lookups=1, lookup_ms=(now - job.asked) * 1e3)  # queued + round trip, every rank
-            job.done.set()
+        ready = [j for j in batch if id(j) not in retry]
+        again += self._pin([j for j in ready if j.pin_from >= 0])
+        retry = {id(j) for j in again}
+        for job in ready:
+            if id(job) not in retry:
+                job.done.set()
         return again
 
-    def _partials(self, batch: list[_Job], matched: list[int]) -> list[tuple[int, bool]]:
-        """For each job, the longest partial block every rank holds right after its ``matched`` full blocks (its
-        vLLM blocks, 0: none; and whether it is the head of the job's ``next_block``). One more round trip, every
-        candidate of every job pipelined on every link."""
-        cands = [_candidates(job, m) for job, m in zip(batch, matched, strict=True)]
-        found: list[tuple[int, bool]] = [(0, False)] * len(batch)
-        if not any(cands):
-            return found
-        held = [[True] * len(c) for c in cands]
-        sent: list[tuple[Link, list[list[PendingLookup]]]] = []
-        for link in self._links:
-            client = link.get()
-            if client is None:
-                return found
-            try:
-                sent.append((link, [[PendingLookup(client, [h]) for h, _, _ in c] for c in cands]))
-            except LINK_ERRORS as e:
-                link.error(e)
-                return found
-        for link, msgs in sent:
-            for i, per_job in enumerate(msgs):
-                for c, msg in enumerate(per_job):
-                    if link.client is None:  # the session is gone, and with it the replies still due
-                        held[i][c] = False
-                        continue
-                    try:
-                        ok = msg.matched() == 1  # read every reply, whatever the others said
-                        held[i][c] = held[i][c] and ok
-                    except LINK_ERRORS as e:
-                        link.error(e)
-                        held[i][c] = False
-        for i, h in enumerate(held):
-            found[i] = next(((j, full) for (_, j, full), ok in zip(cands[i], h, strict=True) if ok), (0, False))
-        return found
-
-
-def _candidates(job: _Job, m: int) -> list[tuple[bytes, int, bool]]:
-    """The blocks that may continue ``job``'s run of ``m`` full blocks, longest first: (key, vLLM blocks, the head
-    of the next block). A partial block of j vLLM blocks is keyed by ``vhashes[m*k + j - 1]``. Where the request
-    has one more vLLM block past the loadable ones (a prompt ending on a vLLM block's end), the block it keys (the
-    next full block, or a partial block of ``room + 1``: what a first run of this prompt stored) holds the
-    loadable ones as its head: a candidate right after the partial block of as many (which holds exactly those
-    bytes, no more)."""
-    k = job.k
-    if k <= 1 or m < 0:
-        return []
-    room = len(job.vhashes) - m * k
-    out = [(job.vhashes[m * k + j - 1], j, False) for j in range(min(k - 1, room), 0, -1)]
-    if job.next_block and 0 < room < k:
-        out.insert(1, (job.next_block, room, True))
-    return out
+    def _pin(self, jobs: list[Job]) -> list[Job]:
+        """Pin each job's held blocks from its ``pin_from`` on (every job's Onboards pipelined on every link); the
+        jobs refused as load while young enough to ask again (what they pinned is released)."""
+        # At most a pin window per request (half the pool, the session's budget): a longer hit's rest is brought
+        # up by the worker as before (kvbm.integrations.vllm.loads).
+        window = min((pin_window(link.client.registered) for link in self._links if link.client is not None),
+                     default=1)
+        keys = [(j.hashes[j.pin_from : j.matched or 0]
+                 + ([j.partial_key] if j.partial and (j.matched or 0) >= j.pin_from else []))[:window] for j in jobs]
+        todo = [(j, ks) for j, ks in zip(jobs, keys, strict=True) if ks]
+        if not todo:
+            return []
+        t0 = time.monotonic()
+        got = pin_all(self._links, [ks for _, ks in todo])
+        self._stages.add(pins=len(todo), pin_ms=(time.monotonic() - t0) * 1e3)
+        again: list[Job] = []
+        for (job, ks), pins in zip(todo, got, strict=True):
+            if pins.refused and pins.count < len(ks) and time.monotonic() - job.asked < self.give_up_s / 2:
+                job.refusals += 1
+                release_all(self._links, pins)
+                again.append(job)
+                continue
+            job.degraded = job.degraded or any(r is None for r in pins.ranks)
+            with self._lock:
+                forgotten = job.forgotten
+                if not forgotten:
+                    job.pins = pins
+            if forgotten:
+                release_all(self._links, pins)
+        return again

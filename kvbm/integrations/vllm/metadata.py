@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -25,11 +25,20 @@ class BlockTransfer:
     # blocks it supersedes: the hashes of its leading vLLM blocks, the keys of any partial block of those tokens.
     partial: bool = False
     covers: list[list[bytes]] = field(default_factory=list)
+    # A synchronous load's blocks as the scheduler pinned them in G2 (kvbm.integrations.vllm.pins): per storing
+    # rank, (the pool's generation, each block's slot, each block's bytes), as far as they are pinned. The worker
+    # copies out of those slots with no round trip to the daemon.
+    pins: dict[int, tuple[str, list[int], list[int]]] = field(default_factory=dict)
 
     def head(self, n: int) -> BlockTransfer:
         """The first ``n`` blocks of this transfer."""
         return BlockTransfer(self.req_id, self.hashes[:n], self.block_ids[:n], self.final, self.skip,
                              self.tail if n >= len(self.hashes) else 0, self.partial, self.covers[:n])
+
+    def after(self, n: int) -> BlockTransfer:
+        """This transfer's blocks from block ``n`` on."""
+        return BlockTransfer(self.req_id, self.hashes[n:], self.block_ids[n:], self.final, self.skip if not n else 0,
+                             self.tail, self.partial, self.covers[n:])
 
     def unused(self, i: int) -> int:
         """vLLM blocks of stored block ``i`` of a load that are not copied: the first block's ``skip``, the
@@ -55,3 +64,16 @@ class KvbmConnectorMetadata(KVConnectorMetadata):
     finished: list[str] = field(default_factory=list)
     k: int = 0  # the scheduler's vLLM blocks per kvbm block; workers refuse transfers planned with another
     weights: str = ""  # the scheduler's weights epoch tag: workers follow it before this step's transfers
+    step: int = 0  # the scheduler's step: a worker names it once it copied this step's pinned loads
+
+
+@dataclass
+class KvbmWorkerMetadata(KVConnectorWorkerMetadata):
+    """What workers tell the scheduler after a step: the steps whose pinned loads they copied (their pins may go)."""
+
+    steps: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvbmWorkerMetadata):
+            self.steps |= other.steps
+        return self

@@ -127,6 +127,19 @@ class SavePlanner:
             return True
         return False
 
+    def finals(self, st: ReqState, computed: int) -> list[BlockTransfer]:
+        """A finished request's last saves: blocks completed in its last steps (and, with async scheduling, the
+        step whose token was not appended yet when it was planned: every token but the last sampled one has KV),
+        and its partial block."""
+        meta = KvbmConnectorMetadata(k=self.geometry.known_k)
+        self.queue(meta, st, computed, computed)
+        tail = self.partial(st, computed)
+        if tail is not None:
+            meta.saves.append(tail)
+        for tr in meta.saves:
+            tr.final = True
+        return meta.saves
+
     def partial(self, st: ReqState, computed: int) -> BlockTransfer | None:
         """A finished request's tokens past its last full kvbm block, as many of vLLM's blocks as hold KV: a
         partial block, keyed by the vLLM hash of its last block (never a full block's key, which is every
@@ -152,3 +165,26 @@ class SavePlanner:
         if any(NULL_BLOCK in ids[i * k : (i + 1) * k] for ids in st.block_ids):
             return False
         return self.groups.intact(i * k, self.geometry.vllm_block_size, computed)
+
+
+def replan_failed_loads(reqs: dict[str, ReqState], failed: set[str], bad: set[int] | None, k: int) -> set[str]:
+    """After loads came up short (``failed`` requests, ``bad`` vLLM block ids): every request vLLM recomputes from
+    a failed load on, or that computed on top of a block that did not load, has its saves from there planned
+    again; the requests whose own load failed (returned: recomputed from then on)."""
+    if bad:
+        failed |= {rid for rid, st in reqs.items()
+                   if st.load_from >= 0 and any(not bad.isdisjoint(ids) for ids in st.block_ids)}
+        for st in reqs.values():
+            # Any request holding a block that did not load (another's sync load vLLM cached at allocation and
+            # this one hit) computed on top of it: its saves from there on were dropped by the worker and are
+            # planned again once vLLM recomputed them.
+            first = min((i for ids in st.block_ids for i, b in enumerate(ids) if b in bad), default=None)
+            if first is not None and k:
+                st.saved_blocks = min(st.saved_blocks, first // k)
+    for rid in failed:
+        st = reqs.get(rid)
+        if st is not None and st.load_from >= 0:
+            # vLLM recomputes from the failed load on: those blocks are saved once they are computed.
+            st.saved_blocks = min(st.saved_blocks, st.load_from)
+            st.load_from = -1
+    return failed

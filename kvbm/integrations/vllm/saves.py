@@ -131,6 +131,28 @@ class Saver:
             self._jobs.setdefault(tr.req_id, []).append(job)
             self._pool.submit(self._run, job, ready)
 
+    def save_now(self, trs: Iterable[BlockTransfer]) -> float:
+        """``async_save: false``: each save's blocks copied out of vLLM's blocks now (staged, within the step's
+        staging budget), written to G2 and committed on the saver's thread: the engine's step never waits on the
+        daemon. A save past the budget goes as an async save does (read on the saver's thread, fenced). The ms
+        spent copying."""
+        if not self.enabled:
+            return 0.0
+        t0 = time.perf_counter()
+        gen = self._gen()
+        rest: list[BlockTransfer] = []
+        for tr in trs:
+            if not self.staging.fits(tr.block_ids):
+                rest.append(tr)
+                continue
+            job = SaveJob(tr, gen)
+            job.staged, job.staged_ready = self.staging.take(tr.block_ids)
+            self._unreported.append(job)  # it reads no vLLM block: nothing for vLLM to wait for
+            self._pool.submit(self._run, job, None)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.submit(rest)
+        return ms
+
     def new_step(self) -> None:
         """A step begins (before its forward): its staging budget is whole again."""
         self.staging.new_step()

@@ -15,9 +15,10 @@ from kvbm.integrations.vllm.groups import SINGLE, KVGroups
 from kvbm.integrations.vllm.hooks import HookTimes
 from kvbm.integrations.vllm.inflight import SavesInFlight
 from kvbm.integrations.vllm.link import Links
-from kvbm.integrations.vllm.lookup import Lookups
-from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
-from kvbm.integrations.vllm.save_plan import ReqState, SavePlanner
+from kvbm.integrations.vllm.lookup import Hit, Lookups
+from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata, KvbmWorkerMetadata
+from kvbm.integrations.vllm.pins import PinBook
+from kvbm.integrations.vllm.save_plan import ReqState, SavePlanner, replan_failed_loads
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -34,6 +35,7 @@ class SchedulerSide:
         self._step = 0  # build_connector_meta calls so far
         # One scheduler serves every worker (TP rank x PP stage): a prefix counts only if each stored it.
         self._links = [links.open(r, f"scheduler-r{r}") for r in ranks]
+        self._ranks = list(ranks)
         self._reqs: dict[str, ReqState] = {}
         self.hooks = HookTimes("scheduler", cfg.hook_warn_ms)
         self._stats = {"lookups": 0, "hit_blocks": 0, "loads": 0, "saves": 0, "preempted": 0}
@@ -60,6 +62,7 @@ class SchedulerSide:
         for link in self._links:
             link.get()
         self._lookups = Lookups(self._links, cfg.lookup_wait_ms / 1000, cfg.lookup_give_up_ms / 1000)
+        self._pins: PinBook[Hit] = PinBook(self._lookups.release)  # synchronous loads' blocks, pinned until copied
 
     def layouts(self) -> list[KVLayout]:
         """The layout (and so the namespace) of each worker; empty until the daemon was reached."""
@@ -102,19 +105,31 @@ class SchedulerSide:
         matched = partial = 0
         from_next = False
         hashes, vhashes, next_block = self._wanted(request, num_computed_tokens)
+        pinned = False
         if hashes or vhashes:
-            got = self._lookups.ask(rid, hashes, vhashes, self.geometry.known_k, next_block)
+            # A synchronous load copies on the engine's step: its blocks are pinned first (kvbm...pins).
+            pin_from = -1 if self.cfg.async_load else num_computed_tokens // block_tokens
+            asked = (pin_from, len(hashes), len(vhashes))
+            kept = self._pins.kept(rid, asked) if pin_from >= 0 else None
+            got = kept or self._lookups.ask(rid, hashes, vhashes, self.geometry.known_k, next_block, pin_from)
             if got is None:
                 return None, False  # not known yet: vLLM asks again next step
             matched, partial, from_next = got.blocks, got.partial, got.from_next
+            if got.pins is not None:
+                matched, partial, from_next = _pinned_run(got, pin_from)
+                self._pins.keep(rid, asked, got)  # released if it is not loaded after all
+                pinned = True
             if not got.degraded and self._inflight.hold(rid, hashes, vhashes, self.geometry.known_k, next_block,
                                                         matched, partial, from_next):
+                self._pins.drop(rid)
                 self._lookups.forget(rid)  # asked again now: the answer is there by the next step
                 self._lookups.prefetch(rid, hashes, vhashes, self.geometry.known_k, next_block)
                 return None, False
             self._stats["lookups"] += 1
             self._stats["hit_blocks"] += matched
             self._stats["hit_partial_vblocks"] = self._stats.get("hit_partial_vblocks", 0) + partial
+        else:
+            self._pins.drop(rid)
         # A new state, also for a preempted request coming back: its saves cut short by the preemption are
         # planned again (the daemon answers those already stored with no slot, so nothing is copied twice).
         self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens, step=self._step,
@@ -123,6 +138,8 @@ class SchedulerSide:
         if ext >= 0:
             ext += partial * self.geometry.vllm_block_size  # the partial block continues the full run
         if ext <= 0:
+            if pinned:
+                self._pins.drop(rid)
             return 0, False
         return ext, bool(self.cfg.async_load)
 
@@ -131,18 +148,22 @@ class SchedulerSide:
         if st is None:
             return
         st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        pinned = self._pins.pins_of(request.request_id)
         if num_external_tokens <= 0:
+            self._pins.drop(request.request_id)
             return
         st.plan_load(num_external_tokens, self.geometry.known_k, self.geometry.vllm_block_size)
+        if pinned is not None and st.load is not None:
+            st.load.pins = {self._ranks[r]: v for r, v in pinned.slots_for(st.load.hashes).items()}
         self.hooks.stages.add(hit_tokens=num_external_tokens,
                               computed_after_hit_tokens=request.num_tokens - st.local_tokens - num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmConnectorMetadata:
         self._lookups.new_step()  # the end of this step's scheduling: the next one may wait again
-        meta = KvbmConnectorMetadata(k=self.geometry.known_k, weights=self.epoch.tag)
+        step, self._step = self._step, self._step + 1
+        meta = KvbmConnectorMetadata(k=self.geometry.known_k, weights=self.epoch.tag, step=step)
         meta.released, self._released = self._released, []
         meta.finished, self._finished = self._finished, []
-        step, self._step = self._step, self._step + 1
         for rid in scheduler_output.preempted_req_ids or ():
             # vLLM freed its blocks (this step may reuse them): the worker finishes or drops the copies out of
             # them before the forward, and the stale ids are forgotten (they would match another request's).
@@ -152,10 +173,12 @@ class SchedulerSide:
             if st is not None and st.step < step:
                 st.block_ids = []
                 st.load = None
+                self._pins.drop(rid)
             # else: preempted and admitted again in this same step (a reset with reset_running_requests,
             # pause "keep"): the state is the new admission's, its blocks and load are live.
         for st in self._reqs.values():
             if st.load is not None:
+                self._pins.hand(st.load.req_id, step)  # released once a worker copied them
                 meta.loads.append(st.load)
                 if self.cfg.async_load:
                     self._load_pending.add(st.load.req_id)
@@ -181,6 +204,9 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
+        done = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(done, KvbmWorkerMetadata):
+            self._pins.copied(done.steps)
         for rid in connector_output.finished_recving or ():
             self._load_pending.discard(rid)
             self._held.pop(rid, None)
@@ -188,28 +214,12 @@ class SchedulerSide:
             self._held.pop(rid, None)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         bad = getattr(connector_output, "invalid_block_ids", None)
-        if bad:
-            failed.update(rid for rid, st in self._reqs.items()
-                          if st.load_from >= 0 and any(not bad.isdisjoint(ids) for ids in st.block_ids))
-            k = self.geometry.known_k
-            for st in self._reqs.values():
-                # Any request holding a block that did not load (another's sync load vLLM cached at allocation
-                # and this one hit) computed on top of it: its saves from there on were dropped by the worker
-                # and are planned again once vLLM recomputed them.
-                first = min((i for ids in st.block_ids for i, b in enumerate(ids) if b in bad), default=None)
-                if first is not None and k:
-                    st.saved_blocks = min(st.saved_blocks, first // k)
-        self._load_failed.update(failed)
-        for rid in failed:
-            st = self._reqs.get(rid)
-            if st is not None and st.load_from >= 0:
-                # vLLM recomputes from the failed load on: those blocks are saved once they are computed.
-                st.saved_blocks = min(st.saved_blocks, st.load_from)
-                st.load_from = -1
+        self._load_failed.update(replan_failed_loads(self._reqs, failed, bad, self.geometry.known_k))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         st = self._reqs.pop(rid, None)
+        self._pins.drop(rid)  # pins no step was handed; a step's are released once it ran
         self._lookups.forget(rid)
         self._inflight.forget(rid)
         # kvbm never holds a finished request's blocks for its saves: vLLM frees them now, so a pause or a cache
@@ -225,18 +235,9 @@ class SchedulerSide:
         else:
             self._finished.append(rid)
             if st is not None and self.cfg.save and st.block_ids:
-                # Blocks completed in the request's last steps (and, with async scheduling, the step whose token
-                # was not appended yet when it was planned): every token but the last sampled one has KV.
-                meta = KvbmConnectorMetadata(k=self.geometry.known_k)
-                computed = request.num_computed_tokens
-                self._saves.queue(meta, st, computed, computed)
-                tail = self._saves.partial(st, computed)
-                if tail is not None:
-                    meta.saves.append(tail)
-                for tr in meta.saves:
-                    tr.final = True
-                self._final_saves.extend(meta.saves)
-                self._inflight.planned(meta.saves)
+                finals = self._saves.finals(st, request.num_computed_tokens)
+                self._final_saves.extend(finals)
+                self._inflight.planned(finals)
         self._load_failed.discard(rid)
         degraded = [link for link in self._links if link.degraded]
         params: dict[str, Any] = {"kvbm": {
@@ -252,6 +253,7 @@ class SchedulerSide:
         self.epoch.reset()
         self._lookups.reset()
         self._load_failed.clear()
+        self._pins.clear()  # the old epoch's blocks
         for st in self._reqs.values():
             st.stale = True  # running requests' KV is the old weights': never saved under the new epoch
         self._final_saves = []  # the old weights' KV; vLLM freed their blocks already
@@ -269,6 +271,17 @@ class SchedulerSide:
         return any(t >= horizon for t in self._held.values())
 
     def shutdown(self) -> None:
-        self._lookups.close()
+        self._lookups.close()  # the sessions' close releases what they pinned
         for link in self._links:
             link.close()
+
+
+def _pinned_run(got: Hit, pin_from: int) -> tuple[int, int, bool]:
+    """A synchronous load's hit as far as its blocks from ``pin_from`` on are pinned: (full blocks, the partial
+    block's vLLM blocks, whether that is the head of the next block). The pins cover a pin window from
+    ``pin_from``; a hit longer than that loads its rest as before, but one whose pinned head came up short (a block
+    evicted since the lookup, no room in the session's budget) ends where the pins end."""
+    pins = got.pins
+    if pins is None or pins.count >= len(pins.keys):
+        return got.blocks, got.partial, got.from_next
+    return min(got.blocks, pin_from + pins.count), 0, False

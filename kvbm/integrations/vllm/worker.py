@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from typing import Any
 
 from kvbm.integrations.vllm.config import ConnectorConfig
 from kvbm.integrations.vllm.geometry import K_SETTING, warn_once
 from kvbm.integrations.vllm.groups import SINGLE, KVGroups
 from kvbm.integrations.vllm.hooks import HookTimes
-from kvbm.integrations.vllm.link import LINK_ERRORS, Links
+from kvbm.integrations.vllm.link import Links
 from kvbm.integrations.vllm.loads import Loader
-from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata
+from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata, KvbmWorkerMetadata
 from kvbm.integrations.vllm.paged import PagedCache
-from kvbm.integrations.vllm.saves import SaveJob, Saver
+from kvbm.integrations.vllm.saves import Saver
 
 log = logging.getLogger("kvbm.vllm")
 
@@ -22,15 +24,16 @@ log = logging.getLogger("kvbm.vllm")
 class WorkerSide:
     """Copies between vLLM's paged KV cache and G2 slots; reports loads that failed and saves still running.
 
-    Nothing here waits on the daemon on the engine's thread except a synchronous load (the CPU engine's
-    default, whose forward needs the bytes): saves run on their own thread, and a preemption only fences the
-    copies out of the preempted request's blocks."""
+    Nothing here waits on the daemon on the engine's thread: a synchronous load (the CPU engine's default, whose
+    forward needs the bytes) copies out of slots the scheduler pinned, saves run on their own thread, and a
+    preemption only fences the copies out of the preempted request's blocks. (``async_save: false`` copies each
+    step's saves out of vLLM's blocks before the step ends; the saver's thread writes and commits them.)"""
 
     def __init__(self, cfg: ConnectorConfig, links: Links, tp_rank: int, num_blocks: int | None,
-                 saves: bool = True, groups: KVGroups = SINGLE) -> None:
+                 saves: bool = True, groups: KVGroups = SINGLE, pin_rank: int | None = None) -> None:
         # tp_rank: this worker's rank in the engine, pp_rank * tp_size + tp_rank. saves: False on a rank
-        # whose TP group stores one copy from another rank (MLA); it still loads, and reports its saves
-        # done so vLLM frees the blocks as on any rank.
+        # whose TP group stores one copy from another rank (MLA); it still loads (pin_rank: that rank's pins),
+        # and reports its saves done so vLLM frees the blocks as on any rank.
         self.cfg, self.geometry, self.num_blocks, self.groups = cfg, links.geometry, num_blocks, groups
         self.epoch = links.epoch
         # Finished requests vLLM keeps the blocks of for this worker, until reported once (finished sending or
@@ -44,7 +47,9 @@ class WorkerSide:
         # Async loads and saves each run on their own thread with their own daemon session (a client is
         # single-threaded).
         self.loader = Loader(self._link, links.open(tp_rank, f"loader-r{tp_rank}-{pid}"),
-                             self._load_copy, self._nbytes_of)
+                             self._load_copy, self._nbytes_of, tp_rank if pin_rank is None else pin_rank)
+        self._copied_step = -1  # the step whose pinned loads this worker copied, until vLLM collects it
+        self._hook_thread = -1  # the engine's thread, as start_load_kv last saw it
         self.saver = Saver(links.open(tp_rank, f"saver-r{tp_rank}-{pid}"),
                            lambda view, ids, stream: self._cache.copy(view, ids, False, stream is not None),
                            self._nbytes_of, saves, self.stats, int(cfg.stage_mib * 2**20))
@@ -58,7 +63,10 @@ class WorkerSide:
         """A stored block of ``ids`` and ``unused`` more vLLM blocks into vLLM's blocks ``ids``, from its vLLM
         block ``skip`` on."""
         k = len(ids) // max(1, self._cache.groups)
+        t0 = time.perf_counter()
         self._cache.copy(view, ids, True, slot_k=k + unused if unused else None, skip=skip)
+        if threading.get_ident() == self._hook_thread:  # a synchronous load's copy, on the engine's step
+            self.hooks.exclude((time.perf_counter() - t0) * 1e3)
 
     @property
     def _block_bytes(self) -> int:
@@ -72,6 +80,8 @@ class WorkerSide:
                      per_block, computed)
         client = self._link.get()  # at startup: a configuration error shows now, not at the first request
         self.saver.warm()
+        if self.cfg.async_load:
+            self.loader.warm()
         if client is not None and client.registered is not None and self._block_bytes > client.registered.slot_bytes:
             # k came from the layout arithmetic; the engine's real blocks are bigger and overflow a slot.
             slot = client.registered.slot_bytes
@@ -120,18 +130,27 @@ class WorkerSide:
             self.saver.forget(meta.released)
 
     def start_load_kv(self, meta: Any) -> None:
+        self._hook_thread = threading.get_ident()
         with self.hooks.time("start_load_kv"):
             self._follow(meta)
             self.loader.failed_now = set()
             self.loader.failed_blocks_now = set()
+            self.loader.copied_pinned = False
             if not isinstance(meta, KvbmConnectorMetadata) or not meta.loads:
                 return
+            if any(tr.pins for tr in meta.loads):
+                self._copied_step = meta.step  # said once the step is over, copied or not: the pins may go
             if not self._same_k(meta):
                 # Every planned load is still reported, failed (vLLM recomputes it), or vLLM would keep an
                 # async one in WAITING_FOR_REMOTE_KVS forever.
                 self.loader.fail_all(meta.loads, bool(self.cfg.async_load))
                 return
             self.loader.start(meta.loads, bool(self.cfg.async_load))
+
+    def worker_meta(self) -> KvbmWorkerMetadata | None:
+        """After a step: the step whose pinned loads were copied (the scheduler releases their pins)."""
+        step, self._copied_step = self._copied_step, -1
+        return KvbmWorkerMetadata({step}) if step >= 0 else None
 
     def wait_for_save(self, meta: Any) -> None:
         with self.hooks.time("wait_for_save"):
@@ -144,17 +163,8 @@ class WorkerSide:
             trs = self._intact_saves(saves) if self._same_k(meta) else []
             if self.cfg.async_save:
                 self.saver.submit(trs)
-                return
-            client = self._link.get()
-            for tr in trs:
-                if client is None or self._link.client is not client:
-                    return
-                try:
-                    self.saver.save(client, SaveJob(tr))
-                except LINK_ERRORS as e:
-                    self._link.error(e)
-                except Exception as e:  # a save must never take the engine down
-                    log.warning("kvbm: save for request %s failed: %s", tr.req_id, e)
+            else:
+                self.hooks.exclude(self.saver.save_now(trs))  # copies of the step's own bytes, no round trip
 
     def _intact_saves(self, saves: list[BlockTransfer]) -> list[BlockTransfer]:
         """The saves to run after this step's sync loads (one dropped is not reported: a save holds no blocks).
