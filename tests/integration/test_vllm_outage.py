@@ -329,10 +329,11 @@ def test_requests_that_arrive_together_are_all_answered_in_the_step_that_reaches
 
 def test_an_old_answer_is_asked_again_and_stands_while_the_daemon_is_silent(daemon):
     """A request that waited in vLLM's queue has its lookup asked again; a daemon silent by then leaves the
-    earlier answer standing (a hit now, not a skipped step)."""
+    earlier answer standing (a hit now, not a skipped step). For an async load: a sync load's hit must be pinned
+    first, which a silent daemon does not do (``test_a_sync_load_copies_what_the_lookup_pinned...``)."""
     import signal
 
-    sched = _scheduler(daemon.endpoint, "fresh", 1)
+    sched = _scheduler(daemon.endpoint, "fresh", 1, async_load=True)
     try:
         req = _request("queued", 1, 700)
         (lay,) = sched.layouts()
@@ -344,7 +345,7 @@ def test_an_old_answer_is_asked_again_and_stands_while_the_daemon_is_silent(daem
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+            assert sched.get_num_new_matched_tokens(req, 0) == (16, True)
             assert time.monotonic() - t0 < HOOK_S
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
@@ -702,6 +703,7 @@ def test_a_save_bigger_than_the_sessions_slot_budget_goes_in_reservations_that_f
         assert w._link.client.registered.session_slots == 3
         hashes = [bytes([0x40 + i]) * 32 for i in range(7)]
         w.wait_for_save(KvbmConnectorMetadata(k=1, saves=[BlockTransfer("long", hashes, [[i] for i in range(7)])]))
+        assert wait_until(lambda: not w.saver.pending(), timeout=30)  # staged in the step, written by the saver
         with daemon.client() as c:
             c.register(w._link.layout, worker_id="reader")
             assert c.lookup(hashes).matched == 7, "the save was refused whole"

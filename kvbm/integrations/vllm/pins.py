@@ -29,6 +29,9 @@ class _HasPins(Protocol):
 
 
 H = TypeVar("H", bound=_HasPins)
+# Steps vLLM may have planned and not run yet (async scheduling runs one ahead, pipeline parallelism one per stage):
+# pins of a step this far back are released whatever the workers said.
+STEPS_IN_FLIGHT = 64
 
 
 @dataclass
@@ -169,6 +172,11 @@ class PinBook(Generic[H]):
         for s in [s for s in self._handed if s <= last]:
             for pins in self._handed.pop(s):
                 self._release(pins)
+
+    def expire(self, step: int) -> None:
+        """``step`` is being planned: a step ``STEPS_IN_FLIGHT`` before it ran long ago (vLLM plans at most a few
+        ahead of what runs), so its pins go even if no worker said so (an engine whose outputs dropped it)."""
+        self.copied({step - STEPS_IN_FLIGHT})
 
     def clear(self) -> None:
         """A new weights epoch: pins no step was handed are of the old one."""

@@ -161,6 +161,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmConnectorMetadata:
         self._lookups.new_step()  # the end of this step's scheduling: the next one may wait again
         step, self._step = self._step, self._step + 1
+        self._pins.expire(step)
         meta = KvbmConnectorMetadata(k=self.geometry.known_k, weights=self.epoch.tag, step=step)
         meta.released, self._released = self._released, []
         meta.finished, self._finished = self._finished, []
