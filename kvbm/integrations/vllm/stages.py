@@ -4,6 +4,8 @@ and the tokens computed after a hit. A benchmark or vLLM's connector stats take 
 Counter names (a stage missing from a snapshot did not run on that side):
 
 - ``lookups``, ``lookup_ms``: the scheduler's lookup round trips to the daemon (every rank), and their time;
+- ``pins``, ``pin_ms``: the scheduler's Onboards of synchronous loads' hits (every rank, before the request is
+  scheduled), and their time; ``pinned_blocks``: the worker's blocks copied out of slots so pinned;
 - ``onboards``, ``onboard_ms``, ``onboard_blocks``, ``onboard_blocks_<tier>``: the worker's Onboard requests,
   the time waited for their replies, the kvbm blocks they brought and which tier each came from;
 - ``copy_in_bytes``, ``copy_in_s``, ``copy_in_vblocks`` (and ``copy_out_*``): the copies from G2 slots into
