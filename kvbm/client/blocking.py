@@ -46,10 +46,11 @@ class WorkerClient(_Core):
     def _reset(self) -> None:
         self._wire.reset()
 
-    def abandon(self) -> None:
+    def abandon(self, unregister: bool = True) -> None:
         """Drop this session without waiting on the daemon: Unregister is sent (so a live daemon releases this
-        worker's pins and slots) but not awaited, G2 is unmapped and the socket closed."""
-        token = self.token
+        worker's pins and slots) but not awaited, G2 is unmapped and the socket closed. Without ``unregister`` the
+        daemon keeps the session's pins until its lease runs out (another process may still read them)."""
+        token = self.token if unregister else ""
         self._reset()
         if token:
             with contextlib.suppress(zmq.ZMQError):

@@ -79,8 +79,8 @@ def step_until_known(conn, req, steps: int = 200) -> tuple[tuple, float]:
 def test_a_killed_daemon_never_holds_the_scheduler_and_hits_resume_when_it_is_back(tiny_model, daemon):
     conn = scheduler_connector(tiny_model, {"daemon": daemon.endpoint})
     try:
-        req = stored_request(conn, daemon, "before", 3, 100)
-        assert step_until_known(conn, req)[0] == (48, False)
+        req = stored_request(conn, daemon, "before", 2, 100)  # a sync load's hit: at most a pin window (2 here)
+        assert step_until_known(conn, req)[0] == (32, False)
 
         daemon.kill9()
         # New requests while the daemon is dead: each hook call returns at once, and within a step or two the
@@ -518,9 +518,10 @@ def test_a_sync_load_copies_what_the_lookup_pinned_and_never_waits_on_a_stopped_
     """A synchronous load (the CPU engine's default) runs on the engine's step, before the forward. It used to
     Onboard there: a daemon SIGSTOPped between the lookup and the step held that step for the link's timeout (10 s
     here, 2 s by default), and a hit from disk or S3 held it while the blocks came up. Now the scheduler's lookup
-    thread pins the blocks before vLLM schedules the request, the load names their G2 slots, and the step only
-    copies: the stored bytes, at memory speed, with the daemon stopped. The pins go once the worker says the step
-    ran. A hit longer than the pin window (half of this 4-slot G2) pins its head and brings the rest up as before."""
+    thread pins the blocks before vLLM schedules the request (looked up at arrival, pinned when vLLM asks, at the
+    default 2 ms wait), the load names their G2 slots, and the step only copies: the stored bytes, at memory speed,
+    with the daemon stopped. The pins go once the worker says the step ran, or when the request goes unscheduled;
+    a hit longer than the pin window (half of this 4-slot G2) ends where the pins end."""
     import os
     import signal
 
@@ -529,7 +530,7 @@ def test_a_sync_load_copies_what_the_lookup_pinned_and_never_waits_on_a_stopped_
     from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, SchedulerSide
 
     w = _worker(daemon.endpoint, 1, async_load=False, async_save=True)
-    cfg = ConnectorConfig.parse({"timeout_s": TIMEOUT_S, "async_load": False, "lookup_wait_ms": 10_000})
+    cfg = ConnectorConfig.parse({"timeout_s": TIMEOUT_S, "async_load": False})
     sched = SchedulerSide(cfg, Links(daemon.endpoint, Geometry(16, 4096, 1), "outage-engine", TIMEOUT_S, _layout),
                           [0])
     pid = daemon.proc.pid
@@ -551,25 +552,20 @@ def test_a_sync_load_copies_what_the_lookup_pinned_and_never_waits_on_a_stopped_
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=done))
         assert wait_until(lambda: _stats(daemon)["daemon"]["pins"] == 0, timeout=10), "the pins were not released"
 
-        meta = _planned_load(daemon, w, sched, _request("longer", 3, 900), (2, 3, 4, 7), fill=20)
-        assert len(meta.loads[0].pins[0][1]) == 2  # the window's worth
-        w.start_load_kv(meta)
-        assert w.get_block_ids_with_load_errors() == set()
-        _assert_loaded(w, (2, 3, 4), fill=20)
-        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=w.worker_meta()))
+        longer = _request("longer", 3, 900)
+        _store_filled(daemon, w, longer, fill=20)
+        sched.on_new_request(longer)
+        assert step_until_known(sched, longer)[0] == (32, False)  # 2 of 3 blocks: the window's worth
+        assert _stats(daemon)["daemon"]["pins"] == 2
+        sched.request_finished(longer, [])  # it goes before vLLM scheduled it: its pins go too
         assert wait_until(lambda: _stats(daemon)["daemon"]["pins"] == 0, timeout=10), "the pins were not released"
     finally:
         sched.shutdown()
         w.shutdown()
 
 
-def _planned_load(daemon, w, sched, req, block_ids: tuple[int, ...], fill: int):
-    """Store ``req``'s blocks (block i filled with ``fill + i``) and plan its load onto ``block_ids`` through the
-    scheduler side, as vLLM does: the step's metadata."""
-    from test_vllm_connector import _empty_scheduler_output
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
+def _store_filled(daemon, w, req, fill: int) -> None:
+    """Store ``req``'s kvbm blocks (k = 1) under the worker's layout, block i filled with ``fill + i``."""
     from kvbm.blocks import BlockKey
 
     n = len(req.block_hashes)
@@ -578,7 +574,19 @@ def _planned_load(daemon, w, sched, req, block_ids: tuple[int, ...], fill: int):
         c.register(lay, worker_id="filler")
         keys = [BlockKey(lay.namespace, bytes(h)) for h in req.block_hashes]
         assert c.store(keys, [np.full(4096, fill + i, np.uint8) for i in range(n)]).stored == n
-    assert sched.get_num_new_matched_tokens(req, 0) == (16 * n, False)
+
+
+def _planned_load(daemon, w, sched, req, block_ids: tuple[int, ...], fill: int):
+    """Store ``req``'s blocks and plan its load onto ``block_ids`` through the scheduler side, as vLLM does (looked
+    up at arrival, asked once per step until known, allocated): the step's metadata."""
+    from test_vllm_connector import _empty_scheduler_output
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    _store_filled(daemon, w, req, fill)
+    n = len(req.block_hashes)
+    sched.on_new_request(req)
+    assert step_until_known(sched, req)[0] == (16 * n, False)
     sched.update_state_after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(i) for i in block_ids),)), 16 * n)
     return sched.build_connector_meta(_empty_scheduler_output())
 

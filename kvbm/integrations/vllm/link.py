@@ -48,6 +48,9 @@ class Link:
         self.failures = 0
         self.epoch = epoch
         self.gen = -1  # the epoch generation the session registered under
+        # False for a session whose pins another process reads (the scheduler's, for synchronous loads): dropped,
+        # it does not Unregister, so the daemon keeps those pins until the session's lease runs out.
+        self.unregister = True
 
     @property
     def degraded(self) -> bool:
@@ -57,7 +60,7 @@ class Link:
         if self.client is not None:
             if self.epoch is None or self.gen == self.epoch.gen:
                 return self.client
-            self.close()  # a new weights epoch: a new session under its namespace
+            self.drop()  # a new weights epoch: a new session under its namespace
         if time.monotonic() < self.down_until:
             return None
         # fail_fast: a daemon that dies is noticed when its socket drops, not after timeout_s.
@@ -116,10 +119,14 @@ class Link:
         elif not self.warned:
             log.warning("kvbm: daemon %s unavailable, recomputing instead (%s)", self.endpoint, e)
             self.warned = True
+        # Unregister (a live daemon releases our pins and slots now rather than at the lease's end) and unmap G2; a
+        # new socket next time, so a late reply is never read as the next one.
+        self.drop()
+
+    def drop(self) -> None:
+        """Forget the session without waiting on the daemon (Unregister sent unless ``unregister`` is False)."""
         if self.client is not None:
-            # Unregister (a live daemon releases our pins and slots now rather than at the lease's end) and
-            # unmap G2; a new socket next time, so a late reply is never read as the next one.
-            self.client.abandon()
+            self.client.abandon(self.unregister)
             self.client = None
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ asks for: the vLLM block ids that did not arrive (vLLM recomputes from the first
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -68,9 +69,11 @@ class Loader:
         self.failed_now: set[str] = set()  # requests whose sync load of the current step came up short
         self.failed_blocks_now: set[int] = set()  # and the vLLM block ids that did not load
         self._pin_rank = pin_rank  # whose pins this worker copies (its own; under MLA its TP group's storing rank)
-        # Pools mapped on the loader's thread, by generation, for pinned loads: only ever added to (a mapping the
-        # engine's thread copies from is never unmapped under it); the few a daemon's restarts leave are kept.
-        self._maps: dict[str, HostTier] = {}
+        # After a daemon restart the engine thread's session maps an earlier pool: the loader's thread maps the new
+        # one, and the engine's thread takes it (and unmaps the old ones: it is the one thread that copies).
+        self._maps: dict[str, HostTier] = {}  # (the engine's thread) the newest daemon's pool, once mapped
+        self._fresh: tuple[str, HostTier] | None = None  # mapped on the loader's thread, not taken yet
+        self._maps_lock = threading.Lock()
         self._mapping: dict[str, float] = {}  # generations the loader's thread was asked to map, and when
         self.copied_pinned = False  # this step copied pinned loads (the scheduler may release their pins)
 
@@ -97,12 +100,7 @@ class Loader:
             self.copied_pinned = True
             trs = [tr for tr in trs if not tr.pins]
             for tr in pinned:
-                n, whole = self._copy_pinned(tr)
-                if whole and n < len(tr.hashes):
-                    # Pinned as far as a pin window goes: the rest is brought up and copied as before.
-                    self._sync_result(tr.req_id, self._load_all([tr.after(n)], self._link)[tr.req_id])
-                else:
-                    self._sync_result(tr.req_id, failed_ids(tr, n))
+                self._sync_result(tr.req_id, failed_ids(tr, self._copy_pinned(tr)))
             if not trs:
                 return
         if asynchronous:
@@ -122,15 +120,15 @@ class Loader:
             self.failed_now.add(rid)
             self.failed_blocks_now.update(bad)
 
-    def _copy_pinned(self, tr: BlockTransfer) -> tuple[int, bool]:
-        """Copy a load out of the slots its pins name: the leading blocks copied, and whether every pinned one was."""
+    def _copy_pinned(self, tr: BlockTransfer) -> int:
+        """Copy a load out of the slots its pins name; the leading blocks copied."""
         pins = tr.pins.get(self._pin_rank)
         if pins is None:
-            return 0, False
+            return 0
         generation, slots, nbytes = pins
         g2 = self._pool_of(generation)
         if g2 is None:
-            return 0, False
+            return 0
         loaded = 0
         try:
             for i in range(min(len(slots), len(tr.hashes))):
@@ -142,7 +140,7 @@ class Loader:
         except Exception as e:  # a load must never take the engine down: the request is recomputed
             log.warning("kvbm: load for request %s failed: %s", tr.req_id, e)
         self._stages.add(pinned_blocks=loaded)
-        return loaded, loaded == len(slots)
+        return loaded
 
     def _pool_of(self, generation: str) -> HostTier | None:
         """This process's mapping of the pool of ``generation`` (no round trip); None, and mapped on the loader's
@@ -150,7 +148,15 @@ class Loader:
         client = self._link.client  # the engine thread's own session, mapped at start-up
         if client is not None and client.generation == generation and client.g2 is not None:
             return client.g2
+        with self._maps_lock:  # what the loader's thread mapped since: only this thread unmaps (it copies)
+            fresh, self._fresh = self._fresh, None
+        if fresh is not None:
+            for old in self._maps.values():
+                old.release()  # an earlier daemon's pool: its memory goes with the last mapping
+            self._maps = {fresh[0]: fresh[1]}
         g2 = self._maps.get(generation)
+        if g2 is not None and client is not None:
+            self._link.drop()  # its session and mapping are an earlier daemon's: let that pool's memory go
         now = time.monotonic()
         if g2 is None and now - self._mapping.get(generation, -MAP_RETRY_S) >= MAP_RETRY_S:
             self._mapping[generation] = now
@@ -166,7 +172,11 @@ class Loader:
                 client = self._async_link.get()
             if client is not None and client.generation == generation and client.registered is not None:
                 reg = client.registered
-                self._maps[generation] = HostTier.attach(reg.shm_name, reg.capacity_bytes, reg.slot_bytes)
+                tier = HostTier.attach(reg.shm_name, reg.capacity_bytes, reg.slot_bytes)
+                with self._maps_lock:
+                    stale, self._fresh = self._fresh, (generation, tier)
+                if stale is not None:
+                    stale[1].release()  # never handed to the engine's thread
         except Exception as e:
             log.warning("kvbm: mapping G2 pool %s failed: %s", generation, e)
 

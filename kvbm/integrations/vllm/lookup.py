@@ -25,7 +25,7 @@ from typing import NamedTuple
 from kvbm.client.lease import pin_window
 from kvbm.integrations.vllm.link import Link
 from kvbm.integrations.vllm.lookup_rounds import Job, look
-from kvbm.integrations.vllm.pins import Pinned, pin_all, release_all
+from kvbm.integrations.vllm.pins import KEEP_S, Pinned, pin_all, release_all
 from kvbm.integrations.vllm.stages import stages_of
 
 log = logging.getLogger("kvbm.vllm")
@@ -71,10 +71,11 @@ class Lookups:
 
     # Scheduler thread.
     def prefetch(self, req_id: str, hashes: list[bytes], vhashes: list[bytes] | None = None, k: int = 0,
-                 next_block: bytes = b"") -> None:
-        """Queue the lookup of a request that just arrived; :meth:`ask` returns its answer later."""
+                 next_block: bytes = b"", pin_from: int = -1) -> None:
+        """Queue the lookup of a request that just arrived (pinned from ``pin_from`` on, if >= 0); :meth:`ask`
+        returns its answer later."""
         if req_id not in self._jobs:
-            self._queue_job(Job(req_id, hashes, vhashes or [], k, next_block))
+            self._queue_job(Job(req_id, hashes, vhashes or [], k, next_block, pin_from=pin_from))
 
     def ask(self, req_id: str, hashes: list[bytes], vhashes: list[bytes] | None = None,
             k: int = 0, next_block: bytes = b"", pin_from: int = -1) -> Hit | None:
@@ -86,13 +87,11 @@ class Lookups:
         vhashes = vhashes or []
         if job is None or job.hashes != hashes or job.vhashes != vhashes or job.next_block != next_block:
             job = self._queue_job(Job(req_id, hashes, vhashes, k, next_block, pin_from=pin_from))
-        elif pin_from >= 0 and job.done.is_set() and (job.pins is None or job.pin_from != pin_from):
-            # Answered without pins (prefetched at arrival), or pinned from another block: pin now.
-            self._unpin(job)
-            job.pin_from = pin_from
-            job.done.clear()
-            self._queue.put(job)
-        elif job.pins is None and job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
+        elif pin_from >= 0 and job.done.is_set() and (job.pinned_from != pin_from or self._pins_stale(job)):
+            self._repin(job, pin_from)  # answered without pins, pinned from another block, or pinned long ago
+        elif pin_from >= 0:
+            job.pin_from = pin_from  # not answered yet: the thread pins it after its lookup (or the next ask does)
+        elif job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
             job = self._queue_job(Job(req_id, hashes, vhashes, k, next_block, stale=job))  # queued a while: again
         if not job.done.is_set() and self._budget > 0:
             t0 = time.monotonic()
@@ -100,6 +99,9 @@ class Lookups:
                 self._budget -= time.monotonic() - t0  # asks answered in time share the step's budget
             else:
                 self._budget = 0.0  # the daemon is slow now: the rest of this step does not wait
+        if job.done.is_set() and pin_from >= 0 and job.pinned_from != pin_from:
+            self._repin(job, pin_from)  # the thread answered it before it saw pin_from
+            return None
         if job.done.is_set():
             del self._jobs[req_id]
             pins, job.pins = job.pins, None
@@ -113,6 +115,25 @@ class Lookups:
             self._say_gave_up()
             return Hit(0, degraded=True)
         return None
+
+    @staticmethod
+    def _pins_stale(job: Job) -> bool:
+        """Whether a job's pins are worth taking again before they are used, once: refused short at arrival (the
+        session's budget was full then), or kept past ``KEEP_S`` (the daemon may drop a silent session's pins)."""
+        pins = job.pins
+        if pins is None or job.repinned:
+            return False
+        return time.monotonic() - job.pinned_at > KEEP_S or (pins.refused and pins.count < len(pins.keys))
+
+    def _repin(self, job: Job, pin_from: int) -> None:
+        """Pin an answered job's held blocks from ``pin_from`` on (what it pinned before is released); it has
+        ``give_up_s`` from now."""
+        self._unpin(job)
+        job.repinned = job.pinned_from >= 0
+        job.pin_from, job.pinned_from, job.refusals = pin_from, -1, 0
+        job.asked = time.monotonic()
+        job.done.clear()
+        self._queue.put(job)
 
     def _say_gave_up(self) -> None:
         """Log misses of lookups the daemon left unanswered (a recompute an operator should see), at most once per
@@ -186,7 +207,7 @@ class Lookups:
             batch = [j for j in items if isinstance(j, Job)]
             try:
                 for pins in (i for i in items if isinstance(i, Pinned)):
-                    release_all(self._links, pins)  # first: the slots they hold may be what the next pins need
+                    self._release(pins)  # first: the slots they hold may be what the next pins need
                 again = self._answer(batch) if batch else []
                 if again:
                     # Refused as load (a tenant's in-flight cap shared by its sessions, a burst): asked again after
@@ -204,6 +225,12 @@ class Lookups:
             if stop:
                 return
 
+    def _release(self, pins: Pinned) -> None:
+        try:
+            release_all(self._links, pins)
+        except Exception as e:  # one failure must not keep the others' pins
+            log.warning("kvbm: releasing pins failed unexpectedly: %r", e)
+
     def _reconnect(self) -> None:
         """Bring links that are down back up (each retries on its own backoff)."""
         for link in self._links:
@@ -217,7 +244,7 @@ class Lookups:
         again = look(self._links, fresh, self.give_up_s, self._stages) if fresh else []
         retry = {id(j) for j in again}
         ready = [j for j in batch if id(j) not in retry]
-        again += self._pin([j for j in ready if j.pin_from >= 0])
+        again += self._pin([j for j in ready if j.pin_from >= 0 and not j.forgotten])
         retry = {id(j) for j in again}
         for job in ready:
             if id(job) not in retry:
@@ -227,12 +254,15 @@ class Lookups:
     def _pin(self, jobs: list[Job]) -> list[Job]:
         """Pin each job's held blocks from its ``pin_from`` on (every job's Onboards pipelined on every link); the
         jobs refused as load while young enough to ask again (what they pinned is released)."""
-        # At most a pin window per request (half the pool, the session's budget): a longer hit's rest is brought
-        # up by the worker as before (kvbm.integrations.vllm.loads).
+        now = time.monotonic()
+        for j in jobs:
+            j.pinned_from, j.pinned_at = j.pin_from, now  # read once: the scheduler may ask from another block
+        # At most a pin window per request (half the pool, the session's budget): a longer hit ends there.
         window = min((pin_window(link.client.registered) for link in self._links if link.client is not None),
                      default=1)
-        keys = [(j.hashes[j.pin_from : j.matched or 0]
-                 + ([j.partial_key] if j.partial and (j.matched or 0) >= j.pin_from else []))[:window] for j in jobs]
+        keys = [(j.hashes[j.pinned_from : j.matched or 0]
+                 + ([j.partial_key] if j.partial and (j.matched or 0) >= j.pinned_from else []))[:window]
+                for j in jobs]
         todo = [(j, ks) for j, ks in zip(jobs, keys, strict=True) if ks]
         if not todo:
             return []
@@ -243,7 +273,7 @@ class Lookups:
         for (job, ks), pins in zip(todo, got, strict=True):
             if pins.refused and pins.count < len(ks) and time.monotonic() - job.asked < self.give_up_s / 2:
                 job.refusals += 1
-                release_all(self._links, pins)
+                self._release(pins)
                 again.append(job)
                 continue
             job.degraded = job.degraded or any(r is None for r in pins.ranks)
@@ -252,5 +282,5 @@ class Lookups:
                 if not forgotten:
                     job.pins = pins
             if forgotten:
-                release_all(self._links, pins)
+                self._release(pins)
         return again

@@ -36,6 +36,9 @@ class Job:
     refusals: int = 0  # times the daemon refused it as load (busy, full, shed): asked again, within give_up_s
     partial_key: bytes = b""  # the key of the partial block every rank holds (``partial`` > 0)
     pin_from: int = -1  # pin the matched blocks from this one on, and the partial block (-1: do not pin)
+    pinned_from: int = -1  # the ``pin_from`` the thread pinned for (-1: not pinned), whatever it could pin
+    pinned_at: float = 0.0  # when (monotonic)
+    repinned: bool = False  # pinned again when asked (a prefetch's pins were refused, or kept too long)
     pins: Pinned | None = None  # what the thread pinned, until ask hands it over
     forgotten: bool = False  # dropped by the scheduler: pins the thread takes after that are released at once
 

@@ -35,11 +35,6 @@ class BlockTransfer:
         return BlockTransfer(self.req_id, self.hashes[:n], self.block_ids[:n], self.final, self.skip,
                              self.tail if n >= len(self.hashes) else 0, self.partial, self.covers[:n])
 
-    def after(self, n: int) -> BlockTransfer:
-        """This transfer's blocks from block ``n`` on."""
-        return BlockTransfer(self.req_id, self.hashes[n:], self.block_ids[n:], self.final, self.skip if not n else 0,
-                             self.tail, self.partial, self.covers[n:])
-
     def unused(self, i: int) -> int:
         """vLLM blocks of stored block ``i`` of a load that are not copied: the first block's ``skip``, the
         last one's ``tail``."""

@@ -12,6 +12,7 @@ goes before its load was scheduled.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -32,6 +33,9 @@ H = TypeVar("H", bound=_HasPins)
 # Steps vLLM may have planned and not run yet (async scheduling runs one ahead, pipeline parallelism one per stage):
 # pins of a step this far back are released whatever the workers said.
 STEPS_IN_FLIGHT = 64
+# A request's pins kept while it waits in vLLM's queue are asked again after this: well inside the daemon's lease of
+# a silent session (worker_timeout_s, 60 s), after which it may free them.
+KEEP_S = 20.0
 
 
 @dataclass
@@ -132,20 +136,24 @@ class PinBook(Generic[H]):
 
     def __init__(self, release: Callable[[Pinned], None]) -> None:
         self._release = release
-        self._waiting: dict[str, tuple[tuple[int, int, int], H]] = {}  # request -> (what was asked, its hit)
+        # request -> (what was asked, its hit, when it was pinned)
+        self._waiting: dict[str, tuple[tuple[int, int, int], H, float]] = {}
         self._handed: dict[int, list[Pinned]] = {}  # step -> pins its loads copy
 
     def keep(self, req_id: str, asked: tuple[int, int, int], hit: H) -> None:
         """``req_id``'s hit is pinned; asked the same again before its load is scheduled, :meth:`kept` serves it."""
-        self.drop(req_id)
-        self._waiting[req_id] = (asked, hit)
+        was = self._waiting.pop(req_id, None)
+        if was is not None and was[1] is not hit:
+            self._release(was[1].pins)
+        self._waiting[req_id] = (asked, hit, was[2] if was is not None and was[1] is hit else time.monotonic())
 
     def kept(self, req_id: str, asked: tuple[int, int, int]) -> H | None:
-        """The hit kept for ``req_id`` if it was asked as ``asked`` (taken: kept again if still wanted); any other
-        pins of it are released."""
-        was = self._waiting.pop(req_id, None)
-        if was is not None and was[0] == asked:
+        """The hit kept for ``req_id`` if it was asked as ``asked`` and pinned less than ``KEEP_S`` ago (taken:
+        :meth:`keep` it again if still wanted); other pins of it are released."""
+        was = self._waiting.get(req_id)
+        if was is not None and was[0] == asked and time.monotonic() - was[2] < KEEP_S:
             return was[1]
+        was = self._waiting.pop(req_id, None)
         if was is not None:
             self._release(was[1].pins)
         return None

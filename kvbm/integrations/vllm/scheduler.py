@@ -14,7 +14,7 @@ from kvbm.integrations.vllm.geometry import K_SETTING
 from kvbm.integrations.vllm.groups import SINGLE, KVGroups
 from kvbm.integrations.vllm.hooks import HookTimes
 from kvbm.integrations.vllm.inflight import SavesInFlight
-from kvbm.integrations.vllm.link import Links
+from kvbm.integrations.vllm.link import Link, Links
 from kvbm.integrations.vllm.lookup import Hit, Lookups
 from kvbm.integrations.vllm.metadata import BlockTransfer, KvbmConnectorMetadata, KvbmWorkerMetadata
 from kvbm.integrations.vllm.pins import PinBook
@@ -35,6 +35,8 @@ class SchedulerSide:
         self._step = 0  # build_connector_meta calls so far
         # One scheduler serves every worker (TP rank x PP stage): a prefix counts only if each stored it.
         self._links = [links.open(r, f"scheduler-r{r}") for r in ranks]
+        for link in self._links:
+            link.unregister = False  # its pins are read by the workers: a dropped session must not free them
         self._ranks = list(ranks)
         self._reqs: dict[str, ReqState] = {}
         self.hooks = HookTimes("scheduler", cfg.hook_warn_ms)
@@ -97,7 +99,10 @@ class SchedulerSide:
         """A request arrived: its lookup goes to the daemon now, so the answer is there when it is scheduled."""
         hashes, vhashes, next_block = self._wanted(request, 0)
         if hashes or vhashes:
-            self._lookups.prefetch(request.request_id, hashes, vhashes, self.geometry.known_k, next_block)
+            # A sync load's hit is pinned with its lookup (from block 0: vLLM's own hit is mostly none; pinned again
+            # when it asks if not), so a burst is answered with no more round trips.
+            self._lookups.prefetch(request.request_id, hashes, vhashes, self.geometry.known_k, next_block,
+                                   -1 if self.cfg.async_load else 0)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
@@ -105,7 +110,6 @@ class SchedulerSide:
         matched = partial = 0
         from_next = False
         hashes, vhashes, next_block = self._wanted(request, num_computed_tokens)
-        pinned = False
         if hashes or vhashes:
             # A synchronous load copies on the engine's step: its blocks are pinned first (kvbm...pins).
             pin_from = -1 if self.cfg.async_load else num_computed_tokens // block_tokens
@@ -118,18 +122,15 @@ class SchedulerSide:
             if got.pins is not None:
                 matched, partial, from_next = _pinned_run(got, pin_from)
                 self._pins.keep(rid, asked, got)  # released if it is not loaded after all
-                pinned = True
             if not got.degraded and self._inflight.hold(rid, hashes, vhashes, self.geometry.known_k, next_block,
                                                         matched, partial, from_next):
                 self._pins.drop(rid)
                 self._lookups.forget(rid)  # asked again now: the answer is there by the next step
-                self._lookups.prefetch(rid, hashes, vhashes, self.geometry.known_k, next_block)
+                self._lookups.prefetch(rid, hashes, vhashes, self.geometry.known_k, next_block, pin_from)
                 return None, False
             self._stats["lookups"] += 1
             self._stats["hit_blocks"] += matched
             self._stats["hit_partial_vblocks"] = self._stats.get("hit_partial_vblocks", 0) + partial
-        else:
-            self._pins.drop(rid)
         # A new state, also for a preempted request coming back: its saves cut short by the preemption are
         # planned again (the daemon answers those already stored with no slot, so nothing is copied twice).
         self._reqs[rid] = ReqState(request, local_tokens=num_computed_tokens, step=self._step,
@@ -138,8 +139,7 @@ class SchedulerSide:
         if ext >= 0:
             ext += partial * self.geometry.vllm_block_size  # the partial block continues the full run
         if ext <= 0:
-            if pinned:
-                self._pins.drop(rid)
+            self._pins.drop(rid)
             return 0, False
         return ext, bool(self.cfg.async_load)
 
@@ -179,7 +179,10 @@ class SchedulerSide:
             # pause "keep"): the state is the new admission's, its blocks and load are live.
         for st in self._reqs.values():
             if st.load is not None:
-                self._pins.hand(st.load.req_id, step)  # released once a worker copied them
+                if st.load.pins:
+                    self._pins.hand(st.load.req_id, step)  # released once a worker copied them
+                else:
+                    self._pins.drop(st.load.req_id)
                 meta.loads.append(st.load)
                 if self.cfg.async_load:
                     self._load_pending.add(st.load.req_id)
@@ -240,14 +243,10 @@ class SchedulerSide:
                 self._final_saves.extend(finals)
                 self._inflight.planned(finals)
         self._load_failed.discard(rid)
-        degraded = [link for link in self._links if link.degraded]
-        params: dict[str, Any] = {"kvbm": {
-            "degraded": bool(degraded), "misconfigured": any(link.misconfigured for link in degraded),
-            "endpoint": self.endpoint, K_SETTING: self.geometry.known_k, **self._stats,
-            "waited_for_saves": self._inflight.waited, "computed_past_saves": self._inflight.gave_up}}
-        if degraded:
-            params["kvbm"]["reason"] = degraded[0].degraded_reason
-        return delay_free, params
+        return delay_free, {"kvbm": {**_health(self._links), "endpoint": self.endpoint,
+                                     K_SETTING: self.geometry.known_k, **self._stats,
+                                     "waited_for_saves": self._inflight.waited,
+                                     "computed_past_saves": self._inflight.gave_up}}
 
     def reset_cache(self) -> None:
         """A new weights epoch: lookups, plans and saves made before it are never used under it."""
@@ -277,12 +276,23 @@ class SchedulerSide:
             link.close()
 
 
+def _health(links: list[Link]) -> dict[str, Any]:
+    """What a finished request's kv_transfer_params say of kvbm's health: degraded (and why), misconfigured."""
+    degraded = [link for link in links if link.degraded]
+    out: dict[str, Any] = {"degraded": bool(degraded), "misconfigured": any(link.misconfigured for link in degraded)}
+    if degraded:
+        out["reason"] = degraded[0].degraded_reason
+    return out
+
+
 def _pinned_run(got: Hit, pin_from: int) -> tuple[int, int, bool]:
-    """A synchronous load's hit as far as its blocks from ``pin_from`` on are pinned: (full blocks, the partial
-    block's vLLM blocks, whether that is the head of the next block). The pins cover a pin window from
-    ``pin_from``; a hit longer than that loads its rest as before, but one whose pinned head came up short (a block
-    evicted since the lookup, no room in the session's budget) ends where the pins end."""
-    pins = got.pins
-    if pins is None or pins.count >= len(pins.keys):
-        return got.blocks, got.partial, got.from_next
-    return min(got.blocks, pin_from + pins.count), 0, False
+    """A synchronous load's hit as far as its blocks from ``pin_from`` on are pinned (a block evicted since the
+    lookup, no room in the session's budget, a hit longer than the pin window: it ends where the pins end): (full
+    blocks, the partial block's vLLM blocks, whether that is the head of the next block)."""
+    count = got.pins.count if got.pins is not None else 0
+    full = max(0, got.blocks - pin_from)
+    if count < full:
+        return min(got.blocks, pin_from + count), 0, False
+    if got.partial and count < full + 1:
+        return got.blocks, 0, False
+    return got.blocks, got.partial, got.from_next
