@@ -162,17 +162,17 @@ def test_a_request_whose_load_failed_is_not_offered_kvbm_tokens_again(tiny_model
 
     conn, _cfg = scheduler_connector(tiny_model, {"daemon": daemon_1mib.endpoint, **K1})
     try:
-        req = _stored_request(conn, daemon_1mib, 2, 100)  # a sync load's hit: at most a pin window (2 here)
+        req = _stored_request(conn, daemon_1mib, 4, 100)
         ext, _async = conn.get_num_new_matched_tokens(req, 0)
-        assert ext == 32
-        conn.update_state_after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(i) for i in range(10, 13)),)), ext)
+        assert ext == 64
+        conn.update_state_after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(i) for i in range(10, 15)),)), ext)
         meta = conn.build_connector_meta(_empty_scheduler_output())
         # The step's output, as a worker answers it: its load failed, and it copied what its pins held.
-        conn.update_connector_output(KVConnectorOutput(invalid_block_ids={11},
+        conn.update_connector_output(KVConnectorOutput(invalid_block_ids={12},
                                                        kv_connector_worker_meta=KvbmWorkerMetadata({meta.step})))
         assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # recomputed, not offered again
         conn.request_finished(req, [])
-        assert conn.get_num_new_matched_tokens(req, 0)[0] == 32  # a new request of that id may load again
+        assert conn.get_num_new_matched_tokens(req, 0)[0] == 64  # a new request of that id may load again
         conn.request_finished(req, [])  # it goes unscheduled: its pins go, as the first load's did
         assert wait_until(lambda: _pins(daemon_1mib) == 0, timeout=10)
     finally:

@@ -79,8 +79,8 @@ def step_until_known(conn, req, steps: int = 200) -> tuple[tuple, float]:
 def test_a_killed_daemon_never_holds_the_scheduler_and_hits_resume_when_it_is_back(tiny_model, daemon):
     conn = scheduler_connector(tiny_model, {"daemon": daemon.endpoint})
     try:
-        req = stored_request(conn, daemon, "before", 2, 100)  # a sync load's hit: at most a pin window (2 here)
-        assert step_until_known(conn, req)[0] == (32, False)
+        req = stored_request(conn, daemon, "before", 3, 100)
+        assert step_until_known(conn, req)[0] == (48, False)
 
         daemon.kill9()
         # New requests while the daemon is dead: each hook call returns at once, and within a step or two the
@@ -521,7 +521,7 @@ def test_a_sync_load_copies_what_the_lookup_pinned_and_never_waits_on_a_stopped_
     thread pins the blocks before vLLM schedules the request (looked up at arrival, pinned when vLLM asks, at the
     default 2 ms wait), the load names their G2 slots, and the step only copies: the stored bytes, at memory speed,
     with the daemon stopped. The pins go once the worker says the step ran, or when the request goes unscheduled;
-    a hit longer than the pin window (half of this 4-slot G2) ends where the pins end."""
+    a hit longer than the pin window (half of this 4-slot G2) pins its head and brings the rest up as before."""
     import os
     import signal
 
@@ -552,12 +552,20 @@ def test_a_sync_load_copies_what_the_lookup_pinned_and_never_waits_on_a_stopped_
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=done))
         assert wait_until(lambda: _stats(daemon)["daemon"]["pins"] == 0, timeout=10), "the pins were not released"
 
-        longer = _request("longer", 3, 900)
-        _store_filled(daemon, w, longer, fill=20)
-        sched.on_new_request(longer)
-        assert step_until_known(sched, longer)[0] == (32, False)  # 2 of 3 blocks: the window's worth
+        gone = _request("gone", 2, 1300)
+        _store_filled(daemon, w, gone, fill=30)
+        sched.on_new_request(gone)
+        assert step_until_known(sched, gone)[0] == (32, False)
         assert _stats(daemon)["daemon"]["pins"] == 2
-        sched.request_finished(longer, [])  # it goes before vLLM scheduled it: its pins go too
+        sched.request_finished(gone, [])  # it goes before vLLM scheduled it: its pins go too
+        assert wait_until(lambda: _stats(daemon)["daemon"]["pins"] == 0, timeout=10), "the pins were not released"
+
+        meta = _planned_load(daemon, w, sched, _request("longer", 3, 900), (2, 3, 4, 7), fill=20)
+        assert len(meta.loads[0].pins[0][1]) == 2 and meta.loads[0].unpinned_rest  # the window's worth pinned
+        w.start_load_kv(meta)
+        assert w.get_block_ids_with_load_errors() == set()
+        _assert_loaded(w, (2, 3, 4), fill=20)
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=w.worker_meta()))
         assert wait_until(lambda: _stats(daemon)["daemon"]["pins"] == 0, timeout=10), "the pins were not released"
     finally:
         sched.shutdown()

@@ -129,7 +129,9 @@ class AllocatedBlocks:
 
 class EvictBeforeLoad:
     """Evicts a request's kvbm blocks from ``from_block`` on right after the scheduler planned their load (the
-    lookup said they were there): a block gone between lookup and load, so the load comes up short."""
+    lookup said they were there): a block gone between lookup and load, so the load comes up short. A synchronous
+    load's blocks are pinned by its lookup, so none can go: their slots are taken out of the load's pins instead
+    (what the worker cannot copy, a pool it has not mapped, comes up short the same way)."""
 
     def __init__(self, llm: Any, spec: dict, from_block: int) -> None:
         from pathlib import Path
@@ -152,6 +154,13 @@ class EvictBeforeLoad:
                     with WorkerClient(spec["connector"]["daemon"], timeout_s=10, admin_token=token) as c:
                         c.register(layout, worker_id=f"e2e-evictor-r{layout.tp_rank}")
                         self.evicted += c.evict(hashes).removed
+                st = conn.scheduler._reqs.get(request.request_id)
+                load = st.load if st is not None else None
+                if load is not None and load.pins:
+                    keep = max(0, from_block - st.load_from)
+                    self.evicted += max(0, len(load.hashes) - keep)
+                    load.pins = {r: (gen, slots[:keep], nbytes[:keep]) for r, (gen, slots, nbytes) in load.pins.items()}
+                    load.unpinned_rest = False
             return out
 
         conn.update_state_after_alloc = update_state_after_alloc

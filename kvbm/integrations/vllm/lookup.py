@@ -257,20 +257,21 @@ class Lookups:
         now = time.monotonic()
         for j in jobs:
             j.pinned_from, j.pinned_at = j.pin_from, now  # read once: the scheduler may ask from another block
-        # At most a pin window per request (half the pool, the session's budget): a longer hit ends there.
+        # At most a pin window per request (half the pool, the session's budget): a longer hit's rest is brought
+        # up in the step, as before (kvbm.integrations.vllm.loads).
         window = min((pin_window(link.client.registered) for link in self._links if link.client is not None),
                      default=1)
-        keys = [(j.hashes[j.pinned_from : j.matched or 0]
-                 + ([j.partial_key] if j.partial and (j.matched or 0) >= j.pinned_from else []))[:window]
-                for j in jobs]
-        todo = [(j, ks) for j, ks in zip(jobs, keys, strict=True) if ks]
+        keys = [j.hashes[j.pinned_from : j.matched or 0]
+                + ([j.partial_key] if j.partial and (j.matched or 0) >= j.pinned_from else []) for j in jobs]
+        todo = [(j, ks[:window], len(ks) > window) for j, ks in zip(jobs, keys, strict=True) if ks]
         if not todo:
             return []
         t0 = time.monotonic()
-        got = pin_all(self._links, [ks for _, ks in todo])
+        got = pin_all(self._links, [ks for _, ks, _ in todo])
         self._stages.add(pins=len(todo), pin_ms=(time.monotonic() - t0) * 1e3)
         again: list[Job] = []
-        for (job, ks), pins in zip(todo, got, strict=True):
+        for (job, ks, cut), pins in zip(todo, got, strict=True):
+            pins.cut = cut
             if pins.refused and pins.count < len(ks) and time.monotonic() - job.asked < self.give_up_s / 2:
                 job.refusals += 1
                 self._release(pins)

@@ -29,11 +29,18 @@ class BlockTransfer:
     # rank, (the pool's generation, each block's slot, each block's bytes), as far as they are pinned. The worker
     # copies out of those slots with no round trip to the daemon.
     pins: dict[int, tuple[str, list[int], list[int]]] = field(default_factory=dict)
+    # The pins are the head of a hit longer than the pin window: the rest is brought up in the step (Onboard).
+    unpinned_rest: bool = False
 
     def head(self, n: int) -> BlockTransfer:
         """The first ``n`` blocks of this transfer."""
         return BlockTransfer(self.req_id, self.hashes[:n], self.block_ids[:n], self.final, self.skip,
                              self.tail if n >= len(self.hashes) else 0, self.partial, self.covers[:n])
+
+    def after(self, n: int) -> BlockTransfer:
+        """This transfer's blocks from block ``n`` on."""
+        return BlockTransfer(self.req_id, self.hashes[n:], self.block_ids[n:], self.final, self.skip if not n else 0,
+                             self.tail, self.partial, self.covers[n:])
 
     def unused(self, i: int) -> int:
         """vLLM blocks of stored block ``i`` of a load that are not copied: the first block's ``skip``, the

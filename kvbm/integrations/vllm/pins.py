@@ -59,6 +59,7 @@ class Pinned:
     keys: list[bytes]
     ranks: list[RankPins | None]
     refused: bool = False  # some rank's daemon refused as load (its slots full, busy): asked again, or a miss
+    cut: bool = False  # ``keys`` are the head of a longer hit, cut at the pin window (the rest is not pinned)
 
     @property
     def count(self) -> int:

@@ -155,6 +155,7 @@ class SchedulerSide:
         st.plan_load(num_external_tokens, self.geometry.known_k, self.geometry.vllm_block_size)
         if pinned is not None and st.load is not None:
             st.load.pins = {self._ranks[r]: v for r, v in pinned.slots_for(st.load.hashes).items()}
+            st.load.unpinned_rest = pinned.cut
         self.hooks.stages.add(hit_tokens=num_external_tokens,
                               computed_after_hit_tokens=request.num_tokens - st.local_tokens - num_external_tokens)
 
@@ -287,12 +288,10 @@ def _health(links: list[Link]) -> dict[str, Any]:
 
 def _pinned_run(got: Hit, pin_from: int) -> tuple[int, int, bool]:
     """A synchronous load's hit as far as its blocks from ``pin_from`` on are pinned (a block evicted since the
-    lookup, no room in the session's budget, a hit longer than the pin window: it ends where the pins end): (full
-    blocks, the partial block's vLLM blocks, whether that is the head of the next block)."""
-    count = got.pins.count if got.pins is not None else 0
-    full = max(0, got.blocks - pin_from)
-    if count < full:
-        return min(got.blocks, pin_from + count), 0, False
-    if got.partial and count < full + 1:
-        return got.blocks, 0, False
-    return got.blocks, got.partial, got.from_next
+    lookup, no room in the session's budget: it ends where the pins end; a hit longer than the pin window pinned its
+    head whole, and stands): (full blocks, the partial block's vLLM blocks, whether that is the head of the next
+    block)."""
+    pins = got.pins
+    if pins is None or pins.count >= len(pins.keys):
+        return got.blocks, got.partial, got.from_next
+    return min(got.blocks, pin_from + pins.count), 0, False
