@@ -436,7 +436,6 @@ def test_a_stopped_daemon_never_holds_a_step_through_its_saves(daemon):
 
     import torch
 
-    from kvbm.blocks import BlockKey
     from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
 
     w = _worker(daemon.endpoint, 1, async_load=False, async_save=True)
@@ -463,14 +462,21 @@ def test_a_stopped_daemon_never_holds_a_step_through_its_saves(daemon):
             os.kill(pid, signal.SIGCONT)
         assert held_quiet < HOOK_S / 2, f"a step with nothing preempted waited {held_quiet:.2f}s on a save"
         assert held_preempt < HOOK_S / 2, f"a step that preempted r2 waited {held_preempt:.2f}s on its save"
-        assert wait_until(lambda: not w.saver.pending(), timeout=30)
-        with daemon.client() as c:
-            c.register(w._link.layout, worker_id="reader")
-            buf = np.zeros(c.registered.slot_bytes, np.uint8)
-            assert c.load([BlockKey(w._link.layout.namespace, victim)], [buf]) == 1, f"r2's save: {w.stats}"
-        assert (buf[:4096] == 5).all(), "the preempted request's save stored bytes the next forward wrote"
+        _assert_saved(daemon, w, victim, 5, "the preempted request's save stored bytes the next forward wrote")
     finally:
         w.shutdown()
+
+
+def _assert_saved(daemon, w, key: bytes, fill: int, why: str) -> None:
+    """Once the worker's saves are over, the daemon holds ``key`` with its first vLLM block's bytes all ``fill``."""
+    from kvbm.blocks import BlockKey
+
+    assert wait_until(lambda: not w.saver.pending(), timeout=30)
+    with daemon.client() as c:
+        c.register(w._link.layout, worker_id="reader")
+        buf = np.zeros(c.registered.slot_bytes, np.uint8)
+        assert c.load([BlockKey(w._link.layout.namespace, key)], [buf]) == 1, f"not saved: {w.stats}"
+    assert (buf[:4096] == fill).all(), why
 
 
 def test_a_sync_save_copies_its_blocks_out_and_never_waits_on_a_stopped_daemon(daemon):
@@ -483,7 +489,6 @@ def test_a_sync_save_copies_its_blocks_out_and_never_waits_on_a_stopped_daemon(d
 
     import torch
 
-    from kvbm.blocks import BlockKey
     from kvbm.integrations.vllm import BlockTransfer, KvbmConnectorMetadata
 
     w = _worker(daemon.endpoint, 1, async_load=False, async_save=False)
@@ -504,12 +509,7 @@ def test_a_sync_save_copies_its_blocks_out_and_never_waits_on_a_stopped_daemon(d
         finally:
             os.kill(pid, signal.SIGCONT)
         assert held < HOOK_S / 4, f"the step's sync save waited {held:.2f}s on the stopped daemon"
-        assert wait_until(lambda: not w.saver.pending(), timeout=30)
-        with daemon.client() as c:
-            c.register(w._link.layout, worker_id="reader")
-            buf = np.zeros(c.registered.slot_bytes, np.uint8)
-            assert c.load([BlockKey(w._link.layout.namespace, key)], [buf]) == 1, f"the save: {w.stats}"
-        assert (buf[:4096] == 5).all(), "the sync save stored bytes the next forward wrote"
+        _assert_saved(daemon, w, key, 5, "the sync save stored bytes the next forward wrote")
     finally:
         w.shutdown()
 
