@@ -1,8 +1,9 @@
 """The load path stage by stage in ``kvbm bench serve``: the connector's stage counters and hook times (the files
 ``KVBM_HOOK_TIMES_DIR`` asks its processes for) read before and after a timed request or phase.
 
-A request's row: the lookup (the scheduler's round trips, when the connector counts them), the Onboard wait (the
-worker's count, else the synchronous load's hook time less its copy), the blocks per tier (the daemon's tier
+A request's row: the lookup (the scheduler's round trips, when the connector counts them), the pins (a synchronous
+load's Onboards, on the scheduler's lookup thread), the Onboard wait (the worker's count, else the synchronous
+load's hook time less its copy), the blocks per tier (the daemon's tier
 hits), the copy into vLLM's paged KV (bytes, seconds, GB/s), the tokens vLLM computed after the hit, and TTFT.
 """
 
@@ -47,6 +48,10 @@ def stage_row(d: dict[str, dict[str, float]], completion: dict[str, Any] | None,
         "lookups": s.get("lookups"),
         "lookup_ms": round(s["lookup_ms"] / s["lookups"], 3) if s.get("lookups") else None,
         "scheduler_lookup_hook_ms": s.get("scheduler_lookup_hook_ms"),
+        # A sync load's blocks are pinned by the scheduler's lookup thread (its Onboards, off the step), an async
+        # load's Onboarded by the worker's loader thread.
+        "pins": s.get("pins"),
+        "pin_ms": round(s["pin_ms"] / s["pins"], 3) if s.get("pins") else None,
         "onboards": w.get("onboards"),
         "onboard_ms": w.get("onboard_ms"),
         "load_hook_ms": w.get("load_hook_ms"),
@@ -59,7 +64,7 @@ def stage_row(d: dict[str, dict[str, float]], completion: dict[str, Any] | None,
         "copy_in_gbps": round(w["copy_in_bytes"] / copy_s / 1e9, 3) if copy_s else None,
     }
     if row["onboard_ms"] is None and row["load_hook_ms"] is not None:
-        # A synchronous load's hook is its Onboards and its copies: what is not the copy is the Onboard wait.
+        # A synchronous load's hook is its copies and, past the pin window, its Onboards: the rest of it.
         row["onboard_ms_derived"] = round(row["load_hook_ms"] - row["copy_in_ms"], 3)
     if completion is not None:
         row["ttft_ms"] = round(completion["ttft_s"] * 1e3, 1) if completion.get("ttft_s") is not None else None

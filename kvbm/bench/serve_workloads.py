@@ -123,12 +123,15 @@ async def ttft_length_kvbm(run: Run, server: VllmServer, daemon: BenchDaemon) ->
     res["after_restart"] = {}
 
     async def after_restart(name: str) -> None:
-        # vLLM's workers meet the restarted daemon on their next request (re-register, map the new pool): an
-        # untimed request of a fresh prompt takes that cost, recorded here, out of the first timed hit.
+        # vLLM's workers meet the restarted daemon on their next requests (re-register, map the new pool at their
+        # first hit, which is computed meanwhile): untimed requests of a fresh prompt, stored and then hit, take
+        # that cost, recorded here, out of the first timed hit.
+        prompt = words(warm.ids(2 * o.kvbm_block_tokens))
         await asyncio.to_thread(server.reset_prefix_cache)
-        c = await stream_completion(cli, server.model, words(warm.ids(2 * o.kvbm_block_tokens)), o.max_tokens)
+        c = await stream_completion(cli, server.model, prompt, o.max_tokens)
+        await asyncio.to_thread(daemon.wait_quiet)
         await asyncio.to_thread(server.reset_prefix_cache)
-        c2 = await stream_completion(cli, server.model, words(warm.ids(2 * o.kvbm_block_tokens)), o.max_tokens)
+        c2 = await stream_completion(cli, server.model, prompt, o.max_tokens)
         res["after_restart"][name] = [c.as_dict(), c2.as_dict()]
         await asyncio.to_thread(daemon.wait_quiet)
 
