@@ -101,7 +101,8 @@ class Loader:
             trs = [tr for tr in trs if not tr.pins]
             for tr in pinned:
                 n = self._copy_pinned(tr)
-                if tr.unpinned_rest and n == len(tr.pins[self._pin_rank][1]) and n < len(tr.hashes):
+                mine = tr.pins.get(self._pin_rank)
+                if tr.unpinned_rest and mine is not None and n == len(mine[1]) and n < len(tr.hashes):
                     # A hit longer than the pin window: its rest is brought up and copied here, waiting on the
                     # daemon (the one case a sync load does; a G2 or a slot budget smaller than one prompt's hit).
                     self._sync_result(tr.req_id, self._load_all([tr.after(n)], self._link)[tr.req_id])
