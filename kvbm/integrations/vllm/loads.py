@@ -75,7 +75,6 @@ class Loader:
         self._fresh: tuple[str, HostTier] | None = None  # mapped on the loader's thread, not taken yet
         self._maps_lock = threading.Lock()
         self._mapping: dict[str, float] = {}  # generations the loader's thread was asked to map, and when
-        self.copied_pinned = False  # this step copied pinned loads (the scheduler may release their pins)
 
     def warm(self) -> None:
         """Open the async link's session now, on the loader's thread, not at the first load (its set-up round
@@ -97,7 +96,6 @@ class Loader:
     def start(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
         pinned = [tr for tr in trs if tr.pins] if not asynchronous else []
         if pinned:
-            self.copied_pinned = True
             trs = [tr for tr in trs if not tr.pins]
             for tr in pinned:
                 n = self._copy_pinned(tr)
@@ -138,16 +136,23 @@ class Loader:
             return 0
         loaded = 0
         try:
-            for i in range(min(len(slots), len(tr.hashes))):
-                ids, unused = tr.block_ids[i], tr.unused(i)
-                if nbytes[i] != self._nbytes_of(ids, unused):
-                    break
-                self._copy(g2.slot_tensor(slots[i], nbytes[i]), ids, tr.first_unused(i), unused)
-                loaded += 1
+            loaded = self._copy_in(tr, 0, [g2.slot_tensor(s, n) for s, n in zip(slots, nbytes, strict=True)], nbytes)
         except Exception as e:  # a load must never take the engine down: the request is recomputed
             log.warning("kvbm: load for request %s failed: %s", tr.req_id, e)
         self._stages.add(pinned_blocks=loaded)
         return loaded
+
+    def _copy_in(self, tr: BlockTransfer, a: int, views: list[torch.Tensor], nbytes: list[int]) -> int:
+        """Copy stored blocks ``a``, ``a + 1``, ... of ``tr`` in from ``views`` (of ``nbytes`` each) as far as each
+        is the size its vLLM blocks take; the blocks copied."""
+        n = 0
+        for i in range(min(len(views), len(tr.hashes) - a)):
+            ids, unused = tr.block_ids[a + i], tr.unused(a + i)
+            if nbytes[i] != self._nbytes_of(ids, unused):
+                break
+            self._copy(views[i], ids, tr.first_unused(a + i), unused)
+            n += 1
+        return n
 
     def _pool_of(self, generation: str) -> HostTier | None:
         """This process's mapping of the pool of ``generation`` (no round trip); None, and mapped on the loader's
@@ -248,12 +253,9 @@ class Loader:
                     with job.loaded() as got:
                         self._stages.add(onboards=1, onboard_ms=(time.perf_counter() - t0) * 1e3,
                                          onboard_blocks=got.count)
-                        for i in range(got.count if got_all else 0):
-                            ids, unused = tr.block_ids[a + i], tr.unused(a + i)
-                            if got.nbytes[i] != self._nbytes_of(ids, unused):
-                                break
-                            self._copy(got.view(i), ids, tr.first_unused(a + i), unused)
-                            loaded[tr.req_id] += 1
+                        if got_all:
+                            loaded[tr.req_id] += self._copy_in(tr, a, [got.view(i) for i in range(got.count)],
+                                                               got.nbytes)
                     settled.append(job)
                 except LINK_ERRORS as e:
                     link.error(e)

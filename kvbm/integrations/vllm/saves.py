@@ -140,15 +140,7 @@ class Saver:
             return 0.0
         t0 = time.perf_counter()
         gen = self._gen()
-        rest: list[BlockTransfer] = []
-        for tr in trs:
-            if not self.staging.fits(tr.block_ids):
-                rest.append(tr)
-                continue
-            job = SaveJob(tr, gen)
-            job.staged, job.staged_ready = self.staging.take(tr.block_ids)
-            self._unreported.append(job)  # it reads no vLLM block: nothing for vLLM to wait for
-            self._pool.submit(self._run, job, None)
+        rest = [tr for tr in trs if not self._save_staged(SaveJob(tr, gen), drop=False)]
         ms = (time.perf_counter() - t0) * 1e3
         self.submit(rest)
         return ms
@@ -197,11 +189,18 @@ class Saver:
         self.forget(req_ids)
         gen = self._gen()
         for tr in finals:
-            job = SaveJob(tr, gen)
-            if not self.enabled or not self._stage(job):
-                continue
-            self._unreported.append(job)
-            self._pool.submit(self._run, job, None)
+            if self.enabled:
+                self._save_staged(SaveJob(tr, gen))
+
+    def _save_staged(self, job: SaveJob, drop: bool = True) -> bool:
+        """Stage ``job`` (copy its blocks to host buffers now) and save it from there on the saver's thread; it
+        reads no vLLM block after this, so vLLM never waits for it. False past the staging budget (dropped and
+        counted with ``drop``)."""
+        if not self._stage(job, drop):
+            return False
+        self._unreported.append(job)
+        self._pool.submit(self._run, job, None)
+        return True
 
     def _stage(self, job: SaveJob, drop: bool = True) -> bool:
         """Make ``job`` read host buffers, not vLLM's blocks; whether it will still save. Past the staging budget

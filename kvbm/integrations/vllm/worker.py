@@ -135,7 +135,6 @@ class WorkerSide:
             self._follow(meta)
             self.loader.failed_now = set()
             self.loader.failed_blocks_now = set()
-            self.loader.copied_pinned = False
             if not isinstance(meta, KvbmConnectorMetadata) or not meta.loads:
                 return
             if any(tr.pins for tr in meta.loads):
