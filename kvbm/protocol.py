@@ -218,6 +218,9 @@ class Onboarded(_Msg, kw_only=True):
     count: int
     slots: list[int]
     nbytes: list[int]
+    # The leading run held in any tier: more than ``count`` when the pins stopped short for want of room (the
+    # session's budget, unpinned slots in G2) or a bring-up failed, so asking again later may pin more. -1: unsaid.
+    held: int = -1
 
 
 class Released(_Msg, kw_only=True):

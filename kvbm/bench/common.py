@@ -182,7 +182,10 @@ def summary(xs: Sequence[float]) -> dict[str, float]:
 
 @contextlib.contextmanager
 def temp_dir(prefix: str, base: str | None = None) -> Iterator[Path]:
-    """A temp dir removed afterwards (``base``: where to create it, e.g. a real disk rather than tmpfs)."""
+    """A temp dir removed afterwards (``base``: where to create it, e.g. a real disk rather than tmpfs; made if
+    missing, as ``mkdir -p``)."""
+    if base is not None:
+        Path(base).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=prefix, dir=base) as d:
         yield Path(d)
 

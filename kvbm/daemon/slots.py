@@ -108,7 +108,8 @@ class SlotHandlers:
         t0 = time.perf_counter()
         keys = msg.keys()
         run = self.manager.held_run(keys)
-        room = self.sessions.room(w, len(run))  # what it may pin: the leading held run, as far as the budgets go
+        held = len(run)
+        room = self.sessions.room(w, held)  # what it may pin: the leading held run, as far as the budgets go
         if run and not room:
             raise Handled(p.E_FULL, self.sessions.no_room(w, len(run)))
         if room < len(run):
@@ -131,7 +132,11 @@ class SlotHandlers:
         if n:
             self.publisher.publish(p.BlocksOnboarded(namespace=msg.namespace, hashes=msg.hashes[:n],
                                                      worker_id=w.worker_id))
-        return p.Onboarded(count=n, slots=[lease.slot for lease in leases], nbytes=[lease.nbytes for lease in leases])
+        # Short for want of room (the session's budget, or G2 full of pinned blocks): the held run is said, so the
+        # worker may ask again once pins are released; short otherwise (a block lost or failing on the way): not.
+        short_of_room = room < held or (n < len(run) and self.manager.room.lacks(g2_of(self.manager)))
+        return p.Onboarded(count=n, slots=[lease.slot for lease in leases], nbytes=[lease.nbytes for lease in leases],
+                           held=held if short_of_room else n)
 
     def release(self, msg: p.Release, w: WorkerSession) -> p.Released:
         self._check_generation(msg)

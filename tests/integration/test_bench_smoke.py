@@ -72,8 +72,10 @@ def _objects(srv, prefix: str = "kvbm-bench-") -> list[str]:
 def test_bench_tiers_tiny(s3_server, tmp_path):
     out = tmp_path / "tiers.json"
     png = tmp_path / "tiers.png"
-    text = _run(["tiers", "--block-size", "256KiB", "--blocks", "4", "--repeats", "1", "--workdir", str(tmp_path),
+    work = tmp_path / "not" / "made"  # a --workdir that does not exist yet is made (was a FileNotFoundError traceback)
+    text = _run(["tiers", "--block-size", "256KiB", "--blocks", "4", "--repeats", "1", "--workdir", str(work),
                  "--json", str(out), "--plot", str(png), *_s3_args(s3_server)])
+    assert work.is_dir() and not any(work.iterdir())
     assert "G4->G2 GET" in text
     rep = json.loads(out.read_text())
     _check_machine(rep)
@@ -88,7 +90,7 @@ def test_bench_tiers_tiny(s3_server, tmp_path):
         if r["kvbm"] != "-":
             assert r["MBps"] > 0 and r["ratio"] > 0 and r["cpu_s_per_GB"] >= 0
     assert png.stat().st_size > 1000
-    _no_leftovers(tmp_path)
+    _no_leftovers(work)
     assert not _objects(s3_server), "bench objects left in the bucket"
     _no_secrets(s3_server, tmp_path, text)
 

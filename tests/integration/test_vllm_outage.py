@@ -726,3 +726,73 @@ def test_a_save_bigger_than_the_sessions_slot_budget_goes_in_reservations_that_f
     finally:
         w.shutdown()
         daemon.stop()
+
+
+def test_sync_hits_beyond_g2s_pin_room_wait_for_it_and_load_whole_on_a_slow_engine(tmp_path):
+    """Three requests of two blocks each from G3 arrive together at a 4-slot G2 that another engine pins a slot of:
+    the first is pinned, the second pins one block of two (the pool is full), the third is refused (the session's
+    budget is), until the steps that copy the ones before them have run. With steps longer than half the
+    lookup's give-up (a CPU engine's 0.4 s forward), the third was answered with what it had pinned (nothing) and
+    its whole prompt computed (issue 40's long-doc-qa: 512 of 3,968 tokens cached, TTFT 4.5 s). It now waits for
+    the room, counted in the engine's steps, and loads whole."""
+    from test_vllm_connector import _empty_scheduler_output
+    from test_vllm_e2e import free_port
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvbm import protocol as p
+    from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, SchedulerSide
+
+    cfg = daemon_cfg(tmp_path, free_port())
+    cfg["disk"] = {"enabled": True, "dir": str(tmp_path / "g3"), "capacity": "64MiB"}
+    daemon = ServeProc(tmp_path, cfg).start()
+    w = _worker(daemon.endpoint, 1, async_load=False, async_save=True)
+    sched = SchedulerSide(ConnectorConfig.parse({"timeout_s": TIMEOUT_S, "async_load": False}),
+                          Links(daemon.endpoint, Geometry(16, 4096, 1), "outage-engine", TIMEOUT_S, _layout), [0])
+    try:
+        reqs = [_request(f"doc{i}", 2, 3000 + 100 * i) for i in range(3)]
+        for i, req in enumerate(reqs):
+            _store_filled(daemon, w, req, fill=10 * (i + 1))
+            assert wait_until(lambda n=2 * i + 2: _tier_blocks(daemon, "G3") >= n, timeout=30)
+        holder = _request("holder", 1, 5000)
+        _store_filled(daemon, w, holder, fill=90)
+        with daemon.client(admin=True) as c:
+            c.register(w._link.layout, worker_id="evictor")
+            c.evict(namespace=w._link.layout.namespace, tiers=["G2"])  # every hit comes up from the disk
+        assert _tier_blocks(daemon, "G2") == 0
+        other = daemon.client()  # another engine pins one slot throughout: the pool, not the budget, runs short
+        other.register(w._link.layout, worker_id="other-engine")
+        assert other.request(p.Onboard(namespace=other.namespace, hashes=[bytes(holder.block_hashes[0])]),
+                             p.Onboarded).count == 1
+        for req in reqs:
+            sched.on_new_request(req)
+        answers: dict[str, tuple] = {}
+        for _step in range(40):
+            scheduled = []
+            for i, req in enumerate(reqs):
+                if req.request_id in answers:
+                    continue
+                got = sched.get_num_new_matched_tokens(req, 0)
+                if got[0] is None:
+                    continue  # skipped this step, as vLLM does
+                answers[req.request_id] = got
+                ids = (2 * i, 2 * i + 1)
+                sched.update_state_after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(b) for b in ids),)), got[0])
+                scheduled.append((i, ids))
+            meta = sched.build_connector_meta(_empty_scheduler_output())
+            w.start_load_kv(meta)
+            assert w.get_block_ids_with_load_errors() == set()
+            for i, ids in scheduled:  # what each hit said is loaded, with the stored bytes
+                _assert_loaded(w, ids[: answers[reqs[i].request_id][0] // 16], fill=10 * (i + 1))
+            time.sleep(0.4)  # the step's forward on a slow CPU
+            sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=w.worker_meta()))
+            if len(answers) == len(reqs):
+                break
+        assert answers == {r.request_id: (32, False) for r in reqs}, f"a hit was answered short: {answers}"
+        assert wait_until(lambda: _stats(daemon)["daemon"]["pins"] == 1, timeout=10), "the pins were not released"
+        other.close()
+    finally:
+        sched.shutdown()
+        w.shutdown()
+        daemon.stop()

@@ -8,6 +8,10 @@ vain the others of that step do not wait at all (the daemon is slow now: one wai
 requests ask). An answer still missing is ``None``: vLLM skips the request this step and asks again the
 next. A lookup unanswered after ``give_up_s`` is a miss (the request is computed). An answer older than
 ``fresh_s`` (the request queued in vLLM a while) is asked again; if the new one is late the old one stands.
+A synchronous load's pins, once its lookup is answered, are waited for up to the links' request timeout (they
+bring blocks up from disk or S3), and pins refused room (other requests' pins fill the pool or the session's
+budget) are asked again as the steps that copy those run (``lookup_rounds.RoomWait``): a recompute of the hit
+costs more than either wait, and vLLM schedules other requests meanwhile.
 
 One thread owns every TP rank's link and sends a lookup to all ranks before awaiting any, so TP=8 costs one
 round trip, not eight; lookups queued together are pipelined the same way. A link that fails answers its
@@ -24,7 +28,7 @@ from typing import NamedTuple
 
 from kvbm.client.lease import pin_window
 from kvbm.integrations.vllm.link import Link
-from kvbm.integrations.vllm.lookup_rounds import Job, look
+from kvbm.integrations.vllm.lookup_rounds import Job, RoomWait, look
 from kvbm.integrations.vllm.pins import KEEP_S, Pinned, pin_all, release_all
 from kvbm.integrations.vllm.stages import stages_of
 
@@ -60,6 +64,8 @@ class Lookups:
         self._links = links
         self.wait_s, self.give_up_s, self.idle_s, self.fresh_s = wait_s, give_up_s, idle_s, fresh_s
         self._budget = wait_s  # what asks of this step may still wait in all (scheduler thread only)
+        self._room = RoomWait()  # pins refused room wait for it, counted in the engine's steps
+        self._pin_timeout_s = max((link.timeout_s for link in links), default=give_up_s)
         self._jobs: dict[str, Job] = {}  # asked and not yet returned (scheduler thread only)
         self._queue: queue.SimpleQueue[Job | Pinned | None] = queue.SimpleQueue()  # Pinned: to release
         self._lock = threading.Lock()  # a job's pins and ``forgotten``, between the thread and the scheduler
@@ -109,12 +115,20 @@ class Lookups:
         if job.stale is not None and pin_from < 0:
             del self._jobs[req_id]  # the thread's late answer goes nowhere
             return Hit(job.stale.matched or 0, job.stale.partial, job.stale.from_next, job.stale.degraded)
-        if time.monotonic() - job.asked > self.give_up_s:
+        if time.monotonic() - job.asked > self._deadline(job):
             self.forget(req_id)
             self.gave_up += 1
             self._say_gave_up()
             return Hit(0, degraded=True)
         return None
+
+    def _deadline(self, job: Job) -> float:
+        """How long ``job`` is waited for: ``give_up_s`` for its lookup; once the daemon answered that, its pins
+        (Onboards bringing blocks up from disk or S3, real work: answering short would cost a recompute of the hit)
+        get the links' request timeout, which also bounds each of their round trips on the lookup thread."""
+        if job.pin_from >= 0 and job.matched is not None:
+            return max(self.give_up_s, self._pin_timeout_s)
+        return self.give_up_s
 
     @staticmethod
     def _pins_stale(job: Job) -> bool:
@@ -130,7 +144,7 @@ class Lookups:
         ``give_up_s`` from now."""
         self._unpin(job)
         job.repinned = job.pinned_from >= 0
-        job.pin_from, job.pinned_from, job.refusals = pin_from, -1, 0
+        job.pin_from, job.pinned_from, job.refusals, job.room_step = pin_from, -1, 0, -1
         job.asked = time.monotonic()
         job.done.clear()
         self._queue.put(job)
@@ -154,6 +168,7 @@ class Lookups:
     def new_step(self) -> None:
         """The next scheduler step starts: its asks may wait again."""
         self._budget = self.wait_s
+        self._room.step()
 
     def forget(self, req_id: str) -> None:
         """Drop ``req_id``'s job; what it pinned is released (by the thread, if it is still pinning)."""
@@ -186,35 +201,39 @@ class Lookups:
 
     # The lookup thread.
     def _run(self) -> None:
+        # Jobs the daemon refused as load (room for their pins, busy): asked again after a short backoff, or at once
+        # when pins are released (room for them is what frees). The scheduler never waits for them meanwhile.
+        parked: list[Job] = []
+        retry_at = 0.0
         while True:
             try:
-                first = self._queue.get(timeout=self.idle_s)
+                items: list[Job | Pinned | None] = [self._queue.get(
+                    timeout=max(0.0, retry_at - time.monotonic()) if parked else self.idle_s)]
             except queue.Empty:
-                try:
-                    self._reconnect()
-                except Exception as e:
-                    log.warning("kvbm: reconnecting failed unexpectedly: %r", e)
-                continue
-            items = [first]
-            while first is not None and len(items) < MAX_PIPELINED:
+                if not parked:
+                    try:
+                        self._reconnect()
+                    except Exception as e:
+                        log.warning("kvbm: reconnecting failed unexpectedly: %r", e)
+                    continue
+                items = []
+            while items and items[-1] is not None and len(items) < MAX_PIPELINED:
                 try:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-                if items[-1] is None:
-                    break
-            stop = items[-1] is None
+            stop = bool(items) and items[-1] is None
+            releases = [i for i in items if isinstance(i, Pinned)]
             batch = [j for j in items if isinstance(j, Job)]
+            if parked and (releases or time.monotonic() >= retry_at):
+                batch, parked = batch + parked, []
             try:
-                for pins in (i for i in items if isinstance(i, Pinned)):
+                for pins in releases:
                     self._release(pins)  # first: the slots they hold may be what the next pins need
                 again = self._answer(batch) if batch else []
                 if again:
-                    # Refused as load (a tenant's in-flight cap shared by its sessions, a burst): asked again after
-                    # a short backoff instead of answered as misses; the scheduler never waits for it meanwhile.
-                    time.sleep(min(0.05, 0.002 * 2 ** max(j.refusals for j in again)))
-                    for j in again:
-                        self._queue.put(j)
+                    parked += again
+                    retry_at = time.monotonic() + min(0.05, 0.002 * 2 ** max(j.refusals for j in again))
             except Exception as e:  # the thread must survive anything: a dead one would make every lookup wait
                 log.warning("kvbm: lookups failed unexpectedly, answered as misses: %r", e)
                 now = time.monotonic()
@@ -223,6 +242,8 @@ class Lookups:
                         j.matched, j.answered = 0, now
                         j.done.set()
             if stop:
+                for j in parked:
+                    j.done.set()
                 return
 
     def _release(self, pins: Pinned) -> None:
@@ -272,7 +293,7 @@ class Lookups:
         again: list[Job] = []
         for (job, ks, cut), pins in zip(todo, got, strict=True):
             pins.cut = cut
-            if pins.refused and pins.count < len(ks) and time.monotonic() - job.asked < self.give_up_s / 2:
+            if (pins.refused or pins.short) and pins.count < len(ks) and self._room.waits(job):
                 job.refusals += 1
                 self._release(pins)
                 again.append(job)

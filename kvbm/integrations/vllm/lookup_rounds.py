@@ -40,7 +40,38 @@ class Job:
     pinned_at: float = 0.0  # when (monotonic)
     repinned: bool = False  # pinned again when asked (a prefetch's pins were refused, or kept too long)
     pins: Pinned | None = None  # what the thread pinned, until ask hands it over
+    room_step: int = -1  # the scheduler step its pins were first refused as load at (-1: never)
+    room_at: float = 0.0  # and when (monotonic)
     forgotten: bool = False  # dropped by the scheduler: pins the thread takes after that are released at once
+
+
+# A sync hit refused room for its pins waits this many engine steps for it (and at most ROOM_MAX_S), then is answered
+# with what it pinned: the steps that copy other requests' pins release them.
+ROOM_STEPS = 32
+ROOM_MAX_S = 10.0
+
+
+class RoomWait:
+    """Whether a job whose pins were refused as load (the pool or the session's budget full of other requests' pins,
+    the daemon busy) is asked again rather than answered with what it pinned: while the engine has run fewer than
+    ``ROOM_STEPS`` steps and ``ROOM_MAX_S`` since its first refusal. Room frees as the steps that copy the pinned
+    requests run, so it is counted in steps: a slow engine's steps (a CPU forward of a second) are waited for, as
+    answering short costs a recompute of the hit, seconds on such an engine."""
+
+    def __init__(self) -> None:
+        self.steps = 0  # the engine's steps so far (the scheduler thread counts, the lookup thread reads: an int)
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def waits(self, job: Job) -> bool:
+        now = time.monotonic()
+        if job.room_step < 0:
+            job.room_step, job.room_at = self.steps, now
+        if self.steps - job.room_step >= ROOM_STEPS or now - job.room_at >= ROOM_MAX_S:
+            return False
+        job.asked = now  # a silent daemon is given up on from this round on, not the room it waits for
+        return True
 
 
 def look(links: list[Link], batch: list[Job], give_up_s: float, stages: Stages) -> list[Job]:

@@ -46,6 +46,7 @@ class RankPins:
     slots: list[int]
     nbytes: list[int]
     client: Any = field(default=None, repr=False, compare=False)  # the session holding them (not sent)
+    held: int = -1  # the leading keys the daemon holds in any tier (-1: unsaid): more than pinned, short of room
 
     @property
     def count(self) -> int:
@@ -60,6 +61,11 @@ class Pinned:
     ranks: list[RankPins | None]
     refused: bool = False  # some rank's daemon refused as load (its slots full, busy): asked again, or a miss
     cut: bool = False  # ``keys`` are the head of a longer hit, cut at the pin window (the rest is not pinned)
+
+    @property
+    def short(self) -> bool:
+        """Some rank pinned fewer keys than its daemon holds (no room for them now: asking later may pin more)."""
+        return any(r is not None and r.count < r.held for r in self.ranks)
 
     @property
     def count(self) -> int:
@@ -106,7 +112,7 @@ def pin_all(links: list[Link], runs: list[list[bytes]]) -> list[Pinned]:
                 link.error(e)
                 continue
             pinned.ranks[r] = RankPins(client.generation, list(rep.slots[: rep.count]), list(rep.nbytes[: rep.count]),
-                                       client)
+                                       client, rep.held)
     return out
 
 
