@@ -18,7 +18,7 @@ from kvbm.daemon.metrics import Metrics
 from kvbm.daemon.sessions import Sessions, WorkerSession
 from kvbm.daemon.stats import DaemonStats
 from kvbm.daemon.transport import Handled
-from kvbm.errors import KvbmError
+from kvbm.errors import KvbmError, TierFullError
 from kvbm.manager.core import BlockManager
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
@@ -116,9 +116,10 @@ class SlotHandlers:
             keys, run = keys[:room], run[:room]
         source = self.metrics.slowest(run)  # the tier the onboard's latency comes from
         self.sessions.reserve(w, len(run))
+        stopped: list[BaseException] = []
         try:
             # The worker's leases: each block pinned in G2 and its very slot referenced until it releases it.
-            leases = await self.manager.reserve_read(keys, TierName.G2)
+            leases = await self.manager.reserve_read(keys, TierName.G2, stopped)
         finally:
             self.sessions.unreserve(w, len(run))
         if self.sessions.alive(w):
@@ -132,9 +133,10 @@ class SlotHandlers:
         if n:
             self.publisher.publish(p.BlocksOnboarded(namespace=msg.namespace, hashes=msg.hashes[:n],
                                                      worker_id=w.worker_id))
-        # Short for want of room (the session's budget, or G2 full of pinned blocks): the held run is said, so the
-        # worker may ask again once pins are released; short otherwise (a block lost or failing on the way): not.
-        short_of_room = room < held or (n < len(run) and self.manager.room.lacks(g2_of(self.manager)))
+        # Short for want of room (the session's budget, or G2 full of pinned blocks: TierFullError), the held run is
+        # said, so the worker may ask again once pins are released; short otherwise (a block lost, a read failing
+        # on the way: asking again would not help): what was pinned.
+        short_of_room = room < held or any(isinstance(e, TierFullError) for e in stopped)
         return p.Onboarded(count=n, slots=[lease.slot for lease in leases], nbytes=[lease.nbytes for lease in leases],
                            held=held if short_of_room else n)
 

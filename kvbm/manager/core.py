@@ -91,7 +91,7 @@ class BlockManager:
         self.owed_writes = self.write_through.owed
         self.external = ExternalStores(self.state, self.room, self.write_through.schedule, self.moves.in_flight)
         self.reads = Reads(self.state, self.moves, self.write_through)  # onboards and reads (kvbm.manager.reads)
-        self.leases = ReadLeases(self.state, lambda keys, tier: self.onboard(keys, to=tier))  # worker-read ones
+        self.leases = ReadLeases(self.state, lambda keys, tier, stopped: self.onboard(keys, to=tier, stopped=stopped))
         self.supersedes = Supersedes(self.state, self.moves.in_flight)  # partial blocks a full one covers
         self.purges = Purges(self.state, self.moves, self.owed_writes)  # an Evict, write-throughs in flight included
         self._pools_registered = False
@@ -244,10 +244,11 @@ class BlockManager:
         return self.external.detach(keys)
 
     # -- external reads (a worker copies a block out of a G2 slot itself; kvbm.manager.leases) -----------------
-    async def reserve_read(self, keys: Sequence[BlockKey], tier: str = TierName.G2) -> list[Lease]:
+    async def reserve_read(self, keys: Sequence[BlockKey], tier: str = TierName.G2,
+                           stopped: list[BaseException] | None = None) -> list[Lease]:
         """Bring the leading held run of ``keys`` into pool tier ``tier`` and lease each block's slot to the
         caller (pinned there, the slot referenced) until :meth:`release`."""
-        return await self.leases.reserve(keys, tier)
+        return await self.leases.reserve(keys, tier, stopped)
 
     def detach_read(self, leases: Iterable[Lease]) -> None:
         """Let leased blocks be evicted again while their slots stay referenced (a reader that may still copy)."""
@@ -264,14 +265,15 @@ class BlockManager:
             self.registry.add(tier.name, key, fp)
 
     # -- reads -----------------------------------------------------------------------------------------
-    async def onboard(self, keys: Sequence[BlockKey], to: str | None = None, *, hit: bool = True) -> int:
+    async def onboard(self, keys: Sequence[BlockKey], to: str | None = None, *, hit: bool = True,
+                      stopped: list[BaseException] | None = None) -> int:
         """Bring the longest leading run of ``keys`` held anywhere up into tier ``to`` (default G1).
 
         Returns how many leading blocks are now in ``to``; a block that fails its integrity check on
         the way ends the run there (it is a miss, never served). ``hit=False`` (a prefetch, which the request's
         own Onboard follows): not counted as a reference of the blocks, so the placement policy counts it once.
         """
-        return await self.reads.onboard(keys, to, hit=hit)
+        return await self.reads.onboard(keys, to, hit=hit, stopped=stopped)
 
     async def read(self, key: BlockKey) -> bytes | None:
         """The block's bytes from the fastest tier that has a good copy."""

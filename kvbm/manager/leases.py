@@ -39,7 +39,8 @@ class ReadLeases:
     """Hands out and takes back leases; the only place the load path touches the registry's pins and the
     pool's slot references."""
 
-    def __init__(self, state: ManagerState, onboard: Callable[[Sequence[BlockKey], str], Awaitable[int]]) -> None:
+    def __init__(self, state: ManagerState,
+                 onboard: Callable[[Sequence[BlockKey], str, list[BaseException] | None], Awaitable[int]]) -> None:
         self.s = state
         self._onboard = onboard
 
@@ -49,13 +50,14 @@ class ReadLeases:
             raise KvbmError(f"{tier} is not a slot pool")
         return pool
 
-    async def reserve(self, keys: Sequence[BlockKey], tier: str) -> list[Lease]:
+    async def reserve(self, keys: Sequence[BlockKey], tier: str,
+                      stopped: list[BaseException] | None = None) -> list[Lease]:
         """Bring the leading held run of ``keys`` into pool ``tier`` and lease each of its blocks (the run may
         come up short: a block that failed on the way, or was removed before its slot was taken)."""
         pool, reg = self._pool(tier), self.s.registry
         reg.pin(keys)  # before the await, so nothing brought up is evicted before the reader has its slot
         try:
-            n = await self._onboard(keys, tier)
+            n = await self._onboard(keys, tier, stopped)  # ``stopped``: what ended the run short, if anything
         except BaseException:
             reg.unpin(keys)
             raise

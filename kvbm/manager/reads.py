@@ -25,7 +25,8 @@ class Reads:
     def __init__(self, state: ManagerState, moves: Moves, write_through: WriteThrough) -> None:
         self.state, self.moves, self.write_through = state, moves, write_through
 
-    async def onboard(self, keys: Sequence[BlockKey], to: str | None = None, *, hit: bool = True) -> int:
+    async def onboard(self, keys: Sequence[BlockKey], to: str | None = None, *, hit: bool = True,
+                      stopped: list[BaseException] | None = None) -> int:
         """See :meth:`kvbm.manager.BlockManager.onboard`."""
         st = self.state
         target = st.by_name[to] if to else st.tiers[0]
@@ -51,6 +52,8 @@ class Reads:
                 if r is not True:
                     if isinstance(r, BaseException):
                         log.warning("onboard stopped: %s", r)
+                        if stopped is not None:
+                            stopped.append(r)
                     break
                 done += 1
         st.stats.onboards += 1

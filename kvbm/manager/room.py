@@ -30,15 +30,6 @@ class Room:
         self._locks: dict[str, asyncio.Lock] = {}
         self._reserved: dict[str, int] = {}
 
-    def lacks(self, tier: Tier) -> bool:
-        """Whether ``tier`` cannot take one more block now because every block it could evict is pinned (asking
-        again once pins are released may succeed, unlike for a block lost or failing on the way)."""
-        try:
-            self.s.victims(tier.name, tier.footprint(0), tier.capacity_bytes)
-        except LookupError:
-            return True
-        return False
-
     async def reserve(self, tier: Tier, footprint: int) -> None:
         """Reserve ``footprint`` bytes in ``tier``, evicting LRU blocks as needed.
 

@@ -89,9 +89,9 @@ def test_an_onboard_short_of_room_says_the_run_it_holds_and_one_short_of_blocks_
         with d.client() as a, d.client() as b:
             a.register(LAYOUT, worker_id="a")
             b.register(LAYOUT, worker_id="b")
-            for run in (other, ks):
+            for run, on_disk in ((other, 4), (ks, 10)):  # each written through before the next needs its slots
                 assert a.store(run, [payload(k) for k in run]).stored == len(run)
-            assert wait_until(lambda: _disk_blocks(a) == 10, timeout=30), "not written through to the disk"
+                assert wait_until(lambda n=on_disk: _disk_blocks(a) == n, timeout=30), "not written to the disk"
         with d.client(admin=True) as admin:
             admin.register(LAYOUT, worker_id="admin")
             admin.evict(namespace=LAYOUT.namespace, tiers=["G2"])  # on the disk only: every Onboard brings them up

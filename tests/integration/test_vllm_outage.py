@@ -735,6 +735,8 @@ def test_sync_hits_beyond_g2s_pin_room_wait_for_it_and_load_whole_on_a_slow_engi
     lookup's give-up (a CPU engine's 0.4 s forward), the third was answered with what it had pinned (nothing) and
     its whole prompt computed (issue 40's long-doc-qa: 512 of 3,968 tokens cached, TTFT 4.5 s). It now waits for
     the room, counted in the engine's steps, and loads whole."""
+    from dataclasses import replace
+
     from test_vllm_connector import _empty_scheduler_output
     from test_vllm_e2e import free_port
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -780,7 +782,8 @@ def test_sync_hits_beyond_g2s_pin_room_wait_for_it_and_load_whole_on_a_slow_engi
                 ids = (2 * i, 2 * i + 1)
                 sched.update_state_after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(b) for b in ids),)), got[0])
                 scheduled.append((i, ids))
-            meta = sched.build_connector_meta(_empty_scheduler_output())
+            # A step that runs tokens (the ones before it: copying their pins is what frees room).
+            meta = sched.build_connector_meta(replace(_empty_scheduler_output(), total_num_scheduled_tokens=1))
             w.start_load_kv(meta)
             assert w.get_block_ids_with_load_errors() == set()
             for i, ids in scheduled:  # what each hit said is loaded, with the stored bytes

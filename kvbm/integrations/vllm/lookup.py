@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 from kvbm.client.lease import pin_window
 from kvbm.integrations.vllm.link import Link
-from kvbm.integrations.vllm.lookup_rounds import Job, RoomWait, look
-from kvbm.integrations.vllm.pins import KEEP_S, Pinned, pin_all, release_all
+from kvbm.integrations.vllm.lookup_rounds import Job, RoomWait, look, pins_stale
+from kvbm.integrations.vllm.pins import Pinned, pin_all, release_all
 from kvbm.integrations.vllm.stages import stages_of
 
 log = logging.getLogger("kvbm.vllm")
@@ -90,16 +90,18 @@ class Lookups:
         block whose head is one too (see :class:`Job`). With ``pin_from`` >= 0 the answer comes once the held
         blocks from that one on are pinned too (:attr:`Hit.pins`)."""
         job = self._jobs.get(req_id)
+        if job is not None:
+            job.wanted = True  # vLLM is about to schedule it: its pins wait for room (a prefetch's do not)
         vhashes = vhashes or []
         if job is None or job.hashes != hashes or job.vhashes != vhashes or job.next_block != next_block:
-            job = self._queue_job(Job(req_id, hashes, vhashes, k, next_block, pin_from=pin_from))
-        elif pin_from >= 0 and job.done.is_set() and (job.pinned_from != pin_from or self._pins_stale(job)):
+            job = self._queue_job(Job(req_id, hashes, vhashes, k, next_block, pin_from=pin_from, wanted=True))
+        elif pin_from >= 0 and job.done.is_set() and (job.pinned_from != pin_from or pins_stale(job)):
             self._repin(job, pin_from)  # answered without pins, pinned from another block, or pinned long ago
         elif pin_from >= 0:
             job.pin_from = pin_from  # not answered yet: the thread pins it after its lookup (or the next ask does)
         elif job.done.is_set() and time.monotonic() - job.answered > self.fresh_s:
             job = self._queue_job(Job(req_id, hashes, vhashes, k, next_block, stale=job))  # queued a while: again
-        if not job.done.is_set() and self._budget > 0:
+        if not job.done.is_set() and self._budget > 0 and job.room_step < 0:  # waiting for room: not this step
             t0 = time.monotonic()
             if job.done.wait(self._budget):
                 self._budget -= time.monotonic() - t0  # asks answered in time share the step's budget
@@ -115,10 +117,10 @@ class Lookups:
         if job.stale is not None and pin_from < 0:
             del self._jobs[req_id]  # the thread's late answer goes nowhere
             return Hit(job.stale.matched or 0, job.stale.partial, job.stale.from_next, job.stale.degraded)
-        if time.monotonic() - job.asked > self._deadline(job):
+        if time.monotonic() - job.asked > (deadline := self._deadline(job)):
             self.forget(req_id)
             self.gave_up += 1
-            self._say_gave_up()
+            self._say_gave_up(deadline)
             return Hit(0, degraded=True)
         return None
 
@@ -130,15 +132,6 @@ class Lookups:
             return max(self.give_up_s, self._pin_timeout_s)
         return self.give_up_s
 
-    @staticmethod
-    def _pins_stale(job: Job) -> bool:
-        """Whether a job's pins are worth taking again before they are used, once: refused short at arrival (the
-        session's budget was full then), or kept past ``KEEP_S`` (the daemon may drop a silent session's pins)."""
-        pins = job.pins
-        if pins is None or job.repinned:
-            return False
-        return time.monotonic() - job.pinned_at > KEEP_S or (pins.refused and pins.count < len(pins.keys))
-
     def _repin(self, job: Job, pin_from: int) -> None:
         """Pin an answered job's held blocks from ``pin_from`` on (what it pinned before is released); it has
         ``give_up_s`` from now."""
@@ -149,14 +142,14 @@ class Lookups:
         job.done.clear()
         self._queue.put(job)
 
-    def _say_gave_up(self) -> None:
+    def _say_gave_up(self, deadline_s: float) -> None:
         """Log misses of lookups the daemon left unanswered (a recompute an operator should see), at most once per
         GAVE_UP_LOG_S."""
         said, at = self._gave_up_said
         now = time.monotonic()
         if now - at >= GAVE_UP_LOG_S:
             log.warning("kvbm: the daemon did not answer a lookup within %.0f ms: computed instead (%d such since "
-                        "the last such line, %d in all)", self.give_up_s * 1000, self.gave_up - said, self.gave_up)
+                        "the last such line, %d in all)", deadline_s * 1000, self.gave_up - said, self.gave_up)
             self._gave_up_said = (self.gave_up, now)
 
     def _queue_job(self, job: Job) -> Job:
@@ -165,10 +158,12 @@ class Lookups:
         self._queue.put(job)
         return job
 
-    def new_step(self) -> None:
-        """The next scheduler step starts: its asks may wait again."""
+    def new_step(self, busy: bool = True) -> None:
+        """The next scheduler step starts: its asks may wait again. ``busy``: the step ran tokens (so its copies
+        release pins: what a request waiting for room counts)."""
         self._budget = self.wait_s
-        self._room.step()
+        if busy:
+            self._room.step()
 
     def forget(self, req_id: str) -> None:
         """Drop ``req_id``'s job; what it pinned is released (by the thread, if it is still pinning)."""
@@ -226,7 +221,8 @@ class Lookups:
             releases = [i for i in items if isinstance(i, Pinned)]
             batch = [j for j in items if isinstance(j, Job)]
             if parked and (releases or time.monotonic() >= retry_at):
-                batch, parked = batch + parked, []
+                room = max(1, MAX_PIPELINED - len(batch))  # a round stays within what one session may have in flight
+                batch, parked = batch + parked[:room], parked[room:]
             try:
                 for pins in releases:
                     self._release(pins)  # first: the slots they hold may be what the next pins need
@@ -293,7 +289,7 @@ class Lookups:
         again: list[Job] = []
         for (job, ks, cut), pins in zip(todo, got, strict=True):
             pins.cut = cut
-            if (pins.refused or pins.short) and pins.count < len(ks) and self._room.waits(job):
+            if (pins.refused or pins.short) and pins.count < len(ks) and job.wanted and self._room.waits(job):
                 job.refusals += 1
                 self._release(pins)
                 again.append(job)

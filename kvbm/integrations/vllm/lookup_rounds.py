@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from kvbm.client.lease import PendingLookup, is_load
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link
-from kvbm.integrations.vllm.pins import Pinned
+from kvbm.integrations.vllm.pins import KEEP_S, Pinned
 from kvbm.integrations.vllm.stages import Stages
 
 
@@ -40,7 +40,8 @@ class Job:
     pinned_at: float = 0.0  # when (monotonic)
     repinned: bool = False  # pinned again when asked (a prefetch's pins were refused, or kept too long)
     pins: Pinned | None = None  # what the thread pinned, until ask hands it over
-    room_step: int = -1  # the scheduler step its pins were first refused as load at (-1: never)
+    wanted: bool = False  # vLLM asked for it (not only a prefetch at arrival): its pins wait for room
+    room_step: int = -1  # the engine step its pins were first refused as load at (-1: never)
     room_at: float = 0.0  # and when (monotonic)
     forgotten: bool = False  # dropped by the scheduler: pins the thread takes after that are released at once
 
@@ -54,9 +55,10 @@ ROOM_MAX_S = 10.0
 class RoomWait:
     """Whether a job whose pins were refused as load (the pool or the session's budget full of other requests' pins,
     the daemon busy) is asked again rather than answered with what it pinned: while the engine has run fewer than
-    ``ROOM_STEPS`` steps and ``ROOM_MAX_S`` since its first refusal. Room frees as the steps that copy the pinned
-    requests run, so it is counted in steps: a slow engine's steps (a CPU forward of a second) are waited for, as
-    answering short costs a recompute of the hit, seconds on such an engine."""
+    ``ROOM_STEPS`` steps with tokens (empty steps free nothing) and ``ROOM_MAX_S`` since its first refusal. Room
+    frees as the steps that copy the pinned requests run, so it is counted in steps: a slow engine's steps (a CPU
+    forward of a second) are waited for, as answering short costs a recompute of the hit, seconds on such an
+    engine."""
 
     def __init__(self) -> None:
         self.steps = 0  # the engine's steps so far (the scheduler thread counts, the lookup thread reads: an int)
@@ -72,6 +74,16 @@ class RoomWait:
             return False
         job.asked = now  # a silent daemon is given up on from this round on, not the room it waits for
         return True
+
+
+def pins_stale(job: Job) -> bool:
+    """Whether a job's pins are worth taking again before they are used, once: refused short at arrival (the
+    session's budget was full then), or kept past ``KEEP_S`` (the daemon may drop a silent session's pins)."""
+    pins = job.pins
+    if pins is None or job.repinned:
+        return False
+    short = (pins.refused or pins.short) and pins.count < len(pins.keys)
+    return short or time.monotonic() - job.pinned_at > KEEP_S
 
 
 def look(links: list[Link], batch: list[Job], give_up_s: float, stages: Stages) -> list[Job]:

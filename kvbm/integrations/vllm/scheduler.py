@@ -160,7 +160,8 @@ class SchedulerSide:
                               computed_after_hit_tokens=request.num_tokens - st.local_tokens - num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvbmConnectorMetadata:
-        self._lookups.new_step()  # the end of this step's scheduling: the next one may wait again
+        # The end of this step's scheduling: the next one may wait again.
+        self._lookups.new_step(busy=getattr(scheduler_output, "total_num_scheduled_tokens", 1) > 0)
         step, self._step = self._step, self._step + 1
         self._pins.expire(step)
         meta = KvbmConnectorMetadata(k=self.geometry.known_k, weights=self.epoch.tag, step=step)
