@@ -56,8 +56,17 @@ class Node:
         self.proc: ServeProc | None = None
 
     def start(self) -> Node:
-        self.proc = ServeProc(self.dir, self.cfg).start()
-        return self
+        for attempt in range(3):
+            try:
+                self.proc = ServeProc(self.dir, self.cfg).start()
+                return self
+            except RuntimeError as e:
+                # The events port was free when picked, and taken before the daemon bound it (another test's
+                # process, or a NIXL agent's listener on an ephemeral port): pick another (seen once in CI).
+                if "Address already in use" not in str(e) or attempt == 2:
+                    raise
+                self.events = self.cfg["daemon"]["events_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -24,7 +24,8 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     vllm_blocks_per_kvbm_block: Annotated[int, msgspec.Meta(ge=1)] | None = None  # None: derived from the daemon
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     # A scheduler step waits at most this long in all for lookup answers; a request whose answer is not
-    # there yet is asked again next step, and computed if none came within lookup_give_up_ms.
+    # there yet is asked again next step, and computed if none came within lookup_give_up_ms (a sync load's pins,
+    # once its lookup is answered, within timeout_s: they bring blocks up from disk or S3).
     lookup_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     lookup_give_up_ms: Annotated[float, msgspec.Meta(ge=0)] = 500.0
     # A request whose lookup stops right before a block this engine is still saving (a conversation's next turn
