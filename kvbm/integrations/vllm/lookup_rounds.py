@@ -77,8 +77,9 @@ class RoomWait:
 
 
 def pins_stale(job: Job) -> bool:
-    """Whether a job's pins are worth taking again before they are used, once: refused short at arrival (the
-    session's budget was full then), or kept past ``KEEP_S`` (the daemon may drop a silent session's pins)."""
+    """Whether a job's pins are worth taking again before they are used, once: refused or short of room at arrival
+    (a prefetch does not wait for room: other requests' pins filled the pool or the session's budget then), or kept
+    past ``KEEP_S`` (the daemon may drop a silent session's pins)."""
     pins = job.pins
     if pins is None or job.repinned:
         return False
