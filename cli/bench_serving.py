@@ -81,22 +81,27 @@ def longdoc_cmd(engine: str, doc_lengths: str | None, docs: int | None, queries:
     emit(report, out["json_path"], out["plot_path"], plot_longdoc)
 
 
-def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: str | None, kw: dict[str, Any],
-                  s3: dict[str, Any], json_path: str | None, plot_path: str | None, markdown: bool) -> None:
+def _connector_extra(text: str) -> dict[str, Any]:
     import json
 
+    try:
+        extra = json.loads(text)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--connector-extra") from None
+    if not isinstance(extra, dict):
+        raise click.BadParameter("a JSON object", param_hint="--connector-extra")
+    return extra
+
+
+def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: str | None, kw: dict[str, Any],
+                  s3: dict[str, Any], json_path: str | None, plot_path: str | None, markdown: bool) -> None:
     from kvbm.bench.longdoc_vllm import SOURCES, VLLM_BLOCK, VllmLongDocOptions, run_longdoc_vllm
     from kvbm.bench.report import longdoc_vllm_table, plot_longdoc_vllm
 
     if kw["tokens_per_block"] % VLLM_BLOCK:
         raise click.BadParameter(f"must be a multiple of vLLM's {VLLM_BLOCK}-token blocks",
                                  param_hint="--tokens-per-block")
-    try:
-        extra = json.loads(kw["connector_extra"])
-    except ValueError as e:
-        raise click.BadParameter(f"not JSON: {e}", param_hint="--connector-extra") from None
-    if not isinstance(extra, dict):
-        raise click.BadParameter("a JSON object", param_hint="--connector-extra")
+    extra = _connector_extra(kw["connector_extra"])
     hidden = kw["hidden"] or 1024
     opts = VllmLongDocOptions(
         doc_lengths=lengths, docs=docs, queries=queries, query_tokens=kw["query_tokens"],
@@ -149,13 +154,15 @@ def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: st
 @click.option("--server-python", default=None, help="Interpreter the vLLM servers run in [this one].")
 @click.option("--peer-python", default=None, help="Interpreter of the peers' servers (a venv with LMCache) [this one].")
 @click.option("--request-timeout", default=600.0, show_default=True, help="Seconds per request.")
+@click.option("--connector-extra", default="{}", show_default=True,
+              help="JSON merged into kvbm's kv_connector_extra_config, e.g. '{\"copy_streams\": 1}'.")
 @click.option("--logs", type=click.Path(file_okay=False), default=None, help="Keep the servers' and daemon's logs.")
 @seed_option
 @with_target()
 @with_output(plot="PNG (four panels).", markdown="Print the tables as markdown.")
 def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_kv: int, g2: int, g3: int,
-              tokens_per_block: int, block_size: int, request_timeout: float, json_path: str | None,
-              plot_path: str | None, markdown: bool, **kw: Any) -> None:
+              tokens_per_block: int, block_size: int, request_timeout: float, connector_extra: str,
+              json_path: str | None, plot_path: str | None, markdown: bool, **kw: Any) -> None:
     """vLLM's OpenAI server over HTTP (streamed, C in flight): recompute, vLLM's prefix cache, kvbm, peers."""
 
     from kvbm.bench.openai_server import native_dtype
@@ -169,7 +176,8 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
         workloads=csv_list(workloads), sources=csv_list(sources), lengths=tuple(int(x) for x in csv_list(lengths)),
         s3_clients=csv_list(s3_clients), vllm_kv_bytes=vllm_kv, g2_bytes=g2,
         g3_bytes=g3, block_size=block_size,
-        vllm_blocks_per_kvbm_block=tokens_per_block // block_size, request_timeout_s=request_timeout, **kw)
+        vllm_blocks_per_kvbm_block=tokens_per_block // block_size, request_timeout_s=request_timeout,
+        connector_extra=_connector_extra(connector_extra), **kw)
     report = run_checked(opts, run_serve, "serve")
     click.echo("")
     click.echo(serve_table(report, markdown))

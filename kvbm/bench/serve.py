@@ -41,7 +41,8 @@ async def _serve_source(run: Run, source: str, report: dict[str, Any]) -> None:
         daemon = BenchDaemon(run.work / "daemon", o.block_bytes, run.srv)
         daemon.start(g2=o.g2_bytes, g3=o.g3_bytes, s3_client=o.s3_clients[0] if o.s3_clients else "http")
         connector: dict[str, Any] | None = {**KVBM_CONNECTOR, "kv_connector_extra_config": {
-            "daemon": daemon.endpoint, "vllm_blocks_per_kvbm_block": o.vllm_blocks_per_kvbm_block}}
+            "daemon": daemon.endpoint, "vllm_blocks_per_kvbm_block": o.vllm_blocks_per_kvbm_block,
+            **(o.connector_extra or {})}}
     else:
         connector = None
     srv = run.server(source, connector)

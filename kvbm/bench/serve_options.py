@@ -4,6 +4,7 @@ sizes; checked before a run."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvbm.bench.common import BenchTarget
 from kvbm.bench.openai_server import DTYPE_BYTES, VLLM_BLOCK, ModelSpec, RandomModelOptions
@@ -49,6 +50,7 @@ class ServeBenchOptions(BenchTarget, RandomModelOptions):
     turns: int = 4
     turn_tokens: int = 512
     logs: str | None = None
+    connector_extra: dict[str, Any] | None = None  # merged into kvbm's kv_connector_extra_config
     request_timeout_s: float = 600.0
     sample_s: float = 0.5  # the daemon's tier counters are sampled this often (the bandwidth timeline)
 

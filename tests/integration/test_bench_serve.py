@@ -48,12 +48,18 @@ def test_bench_serve_smoke(s3_server, tmp_path: Path) -> None:
             "--s3-endpoint", s3_server.endpoint, "--s3-access-key", s3_server.access_key,
             "--s3-secret-key", s3_server.secret_key, "--s3-bucket", s3_server.bucket,
             "--workdir", str(tmp_path), "--json", str(out), "--plot", str(tmp_path / "serve.png")]
+    bad = CliRunner().invoke(bench, [*args, "--connector-extra", "[1]"], catch_exceptions=False)
+    assert bad.exit_code == 2 and "--connector-extra" in bad.output and "a JSON object" in bad.output, bad.output
+    args += ["--connector-extra", '{"hook_warn_ms": 50}']
     res = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     assert s3_server.secret_key not in out.read_text()
     assert (tmp_path / "serve.png").stat().st_size > 0
-    assert report["servers"]["kvbm"]["command"][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    cmd = report["servers"]["kvbm"]["command"]
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["hook_warn_ms"] == 50 and extra["daemon"]  # --connector-extra merged into the bench's own
     assert report["machine"]["cpu_count"] >= 1 and report["machine"]["load_avg_1_5_15"]
     q = report["long_doc_qa"]["kvbm"]["queries"]
     assert q["n_errors"] == 0 and q["requests"] == 2 and q["ttft_s"]["p95"] > 0
