@@ -93,6 +93,15 @@ def _connector_extra(text: str) -> dict[str, Any]:
     return extra
 
 
+def _serve_extra(text: str) -> dict[str, Any]:
+    extra = _connector_extra(text)
+    taken = sorted({"daemon", "vllm_blocks_per_kvbm_block"} & extra.keys())
+    if taken:
+        raise click.BadParameter(f"{', '.join(taken)}: set by the bench (its daemon, --tokens-per-block)",
+                                 param_hint="--connector-extra")
+    return extra
+
+
 def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: str | None, kw: dict[str, Any],
                   s3: dict[str, Any], json_path: str | None, plot_path: str | None, markdown: bool) -> None:
     from kvbm.bench.longdoc_vllm import SOURCES, VLLM_BLOCK, VllmLongDocOptions, run_longdoc_vllm
@@ -155,7 +164,8 @@ def _longdoc_vllm(lengths: tuple[int, ...], docs: int, queries: int, sources: st
 @click.option("--peer-python", default=None, help="Interpreter of the peers' servers (a venv with LMCache) [this one].")
 @click.option("--request-timeout", default=600.0, show_default=True, help="Seconds per request.")
 @click.option("--connector-extra", default="{}", show_default=True,
-              help="JSON merged into kvbm's kv_connector_extra_config, e.g. '{\"copy_streams\": 1}'.")
+              help="JSON merged into kvbm's kv_connector_extra_config (not daemon or vllm_blocks_per_kvbm_block, "
+              "which the bench sets), e.g. '{\"hook_warn_ms\": 20}'.")
 @click.option("--logs", type=click.Path(file_okay=False), default=None, help="Keep the servers' and daemon's logs.")
 @seed_option
 @with_target()
@@ -177,7 +187,7 @@ def serve_cmd(workloads: str, sources: str, lengths: str, s3_clients: str, vllm_
         s3_clients=csv_list(s3_clients), vllm_kv_bytes=vllm_kv, g2_bytes=g2,
         g3_bytes=g3, block_size=block_size,
         vllm_blocks_per_kvbm_block=tokens_per_block // block_size, request_timeout_s=request_timeout,
-        connector_extra=_connector_extra(connector_extra), **kw)
+        connector_extra=_serve_extra(connector_extra), **kw)
     report = run_checked(opts, run_serve, "serve")
     click.echo("")
     click.echo(serve_table(report, markdown))

@@ -151,6 +151,12 @@ class CpuMeter:
             self.server_cpu = proc_cpu_seconds(self.server_pid) - self._s0
 
 
+def writes_settled(stats: dict[str, Any]) -> bool:
+    """Whether a daemon's stats show no write-through pending (background S3 PUTs would compete with a timed
+    request, and a block owed to the bucket is not there yet)."""
+    return not stats["manager"].get("pending_cascades") and not stats["daemon"].get("queue_depth")
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 

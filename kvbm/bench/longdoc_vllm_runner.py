@@ -65,14 +65,16 @@ class Daemon:
 
     def wait_quiet(self, timeout_s: float = 300.0) -> dict[str, Any]:
         """Stats once no write-through is pending (background S3 PUTs would compete with a timed request)."""
+        from kvbm.bench.common import writes_settled
+
         deadline = time.monotonic() + timeout_s
         while True:
             st = self.stats()
-            m = st["manager"]
-            if not m.get("pending_cascades") and not st["daemon"].get("queue_depth"):
+            if writes_settled(st):
                 return st
             if time.monotonic() > deadline:
-                raise RuntimeError(f"daemon still busy after {timeout_s:.0f}s: {m.get('pending_cascades')} cascades")
+                raise RuntimeError(f"daemon still busy after {timeout_s:.0f}s: "
+                                   f"{st['manager'].get('pending_cascades')} cascades")
             time.sleep(0.2)
 
 

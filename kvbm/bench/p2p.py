@@ -34,11 +34,14 @@ class P2POptions:
     root: str | None = None
 
 
-def _cfg(root: Path, srv: dict[str, Any], prefix: str, opts: P2POptions, name: str, *, p2p: bool,
-         peers: list[str]) -> dict[str, Any]:
+def node_config(root: Path, srv: dict[str, Any], prefix: str, name: str, *, block_bytes: int, capacity: int,
+                p2p: bool, peers: list[str], budget_ms: float = 120_000, lease_ms: float = 120_000,
+                max_blocks: int = 256) -> dict[str, Any]:
+    """One node's daemon on loopback: G2 of ``capacity`` bytes, no disk, the bench bucket under ``prefix``,
+    following ``peers``' events, peer reads on or off."""
     return {
-        "block_bytes": opts.block_bytes, "device": {"enabled": False},
-        "host": {"capacity": (opts.blocks + 8) * opts.block_bytes, "pin": False},
+        "block_bytes": block_bytes, "device": {"enabled": False},
+        "host": {"capacity": capacity, "pin": False},
         "disk": {"enabled": False},
         "s3": {"endpoint": srv["endpoint"], "bucket": srv["bucket"], "prefix": prefix,
                "access_key": srv["access_key"], "secret_key": srv["secret_key"]},
@@ -46,9 +49,16 @@ def _cfg(root: Path, srv: dict[str, Any], prefix: str, opts: P2POptions, name: s
         "daemon": {"endpoint": ipc_endpoint(root, f"{name}.sock"), "events_endpoint": "tcp://127.0.0.1:0",
                    "metrics_port": 0, "node_id": name, "peers": peers, "admin_token_file": str(root / "admin.token"),
                    "prefetch": False},
-        "fleet": {"p2p": p2p, "peer_read_budget_ms": 120_000, "peer_read_lease_ms": 120_000,
-                  "peer_read_max_blocks": max(opts.blocks, 1)},
+        "fleet": {"p2p": p2p, "peer_read_budget_ms": budget_ms, "peer_read_lease_ms": lease_ms,
+                  "peer_read_max_blocks": max_blocks},
     }
+
+
+def _cfg(root: Path, srv: dict[str, Any], prefix: str, opts: P2POptions, name: str, *, p2p: bool,
+         peers: list[str]) -> dict[str, Any]:
+    return node_config(root, srv, prefix, name, block_bytes=opts.block_bytes,
+                       capacity=(opts.blocks + 8) * opts.block_bytes, p2p=p2p, peers=peers,
+                       max_blocks=max(opts.blocks, 1))
 
 
 @contextlib.contextmanager
@@ -67,7 +77,7 @@ def _ucx(tls: str | None) -> Iterator[None]:
             os.environ["UCX_TLS"] = old
 
 
-def _events_endpoint(d: DaemonProc) -> str:
+def events_endpoint(d: DaemonProc) -> str:
     import json
 
     for line in d.log_path.read_text().splitlines():
@@ -76,7 +86,7 @@ def _events_endpoint(d: DaemonProc) -> str:
     raise RuntimeError(f"{d.name} logged no events endpoint")
 
 
-def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> None:
+def wait_for(pred: Callable[[], Any], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
         if time.monotonic() > deadline:
@@ -116,7 +126,7 @@ def _one_transport(opts: P2POptions, srv: dict[str, Any], root: Path, tls: str |
             a = DaemonProc(root / "a", _cfg(root / "a", srv, prefix, opts, "a", p2p=True, peers=[]), "a")
             a.start()
             daemons.append(a)
-            ev = _events_endpoint(a)
+            ev = events_endpoint(a)
             b = DaemonProc(root / "b", _cfg(root / "b", srv, prefix, opts, "b", p2p=True, peers=[ev]), "b")
             c = DaemonProc(root / "c", _cfg(root / "c", srv, prefix, opts, "c", p2p=False, peers=[ev]), "c")
             for d in (b, c):
@@ -137,21 +147,21 @@ def _one_transport(opts: P2POptions, srv: dict[str, Any], root: Path, tls: str |
         def fleet(cl: WorkerClient) -> dict[str, Any]:
             return dict(cl.stats()["daemon"]["fleet"])
 
-        _wait(lambda: fleet(cb)["p2p"]["serve"] is not None and fleet(cb)["peers"][0]["p2p_endpoint"]
+        wait_for(lambda: fleet(cb)["p2p"]["serve"] is not None and fleet(cb)["peers"][0]["p2p_endpoint"]
               and fleet(cb)["peers"][0]["connected"], 120, "B to follow A and start its NIXL agent")
-        _wait(lambda: fleet(cc)["peers"][0]["connected"], 120, "C to follow A")
+        wait_for(lambda: fleet(cc)["peers"][0]["connected"], 120, "C to follow A")
         ns = layout.namespace
         keys = [BlockKey(ns, os.urandom(16)) for _ in range(opts.blocks)]
         bufs = [np.frombuffer(os.urandom(opts.block_bytes), np.uint8) for _ in keys]
         t0 = time.perf_counter()
         assert ca.store(keys, bufs, durable=True).durable == len(keys)
         out["store_durable_s"] = time.perf_counter() - t0
-        _wait(lambda: fleet(cb)["peers"][0]["resident"] >= len(keys), 120, "B to learn A's blocks")
-        _wait(lambda: cc.lookup(keys).matched == len(keys), 120, "C to learn A's blocks")
+        wait_for(lambda: fleet(cb)["peers"][0]["resident"] >= len(keys), 120, "B to learn A's blocks")
+        wait_for(lambda: cc.lookup(keys).matched == len(keys), 120, "C to learn A's blocks")
         # First contact (Connect, NIXL metadata both ways, the UCX connection): one block, timed apart.
         warm = [BlockKey(ns, os.urandom(16))]
         assert ca.store(warm, [bufs[0]], durable=True).durable == 1
-        _wait(lambda: fleet(cb)["peers"][0]["resident"] >= len(keys) + 1, 120, "B to learn the first-contact block")
+        wait_for(lambda: fleet(cb)["peers"][0]["resident"] >= len(keys) + 1, 120, "B to learn the first-contact block")
         t0 = time.perf_counter()
         if cb.lookup(warm).tiers != ["G2"]:
             raise RuntimeError("peer: the first-contact lookup did not read from the peer")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbm.bench.common import DaemonProc
+from kvbm.bench.common import DaemonProc, writes_settled
 from kvbm.bench.openai_server import free_port
 
 
@@ -76,7 +76,7 @@ class BenchDaemon:
         deadline = time.monotonic() + timeout_s
         while True:
             st = self.stats()
-            if not st["manager"].get("pending_cascades") and not st["daemon"].get("queue_depth"):
+            if writes_settled(st):
                 return st
             if time.monotonic() > deadline:
                 raise RuntimeError(f"daemon still busy after {timeout_s:.0f}s")

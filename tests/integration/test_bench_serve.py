@@ -48,8 +48,9 @@ def test_bench_serve_smoke(s3_server, tmp_path: Path) -> None:
             "--s3-endpoint", s3_server.endpoint, "--s3-access-key", s3_server.access_key,
             "--s3-secret-key", s3_server.secret_key, "--s3-bucket", s3_server.bucket,
             "--workdir", str(tmp_path), "--json", str(out), "--plot", str(tmp_path / "serve.png")]
-    bad = CliRunner().invoke(bench, [*args, "--connector-extra", "[1]"], catch_exceptions=False)
-    assert bad.exit_code == 2 and "--connector-extra" in bad.output and "a JSON object" in bad.output, bad.output
+    for extra, words in (("[1]", "a JSON object"), ('{"daemon": "tcp://x:1"}', "daemon: set by the bench")):
+        bad = CliRunner().invoke(bench, [*args, "--connector-extra", extra], catch_exceptions=False)
+        assert bad.exit_code == 2 and "--connector-extra" in bad.output and words in bad.output, bad.output
     args += ["--connector-extra", '{"hook_warn_ms": 50}']
     res = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
