@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -227,8 +228,11 @@ async def run_p2p_serve(o: P2PServeOptions, say: Callable[[str], None] = print) 
         finally:
             for s in servers.values():
                 s.stop()
-            for d in daemons.values():
+            for name, d in daemons.items():
                 d.stop()
+                if o.logs and d.log_path.exists():  # the temp dir goes: keep what a failed run would be read from
+                    logs.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(d.log_path, logs / f"daemon-{name}.log")
             delete_prefix(srv, f"{srv['prefix']}-p2p-serve/")
     report["first_contact"], report["repeats"] = first, rows
     for path in ("computed", "peer", "bucket"):

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvbm.config import TransferConfig
-from kvbm.transfer.nixl_agent import TransferBackendError, new_agent, require_nixl, wait_xfer
+from kvbm.transfer.nixl_agent import ProgressPump, TransferBackendError, new_agent, require_nixl, wait_xfer
 
 
 class MemoryMover(Protocol):
@@ -82,6 +82,7 @@ class NixlMemoryMover:
             self._dst = new_agent(api, "kvbm-dst", "UCX")
         except Exception as e:
             raise TransferBackendError(f"NIXL UCX backend does not create: {e}") from e
+        self._pump = ProgressPump(self._dst, "kvbm-dst-progress")  # the WRITEs' target: its side of the wireup
         self._remote = self._src.add_remote_agent(self._dst.get_agent_metadata()).decode()
         self._pools: list[tuple[int, int, str, int, torch.Tensor]] = []  # start, end, mem type, dev, pool
         self._regs: list[tuple[Any, Any]] = []
@@ -134,6 +135,7 @@ class NixlMemoryMover:
             wait_xfer(self._src, handle, f"UCX {smem}->{dmem} copy of {len(s_list)} blocks")
 
     def close(self) -> None:
+        self._pump.stop()
         with self._lock:
             for rs, rd in self._regs:
                 self._src.deregister_memory(rs)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvbm.transfer.nixl_agent import TransferBackendError, new_agent, require_nixl, wait_xfer
+from kvbm.transfer.nixl_agent import ProgressPump, TransferBackendError, new_agent, require_nixl, wait_xfer
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -47,6 +47,7 @@ class PeerAgent:
         self._lock = threading.Lock()
         self._remotes: set[str] = set()
         self._mapped: dict[int, int] = {}  # local address -> bytes from it prefaulted (a slot: once for good)
+        self._pump = ProgressPump(self._agent, "kvbm-p2p-progress")  # peers connect to and read from this agent
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -86,6 +87,7 @@ class PeerAgent:
         wait_xfer(self._agent, handle, f"peer READ of {len(pairs)} blocks from {remote}", timeout_s)
 
     def close(self) -> None:
+        self._pump.stop()
         with self._lock:
             for name in list(self._remotes):
                 try:

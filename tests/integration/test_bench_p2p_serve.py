@@ -28,7 +28,7 @@ def test_bench_p2p_serve_tiny(s3_server: Any, tmp_path: Path) -> None:
     out = tmp_path / "p2p-serve.json"
     args = ["p2p-serve", "--prompt-tokens", "600", "--repeats", "1", "--tokens-per-block", "256", "--layers", "2",
             "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "1000", "--vllm-kv", "64MiB",
-            "--g2", "8MiB", "--max-tokens", "4", "--peer-budget-ms", "30000",  # no timing asserted: the read is never late
+            "--g2", "8MiB", "--max-tokens", "4", "--peer-budget-ms", "30000",  # never late: no timing asserted
             "--s3-endpoint", s3_server.endpoint, "--s3-access-key", s3_server.access_key,
             "--s3-secret-key", s3_server.secret_key, "--s3-bucket", s3_server.bucket,
             "--workdir", str(tmp_path / "work"), "--json", str(out)]

@@ -159,6 +159,31 @@ def test_blocks_a_peer_holds_are_read_from_its_g2_byte_exact_with_no_get(tmp_pat
         assert serve["pins"] == 1 and serve["pinned_blocks"] == 6 and serve["unpins"] == 1 and serve["leases"] == 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of one process, every thread of it (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_daemons_serving_and_reading_peers_do_not_spin_a_core_when_idle(tmp_path, s3_server, s3_prefix, nodes):
+    # NIXL's UCX progress thread (enable_prog_thread) polled the worker without pause: every daemon with peer
+    # reads on burned a whole core while idle, taken from the engines beside it (seen: 1.0 core each, and vLLM's
+    # prefill twice as slow with two such daemons on 2 cores).
+    a, b = pair(tmp_path, s3_server, s3_prefix, nodes)
+    keys = prompt(4)
+    with a.client() as ca, b.client() as cb:
+        assert wait_until(lambda: ready(cb), WAIT_S)
+        store(ca, keys)
+        assert wait_until(lambda: learned(cb, 4), WAIT_S)
+        assert cb.lookup(keys).tiers == ["G2"] * 4, p2p_log(b)  # both agents met: the UCX endpoints exist
+        assert loads_exact(cb, keys) == 4
+        time.sleep(0.5)
+        before = {n.name: cpu_seconds(n.pid) for n in (a, b)}
+        time.sleep(3.0)
+        used = {n.name: round((cpu_seconds(n.pid) - before[n.name]) / 3.0, 3) for n in (a, b)}
+    assert max(used.values()) < 0.25, f"cores used by idle daemons: {used}"
+
+
 def test_a_block_on_the_peers_disk_is_staged_to_its_g2_and_read(tmp_path, s3_server, s3_prefix, nodes):
     a, b = pair(tmp_path, s3_server, s3_prefix, nodes)
     keys = prompt(3)
