@@ -108,12 +108,17 @@ def _read(st: dict[str, Any]) -> dict[str, Any]:
     return (((st["daemon"].get("fleet") or {}).get("p2p") or {}).get("read")) or {}
 
 
-def _counters(st: dict[str, Any]) -> dict[str, int]:
+READ_STAGES = ("pin", "prepare", "read", "verify", "commit")  # a peer read's stages on the reading node
+
+
+def _counters(st: dict[str, Any]) -> dict[str, float]:
     """What a request cost the node: bucket GETs; blocks read from a peer, and peer reads that ran past the budget
-    (the lookup answered without them), were refused or failed; blocks its daemon onboarded."""
+    (the lookup answered without them), were refused or failed, and the seconds of each peer-read stage; blocks its
+    daemon onboarded."""
     read = _read(st)
     return {"bucket_gets": int(_tier(st, "G4")["stats"].get("gets", 0)), "peer_blocks": int(read.get("blocks", 0)),
             **{f"peer_{k}": int(read.get(k, 0)) for k in ("late", "refused", "failed")},
+            **{f"peer_{k}_ms": float(read.get(f"{k}_seconds", 0.0)) * 1e3 for k in READ_STAGES},
             "onboard_blocks": int(st["manager"]["onboard_blocks"])}
 
 
@@ -148,7 +153,8 @@ async def _request(srv: VllmServer, d: DaemonProc, prompt: str, max_tokens: int)
     await asyncio.to_thread(wait_for, lambda: _reads_done(d), 60, "the node's peer reads to end")
     after = await asyncio.to_thread(_stats, d)
     c0, c1 = _counters(before), _counters(after)
-    return {**got.as_dict(), **{k: c1[k] - c0[k] for k in c1}}
+    return {**got.as_dict(), **{k: round(c1[k] - c0[k], 2) if k.endswith("_ms") else int(c1[k] - c0[k])
+                                for k in c1}}
 
 
 def _daemon(o: P2PServeOptions, root: Path, srv: dict[str, Any], name: str, *, p2p: bool,
@@ -177,8 +183,11 @@ async def _repeats(o: P2PServeOptions, servers: dict[str, VllmServer], daemons: 
     out = []
     for r in range(o.repeats + 1):  # the first one is first contact (NIXL metadata, UCX connection): kept apart
         prompt = words([rng.randrange(FIRST_WORD, o.vocab) for _ in range(o.prompt_tokens)])
+        stored0 = (await asyncio.to_thread(_stats, a))["manager"]["offload_blocks"]
         row: dict[str, Any] = {"computed": await _request(servers["a"], a, prompt, o.max_tokens)}
         await asyncio.to_thread(wait_for, lambda: _settled(a, b, c), 300, "A's blocks in the bucket, known to B and C")
+        # what A's engine stored of the prompt (a link down on A would store nothing: B and C then compute it)
+        row["a_stored_blocks"] = (await asyncio.to_thread(_stats, a))["manager"]["offload_blocks"] - stored0
         for path, node in (("peer", "b"), ("bucket", "c")) if r % 2 == 0 else (("bucket", "c"), ("peer", "b")):
             row[path] = await _request(servers[node], daemons[node], prompt, o.max_tokens)
         say(f"  {f'repeat {r}' if r else 'first contact'}: " + ", ".join(
@@ -197,6 +206,7 @@ def _summary(rows: list[dict[str, Any]], path: str) -> dict[str, Any]:
                            "errors": [x["error"] for x in xs if x["error"]]}
     for k in ("peer_blocks", "peer_late", "peer_refused", "peer_failed", "bucket_gets"):
         out[k] = sum(x[k] for x in xs)
+    out["peer_stages_ms_median"] = {k: round(median([x[f"peer_{k}_ms"] for x in xs]), 1) for k in READ_STAGES}
     return out
 
 
@@ -235,6 +245,9 @@ async def run_p2p_serve(o: P2PServeOptions, say: Callable[[str], None] = print) 
                     shutil.copy(d.log_path, logs / f"daemon-{name}.log")
             delete_prefix(srv, f"{srv['prefix']}-p2p-serve/")
     report["first_contact"], report["repeats"] = first, rows
+    # A repeat whose prompt A did not store whole measures nothing of either path: said, and left out.
+    report["repeats_without_as_blocks"] = sum(1 for r in rows if r["a_stored_blocks"] < o.full_blocks)
+    rows = [r for r in rows if r["a_stored_blocks"] >= o.full_blocks]
     for path in ("computed", "peer", "bucket"):
         report[path] = _summary(rows, path)
     peer, bucket = report["peer"], report["bucket"]
@@ -257,4 +270,6 @@ def p2p_serve_table(report: dict[str, Any]) -> str:
         ttft = f"{r['ttft_ms_median']:.0f} ms" if r["ttft_ms_median"] is not None else "-"
         rows.append(f"| {path} | {node} | {ttft} | {', '.join(map(str, r['cached_tokens']))} | {r['peer_blocks']} "
                     f"| {r['peer_late']} / {r['peer_refused']} / {r['peer_failed']} | {r['bucket_gets']} |")
+    stages = report["peer"]["peer_stages_ms_median"]
+    rows.append("\nB's peer read per request, medians (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
     return "\n".join(rows)

@@ -37,9 +37,10 @@ def test_bench_p2p_serve_tiny(s3_server: Any, tmp_path: Path) -> None:
     res = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
-    assert report["rdma"].startswith("not run")
+    assert report["rdma"].startswith("not run") and report["repeats_without_as_blocks"] == 0
     for row in (report["first_contact"], *report["repeats"]):
         computed, peer, bucket = row["computed"], row["peer"], row["bucket"]
+        assert row["a_stored_blocks"] >= 2, row
         assert not (computed["error"] or peer["error"] or bucket["error"]), row
         assert computed["prompt_tokens"] >= 600 and computed["cached_tokens"] == 0
         # Two full kvbm blocks of 256 tokens: B read them from A's G2 and made no GET; C got them from the bucket.
