@@ -148,7 +148,7 @@ def _one_transport(opts: P2POptions, srv: dict[str, Any], root: Path, tls: str |
             return dict(cl.stats()["daemon"]["fleet"])
 
         wait_for(lambda: fleet(cb)["p2p"]["serve"] is not None and fleet(cb)["peers"][0]["p2p_endpoint"]
-              and fleet(cb)["peers"][0]["connected"], 120, "B to follow A and start its NIXL agent")
+                 and fleet(cb)["peers"][0]["connected"], 120, "B to follow A and start its NIXL agent")
         wait_for(lambda: fleet(cc)["peers"][0]["connected"], 120, "C to follow A")
         ns = layout.namespace
         keys = [BlockKey(ns, os.urandom(16)) for _ in range(opts.blocks)]
