@@ -73,8 +73,7 @@ class Daemon:
             if writes_settled(st):
                 return st
             if time.monotonic() > deadline:
-                raise RuntimeError(f"daemon still busy after {timeout_s:.0f}s: "
-                                   f"{st['manager'].get('pending_cascades')} cascades")
+                raise RuntimeError(f"daemon still busy after {timeout_s:.0f}s: {st['manager'].get('pending_cascades')}")
             time.sleep(0.2)
 
 
