@@ -24,12 +24,12 @@ from kvbm.s3server import EmbeddedS3, weed_runs
 # workers on 2 cores). scripts/test.sh hands whole files to its workers (--dist loadfile) in collection order:
 # these go out first, so that none of them starts last on an otherwise idle worker.
 LONG_FIRST = (
-    "integration/test_vllm_e2e.py", "fuzz/test_verify_seeds.py", "integration/test_vllm_preemption.py",
+    "integration/test_bench_p2p_serve.py", "integration/test_vllm_e2e.py", "fuzz/test_verify_seeds.py",
+    "integration/test_vllm_preemption.py",
     "integration/test_vllm_server_conversations.py", "fuzz/test_verify_gemma2.py", "fuzz/test_verify_directed.py",
     "fuzz/test_hit_numerics.py",
     "integration/test_durability.py", "integration/test_vllm_hits.py", "integration/test_vllm_layouts.py",
-    "integration/test_vllm_server.py", "integration/test_bench_p2p_serve.py", "chaos/test_chaos_seeds.py",
-    "integration/test_p2p.py",
+    "integration/test_vllm_server.py", "chaos/test_chaos_seeds.py", "integration/test_p2p.py",
     "integration/test_bench_trace_serve.py", "integration/test_security.py", "integration/test_faults_journal.py",
     "integration/test_fleet_durability.py", "integration/test_bench_serve.py", "integration/test_fleet.py",
     "integration/test_vllm_conversation.py", "integration/test_bench_smoke.py",

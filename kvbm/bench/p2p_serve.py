@@ -231,9 +231,14 @@ async def run_p2p_serve(o: P2PServeOptions, say: Callable[[str], None] = print) 
                 daemons[name] = _daemon(o, tmp, srv, name, p2p=p2p, peers=[ev])
                 daemons[name].start()
             say(f"daemons up: a, b (peer reads from a, budget {o.peer_budget_ms:.0f} ms), c (the bucket)")
-            for name in NODES:
-                servers[name] = await asyncio.to_thread(_server(o, model, daemons[name], logs, name).start)
-                say(f"  {name}: server up in {servers[name].startup_s:.0f}s")
+            servers.update({name: _server(o, model, daemons[name], logs, name) for name in NODES})
+            # started together (a third of the wait); a server that fails stopped itself, the rest stop below
+            started = await asyncio.gather(*(asyncio.to_thread(sv.start) for sv in servers.values()),
+                                           return_exceptions=True)
+            failed = [e for e in started if isinstance(e, BaseException)]
+            if failed:
+                raise failed[0]
+            say("  servers up in " + ", ".join(f"{n} {sv.startup_s:.0f}s" for n, sv in servers.items()))
             first, *rows = await _repeats(o, servers, daemons, say)
         finally:
             for s in servers.values():
