@@ -63,18 +63,10 @@ __all__ = ["CATCH_UP_EVERY_S", "FAILURE_LOG_EVERY_S", "PERSISTENT", "BlockManage
 class BlockManager:
     """Tracks blocks across tiers and moves them. Safe to use from one event loop."""
 
-    def __init__(
-        self,
-        tiers: Sequence[Tier],
-        mover: MemoryMover | None = None,
-        *,
-        min_hits_to_offload: int = 0,
-        max_pending_cascades: int = 1024,
-        max_concurrent_cascades: int = 32,
-        max_owed_blocks: int = DEFAULT_MAX_OWED,
-        eviction: str = "lru",
-        policy_options: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, tiers: Sequence[Tier], mover: MemoryMover | None = None, *, min_hits_to_offload: int = 0,
+                 max_pending_cascades: int = 1024, max_concurrent_cascades: int = 32,
+                 max_owed_blocks: int = DEFAULT_MAX_OWED, eviction: str = "lru",
+                 policy_options: dict[str, Any] | None = None) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise KvbmError(f"duplicate tier names: {names}")
@@ -145,6 +137,8 @@ class BlockManager:
         await self.drain()
         await self.owed_writes.close()
         await self.drain()
+        if self.mover is not None:  # its registrations of the tiers' pools (and a NIXL pump thread) go first
+            await asyncio.to_thread(self.mover.close)
         for tier in self.tiers:
             await tier.close()
 

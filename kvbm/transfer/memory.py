@@ -82,8 +82,8 @@ class NixlMemoryMover:
             self._dst = new_agent(api, "kvbm-dst", "UCX")
         except Exception as e:
             raise TransferBackendError(f"NIXL UCX backend does not create: {e}") from e
-        self._pump = ProgressPump(self._dst, "kvbm-dst-progress")  # the WRITEs' target: its side of the wireup
         self._remote = self._src.add_remote_agent(self._dst.get_agent_metadata()).decode()
+        self._pump = ProgressPump(self._dst, "kvbm-dst-progress")  # the WRITEs' target: its side of the wireup
         self._pools: list[tuple[int, int, str, int, torch.Tensor]] = []  # start, end, mem type, dev, pool
         self._regs: list[tuple[Any, Any]] = []
         self._lock = threading.Lock()
@@ -135,13 +135,13 @@ class NixlMemoryMover:
             wait_xfer(self._src, handle, f"UCX {smem}->{dmem} copy of {len(s_list)} blocks")
 
     def close(self) -> None:
-        self._pump.stop()
         with self._lock:
             for rs, rd in self._regs:
                 self._src.deregister_memory(rs)
                 self._dst.deregister_memory(rd)
             self._regs.clear()
             self._pools.clear()
+        self._pump.stop()
 
 
 def make_memory_mover(cfg: TransferConfig | None = None) -> MemoryMover:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import functools
 import itertools
+import logging
 import os
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import Any
 from kvbm.errors import KvbmError
 
 _XFER_TIMEOUT_S = 120.0
+log = logging.getLogger("kvbm.transfer")
 _ids = itertools.count()
 
 
@@ -87,22 +89,33 @@ class ProgressPump:
 
     PERIOD_S = 0.001
 
+    ERROR_BACKOFF_S = 0.1  # after a failed progress call: a broken agent is not asked 1,000 times a second
+
     def __init__(self, agent: Any, name: str, period_s: float = PERIOD_S) -> None:
-        self._agent, self._period = agent, period_s
+        self._agent, self._period, self.name = agent, period_s, name
+        self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._period):
+        wait = self._period
+        while not self._stop.wait(wait):
             try:
                 self._agent.get_new_notifs()
-            except Exception:  # a backend error surfaces on the transfer that meets it; the pump goes on
-                continue
+                wait = self._period
+            except Exception as e:  # a transfer that meets the error reports it; the pump goes on, slower
+                self.errors += 1
+                if self.errors == 1:
+                    log.warning("kvbm: NIXL progress of %s failed (%s); retried every %.0f ms", self.name, e,
+                                self.ERROR_BACKOFF_S * 1e3)
+                wait = self.ERROR_BACKOFF_S
 
     def stop(self) -> None:
+        """Stop and join (at most 5 s: a progress call stuck in the backend must not hang a daemon's exit)."""
         self._stop.set()
-        self._thread.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5.0)
 
 
 def wait_xfer(agent: Any, handle: Any, what: str, timeout_s: float = _XFER_TIMEOUT_S) -> None:

@@ -87,7 +87,6 @@ class PeerAgent:
         wait_xfer(self._agent, handle, f"peer READ of {len(pairs)} blocks from {remote}", timeout_s)
 
     def close(self) -> None:
-        self._pump.stop()
         with self._lock:
             for name in list(self._remotes):
                 try:
@@ -98,3 +97,4 @@ class PeerAgent:
             if self._reg is not None:
                 self._agent.deregister_memory(self._reg)
                 self._reg = None
+        self._pump.stop()  # last: closing the endpoints to the peers may need progress

@@ -84,6 +84,29 @@ def test_nixl_mover_rejects_unregistered_and_mismatched():
     mover.close()
 
 
+@needs_nixl
+def test_a_nixl_movers_progress_thread_ends_when_its_manager_closes():
+    import asyncio
+    import threading
+
+    from kvbm.manager import BlockManager
+    from kvbm.tiers.host import HostTier
+
+    def pumps() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "kvbm-dst-progress")
+
+    before = pumps()
+    mgr = BlockManager([HostTier(4 * MiB, MiB)], NixlMemoryMover())
+    assert pumps() == before + 1  # the WRITEs' target is progressed by a thread of its own (no NIXL spin thread)
+
+    async def run() -> None:
+        await mgr.start(index=False)
+        await mgr.close()
+
+    asyncio.run(run())
+    assert pumps() == before  # the manager closed its mover: the thread and the registrations are gone
+
+
 def _payload(n: int) -> np.ndarray:
     return np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
 
