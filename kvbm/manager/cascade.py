@@ -10,6 +10,7 @@ whose stale shared-tier entry could not be re-checked (its HEAD failed).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierUnavailableError
@@ -28,6 +29,7 @@ class WriteThrough:
         self._real_copies = real_copies
         self.max_pending = max_pending
         self.pending: set[asyncio.Task[bool]] = set()
+        self._of_key: dict[BlockKey, asyncio.Task[bool]] = {}  # the latest background cascade of each block
         self._slots = asyncio.Semaphore(max(1, max_concurrent))
         self.owed = OwedWrites(state, self.cascade, max_blocks=max_owed)
 
@@ -38,8 +40,18 @@ class WriteThrough:
             return False
         task = asyncio.get_running_loop().create_task(self.cascade(key))
         self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
+        self._of_key[key] = task
+        task.add_done_callback(lambda t: self._done(key, t))
         return True
+
+    def _done(self, key: BlockKey, task: asyncio.Task[bool]) -> None:
+        self.pending.discard(task)
+        if self._of_key.get(key) is task:
+            del self._of_key[key]
+
+    def of(self, keys: Iterable[BlockKey]) -> list[asyncio.Task[bool]]:
+        """The background cascades of ``keys`` queued or under way now (a purge of the tiers above lets them land)."""
+        return [t for t in (self._of_key.get(k) for k in keys) if t is not None]
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""

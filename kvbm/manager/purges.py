@@ -12,12 +12,16 @@ purge deletes would land after it and put the purged block back in the bucket. S
 
 A cascade that starts after the purge finds no copy left to write from when the purge named every tier; one that
 starts after a purge of only the lower tiers writes the block there again, as any later write-through would.
+
+A purge that leaves some tier first lets the blocks' background write-throughs queued or under way land
+(:meth:`Purges.settle`, bounded by ``PURGE_WAIT_S``): an Evict of G2 alone is "free the memory", and the write to the
+disk it would otherwise cut short (its source deleted before it started) was the block's only way to a lower tier.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvbm.blocks import BlockKey
 from kvbm.manager.deletes import delete_copies
@@ -52,10 +56,23 @@ async def purge_copies(state: ManagerState, moves: Moves, owed: OwedWrites, keys
 class Purges:
     """The manager's purges: :func:`purge_copies` with its moves and owed writes."""
 
-    def __init__(self, state: ManagerState, moves: Moves, owed: OwedWrites) -> None:
+    def __init__(self, state: ManagerState, moves: Moves, owed: OwedWrites,
+                 cascades: Callable[[Iterable[BlockKey]], list[asyncio.Task[bool]]]) -> None:
         self.s = state
         self.moves = moves
         self.owed = owed
+        self.cascades = cascades  # the background write-throughs of some blocks, queued or under way
+        self.wait_s = PURGE_WAIT_S
+
+    async def settle(self, keys: Sequence[BlockKey], tiers: Sequence[str], *, gone: bool = False) -> None:
+        """Before a purge of ``keys`` from ``tiers`` that leaves another tier: wait (at most ``wait_s``) for their
+        write-throughs queued or under way, so the copies they make below are kept. Not for ``gone`` (the blocks
+        were deleted from the lower tiers already: a write-through now would only put them back)."""
+        if gone or set(tiers) >= {t.name for t in self.s.tiers}:
+            return
+        pending = self.cascades(keys)
+        if pending:
+            await asyncio.wait(pending, timeout=self.wait_s)  # a timeout leaves them running
 
     async def purge(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None, *, gone: bool = False) -> int:
         """Delete ``keys`` from ``tiers`` (default all) and undo their write-throughs into them; copies removed."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 import zmq
 from needs import needs
-from serve_proc import ServeProc
+from serve_proc import ServeProc, wait_until
 
 from kvbm import protocol as p
 from kvbm.blocks import BlockKey
@@ -595,5 +595,28 @@ def test_a_daemon_at_max_inflight_does_not_spin_while_requests_wait(tmp_path):
                 blocked.join(30)
                 waiting.join(30)
         assert used < 0.5, f"the daemon used {used:.2f} CPU-s in 3 s while waiting for a free handler slot"
+    finally:
+        d.stop()
+
+
+def test_an_evict_of_g2_alone_lets_the_write_through_to_the_disk_land_first(tmp_path):
+    """An Evict of G2 alone frees the memory; the blocks stay on the disk. Evicted right after a store, while the
+    store's write-throughs to the disk were still queued (a burst, fsync on), each cascade that had not started found
+    no copy left to write from and the block was gone from every tier (CI's flake in test_vllm_outage, round 20)."""
+    d = DaemonProc(tmp_path, host="16MiB", fsync=True).start()
+    try:
+        with d.client(admin=True) as c:
+            c.register(LAYOUT, worker_id="burst")
+            ks = keys(96, b"ev")
+            data = [payload(k) for k in ks]
+            assert c.store(ks, data).stored == len(ks)
+            ev = c.evict(namespace=LAYOUT.namespace, tiers=["G2"])
+            assert wait_until(lambda: not c.stats()["manager"]["pending_cascades"], timeout=30)
+            look = c.lookup(ks)
+            assert look.matched == len(ks), f"lost {len(ks) - look.matched} blocks; evicted {ev}"
+            assert ev.removed + ev.skipped == len(ks)
+            outs = [np.zeros(NB, np.uint8) for _ in ks]
+            assert c.load(ks, outs) == len(ks)
+            assert all(np.array_equal(o, x) for o, x in zip(outs, data, strict=True))
     finally:
         d.stop()
