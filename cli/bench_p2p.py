@@ -67,7 +67,8 @@ def p2p_serve_cmd(vllm_kv: int, g2: int, json_path: str | None, **kw: Any) -> No
     report = run_checked(P2PServeOptions(vllm_kv_bytes=vllm_kv, g2_bytes=g2, **kw), run_p2p_serve, "p2p-serve")
     click.echo(p2p_serve_table(report))
     click.echo(f"goals: {report['goals']} (peer / bucket TTFT {report['peer_over_bucket']}; the peer path clean: "
-               f"{report['peer_path_clean']})")
+               f"{report['peer_path_clean']}; B's own G2 hit / bucket {report['local_over_bucket']}, the least a "
+               f"peer read could reach; peer / own G2 {report['peer_over_local']})")
     if json_path:
         write_json(json_path, report)
         click.echo(f"json: {json_path}")

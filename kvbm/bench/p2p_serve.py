@@ -111,6 +111,19 @@ def _read(st: dict[str, Any]) -> dict[str, Any]:
 READ_STAGES = ("pin", "prepare", "read", "verify", "commit")  # a peer read's stages on the reading node
 
 
+# A's compute; B from A's G2 over NIXL; C from the bucket; B again from its own G2 (the floor of a peer read).
+PATHS = ("computed", "peer", "bucket", "local")
+SERVE_COUNTERS = {"a_pin_reserve_ms": "reserve_seconds", "a_pin_checksum_ms": "checksum_seconds",
+                  "a_checksums_computed": "checksums_computed", "a_checksums_known": "checksums_known"}
+
+
+def _serving(st: dict[str, Any]) -> dict[str, float]:
+    """What A's side of the peer reads has spent: its Pins' seconds bringing blocks to G2 and leasing them, and
+    checksumming; the checksums computed at a Pin, and those known (summed ahead after the store)."""
+    serve = ((st["daemon"].get("fleet") or {}).get("p2p") or {}).get("serve") or {}
+    return {k: float(serve.get(v, 0)) * (1e3 if k.endswith("_ms") else 1) for k, v in SERVE_COUNTERS.items()}
+
+
 def _counters(st: dict[str, Any]) -> dict[str, float]:
     """What a request cost the node: bucket GETs; blocks read from a peer, and peer reads that ran past the budget
     (the lookup answered without them), were refused or failed, and the seconds of each peer-read stage; blocks its
@@ -189,11 +202,18 @@ async def _repeats(o: P2PServeOptions, servers: dict[str, VllmServer], daemons: 
         # what A's engine stored of the prompt (a link down on A would store nothing: B and C then compute it)
         row["a_stored_blocks"] = (await asyncio.to_thread(_stats, a))["manager"]["offload_blocks"] - stored0
         for path, node in (("peer", "b"), ("bucket", "c")) if r % 2 == 0 else (("bucket", "c"), ("peer", "b")):
+            s0 = _serving(await asyncio.to_thread(_stats, a))
             row[path] = await _request(servers[node], daemons[node], prompt, o.max_tokens)
+            s1 = _serving(await asyncio.to_thread(_stats, a))
+            row[path].update({k: round(s1[k] - s0[k], 2) for k in s1})
+        # The floor: the same prompt from B's own G2 (its copy of A's blocks), vLLM's own cache on B emptied first.
+        await asyncio.to_thread(servers["b"].reset_prefix_cache)
+        row["local"] = await _request(servers["b"], b, prompt, o.max_tokens)
+        row["local"].update(dict.fromkeys(SERVE_COUNTERS, 0.0))
         say(f"  {f'repeat {r}' if r else 'first contact'}: " + ", ".join(
             f"{p} {row[p]['ttft_s'] * 1e3:.0f} ms (cached {row[p]['cached_tokens']}, peer blocks "
             f"{row[p]['peer_blocks']}, late {row[p]['peer_late']}, GETs {row[p]['bucket_gets']})"
-            for p in ("computed", "peer", "bucket") if row[p]["ttft_s"] is not None))
+            for p in PATHS if row[p]["ttft_s"] is not None))
         out.append(row)
     return out
 
@@ -207,6 +227,7 @@ def _summary(rows: list[dict[str, Any]], path: str) -> dict[str, Any]:
     for k in ("peer_blocks", "peer_late", "peer_refused", "peer_failed", "bucket_gets"):
         out[k] = sum(x[k] for x in xs)
     out["peer_stages_ms_median"] = {k: round(median([x[f"peer_{k}_ms"] for x in xs]), 1) for k in READ_STAGES}
+    out["a_serving_median"] = {k: round(median([x.get(k, 0.0) for x in xs]), 1) for k in SERVE_COUNTERS}
     return out
 
 
@@ -253,7 +274,7 @@ async def run_p2p_serve(o: P2PServeOptions, say: Callable[[str], None] = print) 
     # A repeat whose prompt A did not store whole measures nothing of either path: said, and left out.
     report["repeats_without_as_blocks"] = sum(1 for r in rows if r["a_stored_blocks"] < o.full_blocks)
     rows = [r for r in rows if r["a_stored_blocks"] >= o.full_blocks]
-    for path in ("computed", "peer", "bucket"):
+    for path in PATHS:
         report[path] = _summary(rows, path)
     peer, bucket = report["peer"], report["bucket"]
     # The peer path measured what it says only if every load came from A over NIXL within the budget.
@@ -261,6 +282,9 @@ async def run_p2p_serve(o: P2PServeOptions, say: Callable[[str], None] = print) 
                                      or peer["peer_failed"] or peer["bucket_gets"])
     pm, bm = peer["ttft_ms_median"], bucket["ttft_ms_median"]
     report["peer_over_bucket"] = round(pm / bm, 3) if pm and bm else None
+    lm = report["local"]["ttft_ms_median"]  # what no peer read can go below: B's own G2 hit
+    report["local_over_bucket"] = round(lm / bm, 3) if lm and bm else None
+    report["peer_over_local"] = round(pm / lm, 3) if pm and lm else None
     report["goals"] = {"ttft_peer_at_most_half_of_bucket": bool(report["peer_path_clean"] and pm and bm
                                                                 and pm <= 0.5 * bm)}
     report["load_after"], report["seconds"] = load_avg(), round(time.perf_counter() - t0, 1)
@@ -270,11 +294,15 @@ async def run_p2p_serve(o: P2PServeOptions, say: Callable[[str], None] = print) 
 def p2p_serve_table(report: dict[str, Any]) -> str:
     rows = ["| path | node | TTFT p50 | cached tokens | blocks read from the peer | late / refused / failed peer reads "
             "| bucket GETs |", "|---|---|---|---|---|---|---|"]
-    for path, node in (("computed", "A"), ("peer", "B"), ("bucket", "C")):
+    for path, node in zip(PATHS, ("A", "B", "C", "B"), strict=True):
         r = report[path]
         ttft = f"{r['ttft_ms_median']:.0f} ms" if r["ttft_ms_median"] is not None else "-"
         rows.append(f"| {path} | {node} | {ttft} | {', '.join(map(str, r['cached_tokens']))} | {r['peer_blocks']} "
                     f"| {r['peer_late']} / {r['peer_refused']} / {r['peer_failed']} | {r['bucket_gets']} |")
     stages = report["peer"]["peer_stages_ms_median"]
     rows.append("\nB's peer read per request, medians (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
+    a = report["peer"]["a_serving_median"]
+    rows.append(f"A's side of it, medians: the pin's reserve {a['a_pin_reserve_ms']:.1f} ms and checksums "
+                f"{a['a_pin_checksum_ms']:.1f} ms; checksums computed at the pin {a['a_checksums_computed']:.0f}, "
+                f"known from the store {a['a_checksums_known']:.0f}")
     return "\n".join(rows)

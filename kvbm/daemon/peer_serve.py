@@ -11,8 +11,9 @@ with NIXL (see :mod:`kvbm.fleet.p2p` for the conversation, :mod:`kvbm.daemon.pee
   bucket's blocks are the asker's to read) and leases their slots, as an Onboard does for a worker, until the
   asker's Unpin or ``fleet.peer_read_lease_ms`` after the pin, whichever comes first: an asker that dies
   mid-read leaves nothing pinned here.
-* **Checksums.** Each pinned block's xxh3-64 is computed at its first pin and kept while it stays in the same
-  slot (a committed slot's bytes never change), so the asker detects bytes that changed in flight or in memory.
+* **Checksums.** Each pinned block's xxh3-64 (:mod:`kvbm.daemon.peer_sums`: summed in the background after its
+  store, else at its first pin, kept while it stays in the same slot), so the asker detects bytes that changed in
+  flight or in memory.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import numpy as np
-import xxhash
 import zmq
 import zmq.asyncio
 
@@ -35,6 +34,7 @@ from kvbm.blocks import BlockKey
 from kvbm.config.fleet import FleetConfig
 from kvbm.daemon.auth import Credentials
 from kvbm.daemon.logs import logj
+from kvbm.daemon.peer_sums import SlotChecksums
 from kvbm.daemon.transport import curve_server
 from kvbm.fleet import p2p as m
 from kvbm.manager.core import BlockManager
@@ -62,7 +62,8 @@ class ServeStats(msgspec.Struct):
     reserve_seconds: float = 0.0  # Pins bringing blocks to G2 and leasing their slots
     checksum_seconds: float = 0.0  # Pins checksumming blocks not checksummed before
     checksums_computed: int = 0
-    checksums_known: int = 0  # taken from what the block already carried (its store, an earlier pin)
+    checksums_known: int = 0  # known at the Pin (summed ahead after its store, or at an earlier pin)
+    checksums_ahead: int = 0  # blocks summed in the background after their store (kvbm.daemon.peer_sums)
     pinned_slots: int = 0  # G2 slots those leases hold now
 
 
@@ -113,8 +114,7 @@ class PeerReadServer:
         self._leases: dict[int, tuple[list[Lease], asyncio.TimerHandle, bytes]] = {}
         self._pinning = 0  # Pins between admission and their lease (count against the cap)
         self._ids = itertools.count(1)
-        self._sums: dict[BlockKey, tuple[int, int]] = {}  # key -> (slot, xxh3) of its G2 copy
-        manager.registry.listeners.append(self._on_registry)
+        self.sums = SlotChecksums(manager.registry, self.g2)  # each G2 block's xxh3, summed ahead of its Pin
 
     @property
     def g2(self) -> SlotPoolTier:
@@ -224,9 +224,10 @@ class PeerReadServer:
             self._pinning -= 1
         t1 = time.monotonic()
         self.stats.reserve_seconds += t1 - t0
-        try:  # all known (an earlier pin of the same slots): answered here, no thread hop (100 ms under load)
-            known = all(self._sums.get(le.key, (-1, 0))[0] == le.slot for le in leases)
-            sums = self._checksums(leases) if known else await asyncio.to_thread(self._checksums, leases)
+        try:  # all known (summed ahead, or an earlier pin): answered here, no thread hop (100 ms under load)
+            leased = [(le.key, le.slot, le.nbytes) for le in leases]
+            known = self.sums.all_known((k, slot) for k, slot, _n in leased)
+            sums = self.sums.sums(leased) if known else await asyncio.to_thread(self.sums.sums, leased)
         except BaseException:
             self.manager.release(leases)
             raise
@@ -241,27 +242,6 @@ class PeerReadServer:
         self.stats.pinned_bytes += sum(le.nbytes for le in leases)
         return m.Pinned(lease=lease, slots=[le.slot for le in leases], nbytes=[le.nbytes for le in leases],
                         checksums=sums, lease_ms=self.fc.peer_read_lease_ms)
-
-    def _checksums(self, leases: list[Lease]) -> list[int]:
-        """Each leased block's xxh3-64, from the cache when it is still in the slot it was computed for
-        (a thread: 8 MiB hash in about a millisecond)."""
-        g2, out = self.g2, []
-        for le in leases:
-            got = self._sums.get(le.key)
-            if got is None or got[0] != le.slot:
-                view = np.asarray(g2.slot_tensor(le.slot, le.nbytes).numpy())
-                got = (le.slot, xxhash.xxh3_64_intdigest(memoryview(view)))
-                self._sums[le.key] = got
-                self.stats.checksums_computed += 1
-            else:
-                self.stats.checksums_known += 1
-            out.append(got[1])
-        return out
-
-    def _on_registry(self, kind: str, tier: str, keys: list[BlockKey]) -> None:
-        if kind != "stored" and tier == TierName.G2:
-            for k in keys:
-                self._sums.pop(k, None)
 
     def unpin(self, lease: int, ident: bytes) -> int:
         got = self._leases.get(lease)
@@ -282,11 +262,14 @@ class PeerReadServer:
     def describe(self) -> dict[str, Any]:
         self.stats.leases = len(self._leases)
         self.stats.pinned_slots = sum(len(v[0]) for v in self._leases.values())
+        self.stats.checksums_computed, self.stats.checksums_known = self.sums.computed, self.sums.known
+        self.stats.checksums_ahead = self.sums.summed_ahead
         d = msgspec.structs.asdict(self.stats)
         d.update(endpoint=self.endpoint, instance=self.instance, askers=len(self._askers))
         return d
 
     def close(self) -> None:
+        self.sums.close()
         for lease in list(self._leases):
             got = self._leases.pop(lease)
             got[1].cancel()

@@ -48,8 +48,11 @@ def test_bench_p2p_serve_tiny(s3_server: Any, tmp_path: Path) -> None:
         assert peer["peer_late"] == peer["peer_refused"] == peer["peer_failed"] == 0, row
         assert bucket["cached_tokens"] == 512 and bucket["peer_blocks"] == 0 and bucket["bucket_gets"] >= 2, row
         assert peer["text"] == bucket["text"], row  # the same KV: the same greedy tokens
+        local = row["local"]  # B again, vLLM's own cache emptied: from B's own G2, no peer read, no GET
+        assert local["cached_tokens"] == 512 and local["peer_blocks"] == 0 and local["bucket_gets"] == 0, row
+        assert local["text"] == peer["text"], row
     assert report["peer"]["ttft_ms_median"] > 0 and report["bucket"]["ttft_ms_median"] > 0
     assert report["peer_path_clean"] is True
-    assert "| peer | B |" in res.output
+    assert "| peer | B |" in res.output and "A's side of it" in res.output
     assert not list((tmp_path / "work").glob("kvbm-p2p-serve-*")), "temp dirs left behind"
     assert s3_server.secret_key not in out.read_text()

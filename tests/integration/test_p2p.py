@@ -146,6 +146,8 @@ def test_blocks_a_peer_holds_are_read_from_its_g2_byte_exact_with_no_get(tmp_pat
         assert wait_until(lambda: ready(cb), WAIT_S)
         store(ca, keys)
         assert wait_until(lambda: learned(cb, 6), WAIT_S), peer(cb)
+        # A sums each block it stores in the background, so B's pin does not wait for the hashing.
+        assert wait_until(lambda: p2p(ca)["serve"].get("checksums_ahead", 0) == 6, WAIT_S), p2p(ca)["serve"]
         gets = tier(cb, "G4")["stats"]["gets"]
         got = cb.lookup(keys)
         assert got.tiers == ["G2"] * 6, (got, p2p_log(b))  # read from A into B's G2 within the lookup
@@ -157,6 +159,7 @@ def test_blocks_a_peer_holds_are_read_from_its_g2_byte_exact_with_no_get(tmp_pat
         assert wait_until(lambda: p2p(ca)["serve"]["pinned_slots"] == 0, WAIT_S)
         serve = p2p(ca)["serve"]
         assert serve["pins"] == 1 and serve["pinned_blocks"] == 6 and serve["unpins"] == 1 and serve["leases"] == 0
+        assert (serve["checksums_known"], serve["checksums_computed"]) == (6, 0)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -207,7 +210,7 @@ def test_a_block_failing_its_checksum_is_a_miss_read_from_the_bucket(tmp_path, s
         assert wait_until(lambda: ready(cb), WAIT_S)
         store(ca, keys)
         assert wait_until(lambda: learned(cb, 4), WAIT_S)
-        assert cb.lookup(keys).tiers == ["G2"] * 4  # A computed (and kept) each block's checksum at this pin
+        assert cb.lookup(keys).tiers == ["G2"] * 4  # A summed (and kept) each block's checksum after its store
         # A's copy of keys[1] changes in its shared memory; B forgets its own copies and asks A again.
         corrupt_in_shm(tier(ca, "G2")["shm_name"], payload(keys[1]))
         admin_b.evict(keys, tiers=["G2", "G3"])

@@ -1,0 +1,113 @@
+"""The xxh3-64 of each block in G2, as a peer read's Pin answers it (:mod:`kvbm.daemon.peer_serve`).
+
+A committed slot's bytes never change, so a block's checksum is kept with the slot it was computed in, and dropped
+when the block leaves G2. A Pin of blocks not summed yet hashes them on its critical path (about 1 ms per 8 MiB,
+plus a thread hop that takes tens of ms on a busy machine: 40 ms for a 12-block pin next to a running engine). So
+blocks are summed **ahead**, in the background, as they are stored: each one's slot is referenced while a worker
+thread hashes it (the slot cannot be reused meanwhile) and the sum is kept only if the block is still in that slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+import xxhash
+
+from kvbm.blocks import BlockKey
+from kvbm.index.registry import Registry
+from kvbm.tiers.names import TierName
+from kvbm.tiers.pool import SlotPoolTier
+
+log = logging.getLogger(__name__)
+
+AHEAD_MAX = 4096  # blocks waiting to be summed ahead at most (past it the oldest are summed at their first Pin)
+AHEAD_BATCH = 16  # blocks per thread hop
+
+
+def _hash(g2: SlotPoolTier, slot: int, nbytes: int) -> int:
+    return xxhash.xxh3_64_intdigest(memoryview(np.asarray(g2.slot_tensor(slot, nbytes).numpy())))
+
+
+class SlotChecksums:
+    """Owns the G2 blocks' checksums: (slot, xxh3-64) per block, summed ahead of their first Pin."""
+
+    def __init__(self, registry: Registry, g2: SlotPoolTier, *, ahead: bool = True) -> None:
+        self.g2 = g2
+        self.ahead = ahead
+        self._sums: dict[BlockKey, tuple[int, int]] = {}
+        self._waiting: dict[BlockKey, None] = {}  # stored, not summed yet (insertion order: the oldest first)
+        self._task: asyncio.Task[None] | None = None
+        self.computed = 0  # at a Pin
+        self.known = 0  # at a Pin, already summed
+        self.summed_ahead = 0
+        registry.listeners.append(self._on_registry)
+
+    def all_known(self, slots: Iterable[tuple[BlockKey, int]]) -> bool:
+        return all(self._sums.get(k, (-1, 0))[0] == s for k, s in slots)
+
+    def sums(self, leased: Iterable[tuple[BlockKey, int, int]]) -> list[int]:
+        """The checksum of each (key, slot, nbytes) leased now, computed here for those not known (a thread may
+        call it: the leases keep the slots)."""
+        out = []
+        for key, slot, nbytes in leased:
+            got = self._sums.get(key)
+            if got is None or got[0] != slot:
+                got = (slot, _hash(self.g2, slot, nbytes))
+                self._sums[key] = got
+                self.computed += 1
+            else:
+                self.known += 1
+            out.append(got[1])
+        return out
+
+    def _on_registry(self, kind: str, tier: str, keys: list[BlockKey]) -> None:
+        if tier != TierName.G2:
+            return
+        if kind != "stored":
+            for k in keys:
+                self._sums.pop(k, None)
+                self._waiting.pop(k, None)
+            return
+        if not self.ahead:
+            return
+        for k in keys:
+            self._waiting[k] = None
+        while len(self._waiting) > AHEAD_MAX:
+            del self._waiting[next(iter(self._waiting))]
+        if self._task is None or self._task.done():
+            try:
+                self._task = asyncio.get_running_loop().create_task(self._sum_ahead())
+            except RuntimeError:  # stored from outside the loop (a test's direct call): summed at the Pin
+                pass
+
+    async def _sum_ahead(self) -> None:
+        while self._waiting:
+            batch = []
+            while self._waiting and len(batch) < AHEAD_BATCH:
+                key = next(iter(self._waiting))
+                del self._waiting[key]
+                got = self.g2.acquire(key)  # the slot stays ours (not reused) until unref
+                if got is not None:
+                    batch.append((key, *got))
+            if not batch:
+                continue
+            try:
+                sums = await asyncio.to_thread(lambda b=batch: [_hash(self.g2, s, n) for _k, s, n in b])
+            except Exception as e:  # never fatal: those blocks are summed at their first Pin
+                log.warning("summing %d blocks ahead of their pins failed: %s", len(batch), e)
+                sums = None
+            finally:
+                for _k, slot, _n in batch:
+                    self.g2.unref(slot)
+            for (key, slot, _n), s in zip(batch, sums or [], strict=False):
+                if self.g2.slot_of(key) == slot:  # still this block's slot: its bytes are the ones hashed
+                    self._sums[key] = (slot, s)
+                    self.summed_ahead += 1
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._waiting.clear()
