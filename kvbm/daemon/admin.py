@@ -32,8 +32,9 @@ class AdminHandlers:
                 seen.update((k, None) for k in reg.keys(t) if k.namespace == msg.namespace)
             seen.update((k, None) for k in self.manager.moves.moving(tiers, msg.namespace))
             keys = list(seen)
-        await self.manager.purges.settle(keys, tiers, gone=msg.gone)  # the write-throughs below land first
-        free = [k for k in keys if not reg.is_pinned(k)]
+        # The write-throughs below land first; a block whose write-through is still under way is skipped.
+        writing = await self.manager.purges.settle(keys, tiers, gone=msg.gone)
+        free = [k for k in keys if not reg.is_pinned(k) and k not in writing]
         # A purge, not a plain delete: the blocks' write-throughs in flight into these tiers are undone too.
         removed = await self.manager.purges.purge(free, tiers, gone=msg.gone)
         return p.Evicted(removed=removed, skipped=len(keys) - len(free))

@@ -28,6 +28,7 @@ AHEAD_BATCH = 16  # blocks per thread hop
 
 
 def _hash(g2: SlotPoolTier, slot: int, nbytes: int) -> int:
+    """The xxh3-64 of the ``nbytes`` in G2's ``slot``."""
     return xxhash.xxh3_64_intdigest(memoryview(np.asarray(g2.slot_tensor(slot, nbytes).numpy())))
 
 
@@ -43,9 +44,11 @@ class SlotChecksums:
         self.computed = 0  # at a Pin
         self.known = 0  # at a Pin, already summed
         self.summed_ahead = 0
+        self._registry = registry
         registry.listeners.append(self._on_registry)
 
     def all_known(self, slots: Iterable[tuple[BlockKey, int]]) -> bool:
+        """Whether every (key, slot) has its checksum known for that slot (a Pin answers with no thread hop)."""
         return all(self._sums.get(k, (-1, 0))[0] == s for k, s in slots)
 
     def sums(self, leased: Iterable[tuple[BlockKey, int, int]]) -> list[int]:
@@ -66,12 +69,10 @@ class SlotChecksums:
     def _on_registry(self, kind: str, tier: str, keys: list[BlockKey]) -> None:
         if tier != TierName.G2:
             return
-        if kind != "stored":
-            for k in keys:
-                self._sums.pop(k, None)
-                self._waiting.pop(k, None)
-            return
-        if not self.ahead:
+        for k in keys:  # stored (again: maybe in the slot it had) or gone: what was known of it is not kept
+            self._sums.pop(k, None)
+            self._waiting.pop(k, None)
+        if kind != "stored" or not self.ahead:
             return
         for k in keys:
             self._waiting[k] = None
@@ -84,8 +85,9 @@ class SlotChecksums:
                 pass
 
     async def _sum_ahead(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._waiting:
-            batch = []
+            batch: list[tuple[BlockKey, int, int]] = []
             while self._waiting and len(batch) < AHEAD_BATCH:
                 key = next(iter(self._waiting))
                 del self._waiting[key]
@@ -94,20 +96,24 @@ class SlotChecksums:
                     batch.append((key, *got))
             if not batch:
                 continue
+            fut = loop.run_in_executor(None, lambda b=batch: [_hash(self.g2, s, n) for _k, s, n in b])
+            # The slots are given back when the thread is done with them, even if this task is cancelled first.
+            fut.add_done_callback(lambda _f, b=batch: [self.g2.unref(s) for _k, s, _n in b])
             try:
-                sums = await asyncio.to_thread(lambda b=batch: [_hash(self.g2, s, n) for _k, s, n in b])
+                sums = await asyncio.shield(fut)
             except Exception as e:  # never fatal: those blocks are summed at their first Pin
                 log.warning("summing %d blocks ahead of their pins failed: %s", len(batch), e)
-                sums = None
-            finally:
-                for _k, slot, _n in batch:
-                    self.g2.unref(slot)
-            for (key, slot, _n), s in zip(batch, sums or [], strict=False):
+                continue
+            for (key, slot, _n), s in zip(batch, sums, strict=True):
                 if self.g2.slot_of(key) == slot:  # still this block's slot: its bytes are the ones hashed
                     self._sums[key] = (slot, s)
                     self.summed_ahead += 1
 
     def close(self) -> None:
+        """Stop summing ahead (a daemon closing its peer-read server)."""
+        self.ahead = False
+        if self._on_registry in self._registry.listeners:
+            self._registry.listeners.remove(self._on_registry)
         if self._task is not None:
             self._task.cancel()
         self._waiting.clear()

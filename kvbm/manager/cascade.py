@@ -45,13 +45,14 @@ class WriteThrough:
         return True
 
     def _done(self, key: BlockKey, task: asyncio.Task[bool]) -> None:
+        """A background cascade ended: no longer pending, nor ``key``'s latest."""
         self.pending.discard(task)
         if self._of_key.get(key) is task:
             del self._of_key[key]
 
-    def of(self, keys: Iterable[BlockKey]) -> list[asyncio.Task[bool]]:
+    def of(self, keys: Iterable[BlockKey]) -> dict[BlockKey, asyncio.Task[bool]]:
         """The background cascades of ``keys`` queued or under way now (a purge of the tiers above lets them land)."""
-        return [t for t in (self._of_key.get(k) for k in keys) if t is not None]
+        return {k: t for k in keys if (t := self._of_key.get(k)) is not None}
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""
