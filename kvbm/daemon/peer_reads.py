@@ -75,6 +75,8 @@ class PeerReads:
         self._peers = peers
         self.node_id = node_id
         self.stats = ReadStats()
+        # Told the blocks committed after a read, with the checksums they were verified against (peer_sums).
+        self.verified: Callable[[list[tuple[BlockKey, int, int]]], None] | None = None
         self.per_peer: dict[str, dict[str, int]] = {}  # node (or endpoint) -> blocks, bytes, refused, failed
         self.agent: PeerAgent | None = None
         self.token = ""
@@ -260,6 +262,8 @@ class PeerReads:
         t3 = time.monotonic()
         self.manager.complete_store(bad, ok=False)
         done = self.manager.complete_store(ok, ok=True, cascade=False) if ok else 0
+        if self.verified is not None and ok:  # this daemon's peers reading them get the sums with no hash
+            self.verified([(keys[i], mine[i], pinned.checksums[i]) for i in good])
         self.stats.commit_seconds += time.monotonic() - t3
         nbytes = sum(pinned.nbytes[i] for i in good)
         self.stats.blocks += len(ok)

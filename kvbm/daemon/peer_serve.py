@@ -64,6 +64,7 @@ class ServeStats(msgspec.Struct):
     checksums_computed: int = 0
     checksums_known: int = 0  # known at the Pin (summed ahead after its store, or at an earlier pin)
     checksums_ahead: int = 0  # blocks summed in the background after their store (kvbm.daemon.peer_sums)
+    checksums_from_reads: int = 0  # blocks read from a peer here: the checksum they were verified against, kept
     pinned_slots: int = 0  # G2 slots those leases hold now
 
 
@@ -263,7 +264,7 @@ class PeerReadServer:
         self.stats.leases = len(self._leases)
         self.stats.pinned_slots = sum(len(v[0]) for v in self._leases.values())
         self.stats.checksums_computed, self.stats.checksums_known = self.sums.computed, self.sums.known
-        self.stats.checksums_ahead = self.sums.summed_ahead
+        self.stats.checksums_ahead, self.stats.checksums_from_reads = self.sums.summed_ahead, self.sums.from_reads
         d = msgspec.structs.asdict(self.stats)
         d.update(endpoint=self.endpoint, instance=self.instance, askers=len(self._askers))
         return d

@@ -5,6 +5,7 @@ when the block leaves G2. A Pin of blocks not summed yet hashes them on its crit
 plus a thread hop that takes tens of ms on a busy machine: 40 ms for a 12-block pin next to a running engine). So
 blocks are summed **ahead**, in the background, as they are stored: each one's slot is referenced while a worker
 thread hashes it (the slot cannot be reused meanwhile) and the sum is kept only if the block is still in that slot.
+A block read from a peer keeps the checksum its bytes were verified against instead (:meth:`known_now`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class SlotChecksums:
         self.computed = 0  # at a Pin
         self.known = 0  # at a Pin, already summed
         self.summed_ahead = 0
+        self.from_reads = 0  # taken from a peer read's verified checksums (not hashed again here)
         self._registry = registry
         registry.listeners.append(self._on_registry)
 
@@ -65,6 +67,15 @@ class SlotChecksums:
                 self.known += 1
             out.append(got[1])
         return out
+
+    def known_now(self, verified: Iterable[tuple[BlockKey, int, int]]) -> None:
+        """Blocks this daemon just read from a peer and committed into G2, as (key, slot, xxh3-64): their bytes were
+        checked against that sum, so it is kept as theirs (a peer of this daemon reading them gets it with no hash)."""
+        for key, slot, s in verified:
+            if self.g2.slot_of(key) == slot:
+                self._waiting.pop(key, None)
+                self._sums[key] = (slot, s)
+                self.from_reads += 1
 
     def _on_registry(self, kind: str, tier: str, keys: list[BlockKey]) -> None:
         if tier != TierName.G2:

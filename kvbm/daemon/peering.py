@@ -127,6 +127,7 @@ class FleetMember:
             logj("p2p.unavailable", level=logging.ERROR, message=f"fleet.p2p: no peer reads: {self.p2p_error}")
             return
         server = self.p2p_server = PeerReadServer(self.fc, self.manager, lambda: creds)
+        self.peer_reads.verified = server.sums.known_now
         bound = server.bind(self._ctx, agent, *self._curve_keys)
         self._spawn(server.serve(self._spawn))
         self.peer_reads.start(self._ctx, agent, token, lambda peer: peer.curve)

@@ -160,6 +160,9 @@ def test_blocks_a_peer_holds_are_read_from_its_g2_byte_exact_with_no_get(tmp_pat
         serve = p2p(ca)["serve"]
         assert serve["pins"] == 1 and serve["pinned_blocks"] == 6 and serve["unpins"] == 1 and serve["leases"] == 0
         assert (serve["checksums_known"], serve["checksums_computed"]) == (6, 0)
+        # B keeps the checksums it verified the 6 blocks against: not hashed again, there for B's own peers.
+        b_serve = p2p(cb)["serve"]
+        assert (b_serve.get("checksums_from_reads"), b_serve["checksums_ahead"]) == (6, 0), b_serve
 
 
 def cpu_seconds(pid: int) -> float:
