@@ -127,3 +127,43 @@ def test_a_registry_swapped_in_after_construction_reaches_every_part(tmp_path):
     asyncio.run(go())
     assert all(mgr.registry.holds("G3", key(i)) for i in range(6))
     assert mgr.registry.count("G2") == 4
+
+
+def test_a_purge_of_g2_waits_for_the_write_through_below_and_names_the_one_still_under_way(tmp_path):
+    """Purges.settle before a purge of G2 alone: the write-throughs of blocks G3 lacks land first; one still under way
+    after the wait is named (the Evict skips it: its only copy is still being written down); a block G3 holds is not
+    waited for; a purge of every tier, or of blocks already gone below, does not wait."""
+    from kvbm.manager.purges import Purges
+
+    g2, g3 = HostTier(4 * SLOT, SLOT), disk(tmp_path, 4)
+    s = state_of(g2, g3)
+    for i in (1, 2, 3):
+        s.registry.add("G2", key(i), SLOT)
+    s.registry.add("G3", key(3), SLOT)
+
+    async def go() -> None:
+        await g3.start()
+        release = asyncio.Event()
+
+        async def move(k: BlockKey, dst: str) -> bool:
+            await (release.wait() if k == key(2) else asyncio.sleep(0.01))
+            s.registry.add(dst, k, SLOT)
+            return True
+
+        wt = WriteThrough(s, move, trusted, max_pending=8, max_concurrent=4)
+        purges = Purges(s, None, wt.owed, wt.of)  # type: ignore[arg-type]  # settle needs no moves
+        purges.wait_s = 0.3
+        assert wt.schedule(key(1)) and wt.schedule(key(2))
+        assert set(wt.of([key(1), key(2), key(3)])) == {key(1), key(2)}
+        assert await purges.settle([key(1), key(2), key(3)], ["G2"]) == {key(2)}
+        assert s.registry.holds("G3", key(1))
+        assert await purges.settle([key(2)], ["G2", "G3"]) == set()  # every tier: nothing to keep
+        assert await purges.settle([key(2)], ["G2"], gone=True) == set()
+        release.set()
+        await wt.drain()
+        assert s.registry.holds("G3", key(2)) and wt.of([key(1), key(2)]) == {}
+        wt.owed.cancel()
+        await g3.close()
+        await g2.close()
+
+    asyncio.run(go())
