@@ -23,14 +23,13 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import msgspec
-import numpy as np
-import xxhash
 import zmq.asyncio
 
 from kvbm.blocks import BlockKey
 from kvbm.config.fleet import FleetConfig
 from kvbm.daemon.logs import logj
 from kvbm.daemon.peer_link import Link, PeerRefused
+from kvbm.daemon.peer_sums import slot_checksum
 from kvbm.errors import KvbmError
 from kvbm.fleet import p2p as m
 from kvbm.fleet.peers import PeerFollower
@@ -318,12 +317,7 @@ class PeerReads:
 
 def _verify(g2: SlotPoolTier, part: list[tuple[int, int]], pinned: m.Pinned) -> set[int]:
     """The indexes of ``part`` ((index in the pin, own slot) pairs) whose bytes match the peer's xxh3-64."""
-    good = set()
-    for i, s in part:
-        view = np.asarray(g2.slot_tensor(s, pinned.nbytes[i]).numpy())
-        if xxhash.xxh3_64_intdigest(memoryview(view)) == pinned.checksums[i]:
-            good.add(i)
-    return good
+    return {i for i, s in part if slot_checksum(g2, s, pinned.nbytes[i]) == pinned.checksums[i]}
 
 
 def _parts(mine: list[tuple[int, int]], nbytes: Sequence[int], size: int) -> Iterator[list[tuple[int, int]]]:

@@ -15,9 +15,9 @@ import logging
 from collections.abc import Iterable
 
 import numpy as np
-import xxhash
 
 from kvbm.blocks import BlockKey
+from kvbm.blocks.format import checksum
 from kvbm.index.registry import Registry
 from kvbm.tiers.names import TierName
 from kvbm.tiers.pool import SlotPoolTier
@@ -28,17 +28,17 @@ AHEAD_MAX = 4096  # blocks waiting to be summed ahead at most (past it the oldes
 AHEAD_BATCH = 16  # blocks per thread hop
 
 
-def _hash(g2: SlotPoolTier, slot: int, nbytes: int) -> int:
-    """The xxh3-64 of the ``nbytes`` in G2's ``slot``."""
-    return xxhash.xxh3_64_intdigest(memoryview(np.asarray(g2.slot_tensor(slot, nbytes).numpy())))
+def slot_checksum(g2: SlotPoolTier, slot: int, nbytes: int) -> int:
+    """The xxh3-64 of the ``nbytes`` in G2's ``slot`` (the block format's payload checksum)."""
+    return checksum(memoryview(np.asarray(g2.slot_tensor(slot, nbytes).numpy())))
 
 
 class SlotChecksums:
     """Owns the G2 blocks' checksums: (slot, xxh3-64) per block, summed ahead of their first Pin."""
 
-    def __init__(self, registry: Registry, g2: SlotPoolTier, *, ahead: bool = True) -> None:
+    def __init__(self, registry: Registry, g2: SlotPoolTier) -> None:
         self.g2 = g2
-        self.ahead = ahead
+        self.ahead = True  # off once closed
         self._sums: dict[BlockKey, tuple[int, int]] = {}
         self._waiting: dict[BlockKey, None] = {}  # stored, not summed yet (insertion order: the oldest first)
         self._task: asyncio.Task[None] | None = None
@@ -60,7 +60,7 @@ class SlotChecksums:
         for key, slot, nbytes in leased:
             got = self._sums.get(key)
             if got is None or got[0] != slot:
-                got = (slot, _hash(self.g2, slot, nbytes))
+                got = (slot, slot_checksum(self.g2, slot, nbytes))
                 self._sums[key] = got
                 self.computed += 1
             else:
@@ -107,7 +107,7 @@ class SlotChecksums:
                     batch.append((key, *got))
             if not batch:
                 continue
-            fut = loop.run_in_executor(None, lambda b=batch: [_hash(self.g2, s, n) for _k, s, n in b])
+            fut = loop.run_in_executor(None, lambda b=batch: [slot_checksum(self.g2, s, n) for _k, s, n in b])
             # The slots are given back when the thread is done with them, even if this task is cancelled first.
             fut.add_done_callback(lambda _f, b=batch: [self.g2.unref(s) for _k, s, _n in b])
             try:
