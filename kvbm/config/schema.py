@@ -42,7 +42,8 @@ def parse_size(value: int | str, field: str = "size") -> int:
 
 # The size fields (bytes once built; YAML and env may spell them "8MiB"): parsed by size_field, printed by
 # format_size in `kvbm config show`.
-SIZE_FIELDS = frozenset({"block_bytes", "device.capacity", "host.capacity", "disk.capacity", "s3.capacity"})
+SIZE_FIELDS = frozenset({"block_bytes", "device.capacity", "host.capacity", "disk.capacity", "s3.capacity",
+                         "embedded_s3.min_free_disk"})
 
 
 def size_field(value: int | str, field: str) -> int:
@@ -195,6 +196,11 @@ class EmbeddedS3Config(_Redacted, forbid_unknown_fields=True, kw_only=True):
     port: int = 0  # 0: pick a free port
     access_key: str = "kvbm"
     secret_key: str = ""  # empty: a random secret per data dir, kept 0600 in its identity.json
+    # Free disk space under which it refuses writes: an absolute floor, not SeaweedFS's 1% of the disk.
+    min_free_disk: int | str = "256MiB"
+
+    def __post_init__(self) -> None:
+        self.min_free_disk = size_field(self.min_free_disk, "embedded_s3.min_free_disk")
 
 
 class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

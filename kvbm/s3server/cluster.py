@@ -27,7 +27,7 @@ from kvbm.s3server.ports import pick_ports
 from kvbm.s3server.probe import probe_put, s3_client
 from kvbm.s3server.procs import terminate
 from kvbm.s3server.state import write_identity
-from kvbm.s3server.weed import find_weed, log_tail, weed_runs
+from kvbm.s3server.weed import MIN_FREE_SPACE, START_MARK, disk_refusal, find_weed, log_tail, weed_runs
 
 REPLICATIONS = ("000", "001", "010", "100", "002", "011", "020", "200")
 
@@ -41,7 +41,8 @@ class SeaweedCluster:
 
     def __init__(self, dir: str | os.PathLike[str], *, volumes: int = 3, gateways: int = 2, replication: str = "001",
                  access_key: str = "kvbm", secret_key: str = "", bucket: str = "kvbm", weed: str | None = None,
-                 volume_size_limit_mb: int = 64, startup_timeout_s: float = 90.0, stop_timeout_s: float = 2.0) -> None:
+                 volume_size_limit_mb: int = 64, startup_timeout_s: float = 90.0, stop_timeout_s: float = 2.0,
+                 min_free_space: str = MIN_FREE_SPACE) -> None:
         if replication not in REPLICATIONS:
             raise ConfigError(f"replication {replication!r}: one of {', '.join(REPLICATIONS)}")
         if _copies(replication) > volumes:
@@ -60,6 +61,7 @@ class SeaweedCluster:
         self.bucket = bucket
         self.weed = weed
         self.volume_size_limit_mb = volume_size_limit_mb
+        self.min_free_space = min_free_space
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.ports: dict[str, int] = {}
@@ -192,7 +194,8 @@ class SeaweedCluster:
 
     def _launch_volume(self, name: str, i: int) -> None:
         self._launch(name, ["volume", f"-dir={self._sub(name)}", "-max=0", f"-master={self.master}",
-                            "-preStopSeconds=0", "-dataCenter=dc0", f"-rack={self._rack(i)}"])
+                            f"-minFreeSpace={self.min_free_space}", "-preStopSeconds=0", "-dataCenter=dc0",
+                            f"-rack={self._rack(i)}"])
 
     def _launch(self, name: str, args: list[str]) -> None:
         port = self.ports[name]
@@ -201,7 +204,7 @@ class SeaweedCluster:
                 f"-port.grpc={port + 10000}", *args[1:]]
         log = self.dir / f"{name}.log"
         with open(log, "ab") as f:
-            f.write(f"\n=== kvbm: {' '.join(argv)} at {time.ctime()} ===\n".encode())
+            f.write(f"\n{START_MARK} {' '.join(argv)} at {time.ctime()} ===\n".encode())
             f.flush()
             self.procs[name] = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                 cwd=self._sub(name), start_new_session=True)
@@ -229,6 +232,10 @@ class SeaweedCluster:
                 if proc.poll() is not None:
                     raise TierUnavailableError(f"SeaweedFS {name} exited with code {proc.returncode} while waiting "
                                                f"for {what}:\n{log_tail(self.dir / f'{name}.log')}")
+            for name in self.volume_names():
+                refusal = disk_refusal(self.dir / f"{name}.log")
+                if refusal:
+                    raise TierUnavailableError(f"SeaweedFS {name}: {refusal}")
             if time.monotonic() > deadline:
                 raise TierUnavailableError(f"SeaweedFS cluster: no {what} after {self.startup_timeout_s:.0f}s "
                                            f"(logs in {self.dir})")

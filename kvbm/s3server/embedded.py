@@ -16,7 +16,7 @@ from kvbm.s3server import state as st
 from kvbm.s3server.ports import PORT_NAMES, check_port, choose_ports
 from kvbm.s3server.probe import probe_put, s3_client
 from kvbm.s3server.procs import pid_alive, pid_is_weed, terminate, weeds_serving
-from kvbm.s3server.weed import find_weed, log_tail, weed_command, weed_runs
+from kvbm.s3server.weed import MIN_FREE_SPACE, START_MARK, disk_refusal, find_weed, log_tail, weed_command, weed_runs
 
 
 class EmbeddedS3:
@@ -34,6 +34,7 @@ class EmbeddedS3:
         startup_timeout_s: float = 60.0,
         stop_timeout_s: float = 3.0,
         volume_size_limit_mb: int = 256,
+        min_free_space: str = MIN_FREE_SPACE,
         reuse: bool = True,
         extra_args: tuple[str, ...] = (),
     ) -> None:
@@ -49,6 +50,7 @@ class EmbeddedS3:
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.volume_size_limit_mb = volume_size_limit_mb
+        self.min_free_space = min_free_space  # "256MiB", or a percentage of the disk as "1"
         self.reuse = reuse
         self.extra_args = tuple(extra_args)  # more `weed server` flags (e.g. -s3.domainName=... for a bench peer)
         self.ports: dict[str, int] = {}
@@ -158,6 +160,9 @@ class EmbeddedS3:
                 ok, last = probe_put(client, self.bucket)
                 if ok:
                     return
+                refusal = disk_refusal(self.log_path)
+                if refusal:  # it would refuse until the deadline: say why now
+                    raise TierUnavailableError(f"{refusal} (log {self.log_path})")
                 if time.monotonic() > deadline:
                     raise TierUnavailableError(
                         f"SeaweedFS at {self.endpoint} not ready after {timeout_s:.0f}s ({last}); "
@@ -228,9 +233,10 @@ class EmbeddedS3:
             old = ((state or {}).get("ports") or {}) if attempt == 0 else {}
             self.ports = choose_ports(old, self.port)
             self.port = self.ports["s3"]
-            argv = weed_command(weed, self.dir, self.ports, ident, self.volume_size_limit_mb, self.extra_args)
+            argv = weed_command(weed, self.dir, self.ports, ident, self.volume_size_limit_mb, self.extra_args,
+                                self.min_free_space)
             with open(self.log_path, "ab") as log:
-                log.write(f"\n=== kvbm: starting weed at {time.ctime()} on port {self.port} ===\n".encode())
+                log.write(f"\n{START_MARK} starting weed at {time.ctime()} on port {self.port} ===\n".encode())
                 log.flush()
                 self._proc = subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.dir,

@@ -9,15 +9,16 @@ from typing import Any
 from kvbm.s3server import state as st
 from kvbm.s3server.embedded import EmbeddedS3
 from kvbm.s3server.procs import pid_alive, pid_is_weed, terminate, weeds_serving
+from kvbm.s3server.weed import MIN_FREE_SPACE
 
 
 def ensure_running(
     dir: str | os.PathLike[str], *, port: int = 0, access_key: str = "kvbm",
-    secret_key: str = "", bucket: str = "kvbm", startup_timeout_s: float = 60.0,
+    secret_key: str = "", bucket: str = "kvbm", startup_timeout_s: float = 60.0, min_free_space: str = MIN_FREE_SPACE,
 ) -> EmbeddedS3:
     """Reuse the SeaweedFS running from ``dir`` or start one as a background service (``kvbm serve``)."""
     s3 = EmbeddedS3(dir, port=port, access_key=access_key, secret_key=secret_key, bucket=bucket,
-                    startup_timeout_s=startup_timeout_s)
+                    startup_timeout_s=startup_timeout_s, min_free_space=min_free_space)
     s3.start()
     s3.detach()
     return s3
@@ -26,7 +27,7 @@ def ensure_running(
 def embedded_from_config(cfg: Any, bucket: str = "kvbm") -> EmbeddedS3:
     """``ensure_running`` for a :class:`kvbm.config.EmbeddedS3Config` (``dir`` empty: the cache dir)."""
     return ensure_running(embedded_dir(cfg), port=cfg.port, access_key=cfg.access_key, secret_key=cfg.secret_key,
-                          bucket=bucket)
+                          bucket=bucket, min_free_space=f"{max(1, cfg.min_free_disk >> 20)}MiB")
 
 
 def running_from_config(cfg: Any, bucket: str = "kvbm") -> EmbeddedS3 | None:

@@ -4,10 +4,18 @@ the tail of its log for error messages."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+# The free disk space below which a volume server stops taking writes. SeaweedFS's default is 1% of the disk:
+# 2.7 GB of a 270 GB disk, so a host with 2.4 GB free (CI's, once) refused every PUT and the embedded S3 never
+# came up. A cache's test server and a dev node need far less headroom than that; an absolute floor is kept.
+MIN_FREE_SPACE = "256MiB"
+START_MARK = "=== kvbm:"  # opens each start's part of a log (a restart appends)
+_DISK_REFUSAL = re.compile(r"dir (\S+) disk free (.+?) < required (.+?)\s*$")
 
 
 def find_weed() -> str | None:
@@ -36,7 +44,8 @@ def weed_runs(weed: str | None = None) -> tuple[bool, str]:
 
 
 def weed_command(
-    weed: str, dir: Path, ports: dict[str, int], ident: Path, volume_size_limit_mb: int, extra_args: tuple[str, ...]
+    weed: str, dir: Path, ports: dict[str, int], ident: Path, volume_size_limit_mb: int, extra_args: tuple[str, ...],
+    min_free_space: str = MIN_FREE_SPACE,
 ) -> list[str]:
     """``weed server`` with S3 on 127.0.0.1 only, every port (and its gRPC port + 10000) given explicitly.
 
@@ -51,7 +60,7 @@ def weed_command(
         f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + 10000}",
         "-s3", f"-s3.config={ident}", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3'] + 10000}",
         "-s3.port.iceberg=0", "-s3.port.lance=0",
-        "-volume.max=0", f"-master.volumeSizeLimitMB={volume_size_limit_mb}",
+        "-volume.max=0", f"-master.volumeSizeLimitMB={volume_size_limit_mb}", f"-volume.minFreeSpace={min_free_space}",
         "-volume.preStopSeconds=0", "-master.telemetry=false", "-master.electionTimeout=1s", *extra_args,
     ]
 
@@ -62,3 +71,19 @@ def log_tail(path: Path, n: int = 30) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(lines[-n:])
+
+
+def disk_refusal(path: Path) -> str | None:
+    """Why the volume server logging to ``path`` refuses writes for want of disk space, if it does.
+
+    Only the log since the last kvbm start counts (a restart appends to the same file)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in reversed(text[text.rfind(START_MARK) + 1:].splitlines()):
+        m = _DISK_REFUSAL.search(line)
+        if m:
+            return (f"SeaweedFS refuses writes: {m.group(2)} free on the disk of {m.group(1)}, under the "
+                    f"{m.group(3)} it keeps free; free some space there or lower embedded_s3.min_free_disk")
+    return None

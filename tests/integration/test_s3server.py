@@ -145,3 +145,51 @@ def test_orphan_weed_on_the_directory_is_adopted(weed_binary, tmp_path):
         for pid in weeds_on(d):
             os.kill(pid, 9)
     assert weeds_on(d) == []
+
+
+def test_a_disk_under_the_servers_free_floor_is_named_at_once(weed_binary, tmp_path):
+    """A volume server refusing writes for want of disk space is said so, not a 60 s ReadTimeout at the end.
+
+    (CI's host once had 2.4 GB of 270 GB free: under SeaweedFS's default 1% floor, every PUT was refused.)"""
+    import shutil
+
+    floor = f"{(shutil.disk_usage(tmp_path).free >> 20) + 8192}MiB"  # 8 GiB more than is free: refused
+    srv = EmbeddedS3(tmp_path / "d", weed=weed_binary, startup_timeout_s=50, reuse=False, min_free_space=floor)
+    t0 = time.monotonic()
+    with pytest.raises(TierUnavailableError, match=r"refuses writes: .* free on the disk of .*under the .* it keeps"):
+        srv.start()
+    assert time.monotonic() - t0 < 45
+    assert srv.pid is None or not srv.running
+
+
+def test_the_default_free_floor_is_absolute_and_a_restart_reads_only_its_own_log(weed_binary, tmp_path):
+    """The floor is not 1% of the disk (2.7 GB of a 270 GB one), and an old start's refusal does not fail a new one."""
+    from kvbm.s3server.weed import MIN_FREE_SPACE, START_MARK, disk_refusal
+
+    assert MIN_FREE_SPACE.endswith("MiB") and int(MIN_FREE_SPACE[:-3]) <= 1024
+    log = tmp_path / "weed.log"
+    refused = "I1206 17:22:28.222752 disk_location.go:731 dir /x disk free 66.20 GiB < required 70.20 GiB\n"
+    log.write_text(f"{START_MARK} starting weed\n{refused}")
+    assert "66.20 GiB free on the disk of /x, under the 70.20 GiB" in (disk_refusal(log) or "")
+    log.write_text(f"{START_MARK} starting weed\n{refused}\n{START_MARK} starting weed\nI1206 all well\n")
+    assert disk_refusal(log) is None
+    with EmbeddedS3(tmp_path / "d", weed=weed_binary, reuse=False) as srv:  # the default floor: it serves
+        assert srv.running and disk_refusal(srv.log_path) is None
+
+
+def test_the_configs_free_floor_reaches_the_server_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    """``embedded_s3.min_free_disk`` (YAML or KVBM_ override) is the floor ``kvbm serve``'s SeaweedFS starts with."""
+    from kvbm.config import load_config
+    from kvbm.errors import ConfigError
+    from kvbm.s3server import service
+
+    monkeypatch.setenv("KVBM_EMBEDDED_S3_MIN_FREE_DISK", "1GiB")
+    cfg = load_config(None)
+    assert cfg.embedded_s3.min_free_disk == 1 << 30
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(service, "ensure_running", lambda dir, **kw: seen.update(kw))
+    service.embedded_from_config(cfg.embedded_s3)
+    assert seen["min_free_space"] == "1024MiB"
+    monkeypatch.setenv("KVBM_EMBEDDED_S3_MIN_FREE_DISK", "lots")
+    with pytest.raises(ConfigError, match=r"embedded_s3\.min_free_disk"):
+        load_config(None)
