@@ -3,6 +3,7 @@ the post-and-poll wait every NIXL transfer goes through."""
 
 from __future__ import annotations
 
+import atexit
 import errno
 import functools
 import itertools
@@ -10,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 from kvbm.errors import KvbmError
@@ -17,6 +19,7 @@ from kvbm.errors import KvbmError
 _XFER_TIMEOUT_S = 120.0
 log = logging.getLogger("kvbm.transfer")
 _ids = itertools.count()
+_pumps: weakref.WeakSet[ProgressPump] = weakref.WeakSet()  # running ones, stopped at exit (see ProgressPump)
 
 
 class TransferBackendError(KvbmError):
@@ -85,7 +88,11 @@ def new_agent(api: Any, prefix: str, backend: str) -> Any:
 class ProgressPump:
     """Progresses a passive agent's backend every ``period_s`` on a thread of its own: UCX's connection set-up
     (wireup) and, over TCP, a peer's READs need the target's worker to run. ``get_new_notifs`` is NIXL's call that
-    progresses a backend without a thread; 1 ms costs ~3% of a core and adds at most that to a first contact."""
+    progresses a backend without a thread; 1 ms costs ~3% of a core and adds at most that to a first contact.
+
+    A pump its owner never stopped is stopped at interpreter exit (``atexit``, before finalization): a daemon
+    thread still inside ``get_new_notifs`` then (the GIL released in a C++ frame) is unwound by ``pthread_exit``
+    when it takes the GIL back, through a ``noexcept`` frame: ``std::terminate``, the process aborts (rc 134)."""
 
     PERIOD_S = 0.001
 
@@ -97,6 +104,7 @@ class ProgressPump:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _pumps.add(self)
 
     def _run(self) -> None:
         wait = self._period
@@ -114,8 +122,15 @@ class ProgressPump:
     def stop(self) -> None:
         """Stop and join (at most 5 s: a progress call stuck in the backend must not hang a daemon's exit)."""
         self._stop.set()
+        _pumps.discard(self)
         if threading.current_thread() is not self._thread:
             self._thread.join(5.0)
+
+
+@atexit.register
+def _stop_pumps() -> None:
+    for pump in list(_pumps):
+        pump.stop()
 
 
 def wait_xfer(agent: Any, handle: Any, what: str, timeout_s: float = _XFER_TIMEOUT_S) -> None:
