@@ -66,6 +66,7 @@ class SeaweedCluster:
         self.stop_timeout_s = stop_timeout_s
         self.ports: dict[str, int] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._log_from: dict[str, int] = {}  # a process's log -> where its latest start's part begins
 
     # -- surface ---------------------------------------------------------------------------------------
     @property
@@ -204,6 +205,7 @@ class SeaweedCluster:
                 f"-port.grpc={port + 10000}", *args[1:]]
         log = self.dir / f"{name}.log"
         with open(log, "ab") as f:
+            self._log_from[name] = f.tell()
             f.write(f"\n{START_MARK} {' '.join(argv)} at {time.ctime()} ===\n".encode())
             f.flush()
             self.procs[name] = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -233,7 +235,7 @@ class SeaweedCluster:
                     raise TierUnavailableError(f"SeaweedFS {name} exited with code {proc.returncode} while waiting "
                                                f"for {what}:\n{log_tail(self.dir / f'{name}.log')}")
             for name in self.volume_names():
-                refusal = disk_refusal(self.dir / f"{name}.log")
+                refusal = disk_refusal(self.dir / f"{name}.log", self._log_from.get(name, 0))
                 if refusal:
                     raise TierUnavailableError(f"SeaweedFS {name}: {refusal}")
             if time.monotonic() > deadline:

@@ -58,6 +58,7 @@ class EmbeddedS3:
         self.reused = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._detached = False
+        self._log_from = 0  # where the latest start's part of the log begins
 
     # -- public surface --------------------------------------------------------------------------
     @property
@@ -160,7 +161,7 @@ class EmbeddedS3:
                 ok, last = probe_put(client, self.bucket)
                 if ok:
                     return
-                refusal = disk_refusal(self.log_path)
+                refusal = disk_refusal(self.log_path, self._log_from)
                 if refusal:  # it would refuse until the deadline: say why now
                     raise TierUnavailableError(f"{refusal} (log {self.log_path})")
                 if time.monotonic() > deadline:
@@ -236,6 +237,7 @@ class EmbeddedS3:
             argv = weed_command(weed, self.dir, self.ports, ident, self.volume_size_limit_mb, self.extra_args,
                                 self.min_free_space)
             with open(self.log_path, "ab") as log:
+                self._log_from = log.tell()  # this start's part of the log begins here
                 log.write(f"\n{START_MARK} starting weed at {time.ctime()} on port {self.port} ===\n".encode())
                 log.flush()
                 self._proc = subprocess.Popen(

@@ -73,12 +73,15 @@ def log_tail(path: Path, n: int = 30) -> str:
     return "\n".join(lines[-n:])
 
 
-def disk_refusal(path: Path) -> str | None:
+def disk_refusal(path: Path, offset: int = 0) -> str | None:
     """Why the volume server logging to ``path`` refuses writes for want of disk space, if it does.
 
-    Only the log since the last kvbm start counts (a restart appends to the same file)."""
+    Only the log from ``offset`` (where this start began: a restart appends to the same file) and after the last
+    kvbm start mark counts."""
     try:
-        text = path.read_text(errors="replace")
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
     except OSError:
         return None
     for line in reversed(text[text.rfind(START_MARK) + 1:].splitlines()):

@@ -173,6 +173,8 @@ def test_the_default_free_floor_is_absolute_and_a_restart_reads_only_its_own_log
     assert "66.20 GiB free on the disk of /x, under the 70.20 GiB" in (disk_refusal(log) or "")
     log.write_text(f"{START_MARK} starting weed\n{refused}\n{START_MARK} starting weed\nI1206 all well\n")
     assert disk_refusal(log) is None
+    log.write_text(f"{START_MARK} starting weed\n{refused}")
+    assert disk_refusal(log, offset=log.stat().st_size) is None  # read from where this start began
     with EmbeddedS3(tmp_path / "d", weed=weed_binary, reuse=False) as srv:  # the default floor: it serves
         assert srv.running and disk_refusal(srv.log_path) is None
 
