@@ -87,3 +87,19 @@ def test_fleet_on_a_cluster_survives_a_dead_volume_server(tmp_path, cluster):
         for name in cluster.volume_names():
             if not cluster.alive(name):
                 cluster.restart(name)
+
+
+def test_a_cluster_whose_volume_servers_refuse_for_want_of_disk_is_named_at_once(weed_binary, tmp_path):
+    """The volume servers' free-disk floor above what is free: the start fails naming it, not after 90 s."""
+    import shutil
+    import time
+
+    from kvbm.errors import TierUnavailableError
+
+    floor = f"{(shutil.disk_usage(tmp_path).free >> 20) + 8192}MiB"
+    c = SeaweedCluster(tmp_path / "c", volumes=1, gateways=1, replication="000", weed=weed_binary,
+                       min_free_space=floor)
+    t0 = time.monotonic()
+    with pytest.raises(TierUnavailableError, match=r"volume-0: SeaweedFS refuses writes: .* free on the disk"):
+        c.start()
+    assert time.monotonic() - t0 < 60 and not c.procs  # stopped: nothing left running
