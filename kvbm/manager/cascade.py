@@ -29,7 +29,9 @@ class WriteThrough:
         self._real_copies = real_copies
         self.max_pending = max_pending
         self.pending: set[asyncio.Task[bool]] = set()
-        self._of_key: dict[BlockKey, asyncio.Task[bool]] = {}  # the latest background cascade of each block
+        # Every cascade of each block queued or under way: background ones (from their scheduling), a durable
+        # store's and the owed drain's direct ones (from their call). A purge of the tiers above waits for them.
+        self._of_key: dict[BlockKey, set[asyncio.Future[bool]]] = {}
         self._slots = asyncio.Semaphore(max(1, max_concurrent))
         self.owed = OwedWrites(state, self.cascade, max_blocks=max_owed)
 
@@ -40,19 +42,24 @@ class WriteThrough:
             return False
         task = asyncio.get_running_loop().create_task(self.cascade(key))
         self.pending.add(task)
-        self._of_key[key] = task
-        task.add_done_callback(lambda t: self._done(key, t))
+        self._track(key, task)
+        task.add_done_callback(self.pending.discard)
         return True
 
-    def _done(self, key: BlockKey, task: asyncio.Task[bool]) -> None:
-        """A background cascade ended: no longer pending, nor ``key``'s latest."""
-        self.pending.discard(task)
-        if self._of_key.get(key) is task:
-            del self._of_key[key]
+    def _track(self, key: BlockKey, fut: asyncio.Future[bool]) -> None:
+        self._of_key.setdefault(key, set()).add(fut)
+        fut.add_done_callback(lambda f: self._untrack(key, f))
 
-    def of(self, keys: Iterable[BlockKey]) -> dict[BlockKey, asyncio.Task[bool]]:
-        """The background cascades of ``keys`` queued or under way now (a purge of the tiers above lets them land)."""
-        return {k: t for k in keys if (t := self._of_key.get(k)) is not None}
+    def _untrack(self, key: BlockKey, fut: asyncio.Future[bool]) -> None:
+        futs = self._of_key.get(key)
+        if futs is not None:
+            futs.discard(fut)
+            if not futs:
+                del self._of_key[key]
+
+    def of(self, keys: Iterable[BlockKey]) -> dict[BlockKey, set[asyncio.Future[bool]]]:
+        """The cascades of ``keys`` queued or under way now (a purge of the tiers above lets them land)."""
+        return {k: set(f) for k in keys if (f := self._of_key.get(k))}
 
     async def drain(self) -> None:
         """Wait until every background cascade has finished."""
@@ -61,8 +68,15 @@ class WriteThrough:
 
     async def cascade(self, key: BlockKey) -> bool:
         """Copy ``key`` to every lower tier that lacks it; True if it ends on a persistent tier."""
-        async with self._slots:
-            return await self._cascade_now(key)
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._track(key, done)  # seen by a purge from its call on, while it waits for a slot too
+        try:
+            async with self._slots:
+                ok = await self._cascade_now(key)
+        finally:
+            if not done.done():
+                done.set_result(False)
+        return ok
 
     async def _cascade_now(self, key: BlockKey) -> bool:
         s = self.s

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from itertools import islice
 from pathlib import Path
 
@@ -122,6 +122,11 @@ class OwedWrites:
                     self._journal.note("-", tier, key)
                     n += 1
         return n
+
+    def owed_to(self, keys: Iterable[BlockKey], tiers: Sequence[str]) -> set[BlockKey]:
+        """Those of ``keys`` owed to any of ``tiers`` (their write there failed; the drain pays it later)."""
+        owed = [o for t in tiers if (o := self._owed.get(t))]
+        return {k for k in keys if any(k in o for o in owed)}
 
     def _wake(self, *, delay: bool = False) -> None:
         """Start draining unless already draining. ``delay``: a write just failed there, so the first try waits

@@ -57,27 +57,31 @@ class Purges:
     """The manager's purges: :func:`purge_copies` with its moves and owed writes."""
 
     def __init__(self, state: ManagerState, moves: Moves, owed: OwedWrites,
-                 cascades: Callable[[Iterable[BlockKey]], dict[BlockKey, asyncio.Task[bool]]]) -> None:
+                 cascades: Callable[[Iterable[BlockKey]], dict[BlockKey, set[asyncio.Future[bool]]]]) -> None:
         self.s = state
         self.moves = moves
         self.owed = owed
-        self.cascades = cascades  # the background write-throughs of some blocks, queued or under way
+        self.cascades = cascades  # the write-throughs of some blocks, queued or under way
         self.wait_s = PURGE_WAIT_S
 
     async def settle(self, keys: Sequence[BlockKey], tiers: Sequence[str], *, gone: bool = False) -> set[BlockKey]:
-        """Before a purge of ``keys`` from ``tiers`` that leaves another tier: wait (at most ``wait_s``) for the
-        write-throughs queued or under way of those no tier it leaves holds yet, so the copies they make below are
-        kept. Returns the keys whose write-through is still under way after the wait: the purge skips them (their
-        only copy is still being written down). Not for ``gone`` (the blocks were deleted from the lower tiers
-        already: a write-through now would only put them back)."""
+        """Before a purge of ``keys`` from ``tiers`` that leaves another tier: of those no tier it leaves holds yet,
+        wait (at most ``wait_s``) for the write-throughs queued or under way (background, a durable store's, the
+        owed drain's), so the copies they make below are kept. Returns the keys the purge must skip, their only
+        copies still on their way down: a write-through still under way after the wait, or a write owed to a tier
+        it leaves (failed in an outage: the drain pays it once that tier is back). Not for ``gone`` (the blocks
+        were deleted from the lower tiers already: a write-through now would only put them back)."""
         left = [t.name for t in self.s.tiers if t.name not in tiers]
         if gone or not left:
             return set()
         reg = self.s.registry
-        pending = self.cascades(k for k in keys if not any(reg.holds(t, k) for t in left))
+        alone = [k for k in keys if not any(reg.holds(t, k) for t in left)]
+        pending = self.cascades(alone)
         if pending:
-            await asyncio.wait(pending.values(), timeout=self.wait_s)  # a timeout leaves them running
-        return {k for k, t in pending.items() if not t.done()}
+            await asyncio.wait({f for fs in pending.values() for f in fs}, timeout=self.wait_s)
+        under_way = {k for k, fs in pending.items() if not all(f.done() for f in fs)}
+        alone = [k for k in alone if not any(reg.holds(t, k) for t in left)]  # still: nothing landed below
+        return under_way | self.owed.owed_to(alone, left)
 
     async def purge(self, keys: Sequence[BlockKey], tiers: Sequence[str] | None = None, *, gone: bool = False) -> int:
         """Delete ``keys`` from ``tiers`` (default all) and undo their write-throughs into them; copies removed."""

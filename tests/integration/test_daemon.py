@@ -620,3 +620,32 @@ def test_an_evict_of_g2_alone_lets_the_write_through_to_the_disk_land_first(tmp_
             assert all(np.array_equal(o, x) for o, x in zip(outs, data, strict=True))
     finally:
         d.stop()
+
+
+def test_an_evict_of_g2_during_a_durable_store_lets_its_write_through_to_the_disk_land_first(tmp_path):
+    """A durable store's write-throughs are not background cascades (the commit awaits them, 32 at a time): an Evict of
+    G2 while they queued deleted the blocks whose turn had not come, gone from every tier, as round 20's loss."""
+    d = DaemonProc(tmp_path, host="16MiB", fsync=True).start()
+    try:
+        with d.client(admin=True) as c, d.client() as w:
+            w.register(LAYOUT, worker_id="durable")
+            c.register(LAYOUT, worker_id="operator")
+            ks = keys(96, b"dur")
+            data = [payload(k) for k in ks]
+            acks: list[p.Ack] = []
+            th = threading.Thread(target=lambda: acks.append(w.store(ks, data, durable=True)))
+            th.start()
+            try:
+                assert wait_until(lambda: c.lookup(ks).matched == len(ks), timeout=30, step=0.002)
+                ev = c.evict(namespace=LAYOUT.namespace, tiers=["G2"])
+            finally:
+                th.join(60)
+            assert acks and acks[0].stored == len(ks)
+            look = c.lookup(ks)
+            assert look.matched == len(ks), f"lost {len(ks) - look.matched} blocks; evicted {ev}, ack {acks[0]}"
+            assert acks[0].durable == len(ks)
+            outs = [np.zeros(NB, np.uint8) for _ in ks]
+            assert c.load(ks, outs) == len(ks)
+            assert all(np.array_equal(o, x) for o, x in zip(outs, data, strict=True))
+    finally:
+        d.stop()

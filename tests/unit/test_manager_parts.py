@@ -167,3 +167,41 @@ def test_a_purge_of_g2_waits_for_the_write_through_below_and_names_the_one_still
         await g2.close()
 
     asyncio.run(go())
+
+
+def test_a_purge_of_g2_sees_a_durable_stores_direct_write_through_and_skips_a_block_owed_below(tmp_path):
+    """Not only background cascades: a durable store's direct ``cascade()`` (and the owed drain's) is waited for too;
+    a block no remaining tier holds whose write there failed (owed, an outage) is skipped, never purged."""
+    from kvbm.manager.purges import Purges
+
+    g2, g3 = HostTier(4 * SLOT, SLOT), disk(tmp_path, 4)
+    s = state_of(g2, g3)
+    for i in (1, 2):
+        s.registry.add("G2", key(i), SLOT)
+
+    async def go() -> None:
+        await g3.start()
+        release = asyncio.Event()
+
+        async def move(k: BlockKey, dst: str) -> bool:
+            await release.wait()
+            s.registry.add(dst, k, SLOT)
+            return True
+
+        wt = WriteThrough(s, move, trusted, max_pending=8, max_concurrent=4)
+        purges = Purges(s, None, wt.owed, wt.of)  # type: ignore[arg-type]  # settle needs no moves
+        purges.wait_s = 0.3
+        direct = asyncio.ensure_future(wt.cascade(key(1)))  # as offload(durable=True) calls it
+        await asyncio.sleep(0)
+        assert set(wt.of([key(1)])) == {key(1)}
+        assert await purges.settle([key(1)], ["G2"]) == {key(1)}  # still under way: skipped
+        release.set()
+        assert await direct and await purges.settle([key(1)], ["G2"]) == set()  # landed on G3: purge G2
+        wt.owed.owe("G3", key(2))  # its write to G3 failed in an outage: G2 holds its only copy
+        assert await purges.settle([key(2)], ["G2"]) == {key(2)}
+        assert await purges.settle([key(2)], ["G2", "G3"]) == set()  # every tier: nothing to keep
+        wt.owed.cancel()
+        await g3.close()
+        await g2.close()
+
+    asyncio.run(go())
