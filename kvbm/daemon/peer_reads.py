@@ -45,6 +45,10 @@ LOCAL_ENOUGH = frozenset({TierName.G1, TierName.G2, TierName.G3})  # held here: 
 # A read goes in parts of this many bytes, each checksummed while the next is read: the asker's checksum (about
 # a fifth of a read's time on one core) hides behind the READ but for the last part.
 PART_BYTES = 32 << 20
+# Own slots a READ may still be writing into when it failed (a timeout, a transfer error, a cancel while its thread
+# runs) stay referenced this long before reuse: NIXL may not stop a one-sided GET already posted when its handle is
+# released, and its bytes landing in a slot another block then holds would be wrong bytes no one checks.
+QUARANTINE_S = 30.0
 
 
 class ReadStats(msgspec.Struct):
@@ -56,6 +60,7 @@ class ReadStats(msgspec.Struct):
     failed: int = 0  # reads that failed (no reply in time, a transfer error: a stopped or dead peer)
     late: int = 0  # lookups that answered before their peer read was done (the budget ran out)
     reading_slots: int = 0  # own G2 slots reserved for reads in flight now
+    quarantined_slots: int = 0  # own G2 slots of failed READs held back from reuse now (QUARANTINE_S)
     # Where a read's time goes, stage by stage (summed over reads; ``kvbm bench p2p`` reports them per load):
     pin_seconds: float = 0.0  # from asking to the peer's Pinned (a first contact's Connect included)
     prepare_seconds: float = 0.0  # reserving own G2 slots
@@ -233,6 +238,7 @@ class PeerReads:
             by_size.setdefault(n, []).append(i)
         mine: dict[int, int] = {}  # index in keys -> own slot
         prepared: list[BlockKey] = []
+        started: list[bool] = []  # appended to by the read's thread before its first READ is posted
         t0 = time.monotonic()
         try:
             for nbytes, idx in by_size.items():
@@ -243,11 +249,15 @@ class PeerReads:
                         prepared.append(keys[i])
             self.stats.reading_slots += len(prepared)
             self.stats.prepare_seconds += time.monotonic() - t0
-            good, read_s, verify_s = await asyncio.to_thread(self._fetch, link, sorted(mine.items()), pinned, deadline)
+            good, read_s, verify_s = await asyncio.to_thread(self._fetch, link, sorted(mine.items()), pinned,
+                                                             deadline, started)
             self.stats.read_seconds += read_s
             self.stats.verify_seconds += verify_s
         except BaseException as e:
-            self.manager.complete_store(prepared, ok=False)
+            if started:  # a READ may still land in these slots: held back from reuse for a while
+                self._quarantine(prepared)
+            else:
+                self.manager.complete_store(prepared, ok=False)
             self.stats.reading_slots -= len(prepared)
             if isinstance(e, (OSError, KvbmError)):
                 self.stats.failed += 1
@@ -276,8 +286,19 @@ class PeerReads:
         logj("p2p.read", peer=peer.endpoint, blocks=len(ok), bytes=nbytes, bad=len(bad))
         return done
 
-    def _fetch(self, link: Link, mine: list[tuple[int, int]], pinned: m.Pinned,
-               deadline: float) -> tuple[set[int], float, float]:
+    def _quarantine(self, keys: list[BlockKey]) -> None:
+        """Abort the stores of ``keys`` but keep their slots referenced for ``QUARANTINE_S`` (see there)."""
+        leases = list(self.manager.detach_store(keys).values())
+        self.stats.quarantined_slots += len(leases)
+
+        def release() -> None:
+            self.stats.quarantined_slots -= len(leases)
+            self.manager.release(leases)
+
+        asyncio.get_running_loop().call_later(QUARANTINE_S, release)
+
+    def _fetch(self, link: Link, mine: list[tuple[int, int]], pinned: m.Pinned, deadline: float,
+               started: list[bool]) -> tuple[set[int], float, float]:
         """READ ``mine`` ((index in the pin, own slot) pairs) from the peer's slots into this pool, a part of about
         ``PART_BYTES`` at a time, each part checksummed on the verify thread while the next one is read; returns
         the indexes whose bytes match the peer's checksums, the seconds in READs and those verifying after the last
@@ -290,6 +311,9 @@ class PeerReads:
         t1 = time.monotonic()
         try:
             for part in _parts(mine, pinned.nbytes, PART_BYTES):
+                if time.monotonic() >= deadline:  # the peer's pin has ended: its slots may hold other blocks now
+                    raise OSError(f"the peer's pin ended before the read ({len(checks)} parts read)")
+                started.append(True)
                 pairs = [(base + s * g2.slot_bytes, remote.pool_addr + pinned.slots[i] * remote.slot_bytes,
                           pinned.nbytes[i]) for i, s in part]
                 self.agent.read(link.remote_name, pairs, max(0.05, deadline - time.monotonic()))

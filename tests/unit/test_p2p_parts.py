@@ -105,3 +105,51 @@ def test_prefault_maps_a_shared_pool_changing_no_byte(tmp_path):
         assert ok or kernel < (5, 14)  # MADV_POPULATE_WRITE is 5.14's
         assert bytes(view[:256]) == bytes(range(256)) and bytes(view[-256:]) == bytes(range(256))
         del view
+
+
+def test_a_read_that_failed_after_its_first_read_was_posted_holds_its_own_slots_back(monkeypatch):
+    """A READ that timed out or failed may still land (NIXL need not stop a posted GET when its handle goes): its own
+    slots stay referenced, out of reuse, for QUARANTINE_S; a read that failed before posting any READ frees them."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from kvbm.daemon import peer_reads as pr
+    from kvbm.manager import BlockManager
+    from kvbm.tiers.host import HostTier
+
+    mib = 1 << 20
+    monkeypatch.setattr(pr, "QUARANTINE_S", 0.3, raising=False)
+
+    class Agent:
+        pool_addr = 0
+
+        def read(self, *_a: object) -> None:
+            raise OSError("NIXL READ did not finish")
+
+    g2 = HostTier(8 * mib, mib)
+    mgr = BlockManager([g2])
+    reads = pr.PeerReads(load_config(None).fleet, mgr, lambda: [], "b")
+    reads.agent = Agent()  # type: ignore[assignment]
+    link = SimpleNamespace(remote=SimpleNamespace(pool_addr=0, slot_bytes=mib), remote_name="a")
+    peer = SimpleNamespace(endpoint="tcp://a", stats=SimpleNamespace(node_id="a"), hello=None)
+    pinned = p2p.Pinned(lease=1, slots=[0, 1], nbytes=[mib, mib], checksums=[0, 0], lease_ms=2000)
+    ks = [BlockKey("ns-0000000000000000", bytes([i]) * 16) for i in range(2)]
+
+    async def go() -> None:
+        await mgr.start(index=False)
+        free = g2.free_slots()
+        assert await reads._copy(peer, link, ks, pinned, time.monotonic() + 2) == 0  # type: ignore[arg-type]
+        assert reads.stats.failed == 1 and reads.stats.reading_slots == 0
+        assert g2.detached_slots() == 2 and g2.free_slots() == free - 2  # out of reuse
+        assert reads.stats.quarantined_slots == 2
+        assert not mgr.registry.holds("G2", ks[0])  # aborted: never a block
+        await asyncio.sleep(0.5)
+        assert reads.stats.quarantined_slots == 0 and g2.detached_slots() == 0 and g2.free_slots() == free
+        # The pin already over: no READ posted, the slots are free at once.
+        assert await reads._copy(peer, link, ks, pinned, time.monotonic() - 1) == 0  # type: ignore[arg-type]
+        assert reads.stats.failed == 2 and reads.stats.quarantined_slots == 0 and g2.free_slots() == free
+        reads.close()
+        await mgr.close()
+
+    asyncio.run(go())
