@@ -178,7 +178,7 @@ class Daemon:
             self.service.drop_worker(w, "shutdown", quarantine=False)
         for sub in self._subs:
             sub.close()
-        self.fleet_member.close()
+        await self.fleet_member.close()
         if self._metrics is not None:
             await self._metrics.close()
         self.transport.close()

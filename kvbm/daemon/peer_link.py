@@ -46,6 +46,8 @@ class Link:
         self._reader: asyncio.Task[None] | None = None
         self._drops: set[asyncio.Task[None]] = set()
         self.lock = asyncio.Lock()  # one Connect at a time
+        self.users = 0  # reads using it now: a link dropped (failed, the peer gone) is closed by its last one
+        self.dropped = False
 
     async def request(self, msg: msgspec.Struct, timeout_s: float) -> Any:
         if self._reader is None:
@@ -93,8 +95,8 @@ class Link:
     async def _drop(self, lease: int, timeout_s: float) -> None:
         try:
             await self.request(m.Unpin(lease=lease), timeout_s)
-        except (OSError, KvbmError):
-            pass
+        except (OSError, KvbmError, zmq.ZMQError):
+            pass  # the link closed under it (a failed or departed peer): the pin ends at its lease
 
     def close(self) -> None:
         if self._reader is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +50,7 @@ PART_BYTES = 32 << 20
 # runs) stay referenced this long before reuse: NIXL may not stop a one-sided GET already posted when its handle is
 # released, and its bytes landing in a slot another block then holds would be wrong bytes no one checks.
 QUARANTINE_S = 30.0
+CLOSE_WAIT_S = 5.0  # past a read's pin deadline, the longest a close waits for its thread to leave NIXL
 
 
 class ReadStats(msgspec.Struct):
@@ -93,6 +95,9 @@ class PeerReads:
         self._owner: dict[asyncio.Task[int], str] = {}  # a read in flight -> its peer's endpoint
         self._cooldown: dict[str, float] = {}  # peer endpoint -> when it may be asked again after a failure
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kvbm-p2p-verify")
+        self._removals: set[asyncio.Task[None]] = set()
+        self._fetching = 0  # read threads in NIXL now (close waits for them before the agent goes)
+        self._fetching_lock = threading.Lock()
 
     def start(self, ctx: zmq.asyncio.Context, agent: PeerAgent, token: str,
               curve: Callable[[PeerFollower], tuple[str, str, str] | None]) -> None:
@@ -194,18 +199,46 @@ class PeerReads:
         return link
 
     def _forget(self, endpoint: str) -> None:
+        """Drop ``endpoint``'s link: later reads connect afresh; it is closed (its NIXL remote removed) once the
+        reads still using it end, never under a READ in flight on another thread."""
         link = self._links.pop(endpoint, None)
         if link is not None:
-            if link.remote_name and self.agent is not None:
-                self.agent.remove_remote(link.remote_name)
-            link.close()
+            link.dropped = True
+            if not link.users:
+                self._close_link(link)
+
+    def _close_link(self, link: Link) -> None:
+        if link.remote_name and self.agent is not None:
+            name, agent = link.remote_name, self.agent
+            link.remote_name = ""
+            task = asyncio.ensure_future(asyncio.to_thread(agent.remove_remote, name))  # it may block: a thread
+            self._removals.add(task)
+            task.add_done_callback(self._removals.discard)
+        link.close()
+
+    def forget_peer(self, endpoint: str) -> None:
+        """A peer left the fleet: its link, cooldown and stall counts go (a departed peer is never asked again)."""
+        self._forget(endpoint)
+        self._cooldown.pop(endpoint, None)
 
     async def _read(self, peer: PeerFollower, keys: list[BlockKey]) -> int:
         """Read ``keys`` from ``peer`` into G2; returns blocks committed. Never leaves a slot reserved."""
         self.stats.reads += 1
         t0 = time.monotonic()
+        held: list[Link] = []  # the link this read uses, once it has one
+        try:
+            return await self._pin_and_copy(peer, keys, t0, held)
+        finally:
+            for link in held:
+                link.users -= 1
+                if link.dropped and not link.users:
+                    self._close_link(link)
+
+    async def _pin_and_copy(self, peer: PeerFollower, keys: list[BlockKey], t0: float, held: list[Link]) -> int:
         try:
             link = await self._link(peer)
+            link.users += 1
+            held.append(link)
             pinned: m.Pinned = await link.request(m.Pin(namespace=keys[0].namespace, hashes=[k.hash for k in keys]),
                                                   self.fc.peer_read_lease_ms / 1000)
         except PeerRefused as e:
@@ -309,6 +342,8 @@ class PeerReads:
         base = self.agent.pool_addr
         checks: list[Future[set[int]]] = []
         t1 = time.monotonic()
+        with self._fetching_lock:
+            self._fetching += 1
         try:
             for part in _parts(mine, pinned.nbytes, PART_BYTES):
                 if time.monotonic() >= deadline:  # the peer's pin has ended: its slots may hold other blocks now
@@ -325,17 +360,27 @@ class PeerReads:
             return good, t2 - t1, time.monotonic() - t2
         finally:
             futures_wait(checks)
+            with self._fetching_lock:
+                self._fetching -= 1
 
     def describe(self) -> dict[str, Any]:
         d = msgspec.structs.asdict(self.stats)
         d["peers"] = self.per_peer
         return d
 
-    def close(self) -> None:
-        for t in set(self._reading.values()):
+    async def close(self) -> None:
+        """Cancel the reads in flight and wait for their threads to leave NIXL (each READ has its pin's deadline),
+        then close the links: the agent and G2 they READ into are closed after this, never under a READ."""
+        tasks = set(self._reading.values())
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        deadline = time.monotonic() + self.fc.peer_read_lease_ms / 1000 + CLOSE_WAIT_S
+        while self._fetching and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         for ep in list(self._links):
             self._forget(ep)
+        await asyncio.gather(*self._removals, return_exceptions=True)
         self._verifier.shutdown(wait=False)
 
 

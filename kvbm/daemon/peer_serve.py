@@ -181,11 +181,11 @@ class PeerReadServer:
         # are capped: neither grows with reconnections. Its old leases still end at their deadline.
         stale = [i for i, a in self._askers.items() if i == ident or a.node_id == msg.node_id]
         stale += list(self._askers)[: max(0, len(self._askers) - len(stale) + 1 - MAX_ASKERS)]
-        for i in stale:
-            old = self._askers.pop(i, None)
-            if old is not None and old.agent_name != name:
-                self.agent.remove_remote(old.agent_name)
+        gone = [old.agent_name for i in stale if (old := self._askers.pop(i, None)) is not None
+                and old.agent_name != name]
         self._askers[ident] = _Asker(msg.node_id, name, admin, namespaces)
+        for old_name in gone:  # NIXL's endpoint teardown may block: a thread, never the loop
+            await asyncio.to_thread(self.agent.remove_remote, old_name)
         self.stats.connects += 1
         logj("p2p.connected", peer=msg.node_id, agent=name, admin=admin)
         g2 = self.g2

@@ -176,6 +176,8 @@ class FleetMember:
             return
         peer, task = got
         self.peers.remove(peer)
+        if self.peer_reads is not None:
+            self.peer_reads.forget_peer(peer.endpoint)
         task.cancel()
         task.add_done_callback(lambda _t: peer.close())  # its sockets close once nothing awaits them
         log.info("fleet: dropped %s at %s", node, peer.endpoint)
@@ -188,11 +190,11 @@ class FleetMember:
             except asyncio.TimeoutError:
                 log.info("fleet: membership not withdrawn in %.0f s; it expires", WITHDRAW_S)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for peer in self.peers:
             peer.close()
         if self.peer_reads is not None:
-            self.peer_reads.close()
+            await self.peer_reads.close()  # its reads' threads out of NIXL before the agent and G2 go
         if self.p2p_server is not None:
             self.p2p_server.close()
         if self._agent is not None:

@@ -149,7 +149,100 @@ def test_a_read_that_failed_after_its_first_read_was_posted_holds_its_own_slots_
         # The pin already over: no READ posted, the slots are free at once.
         assert await reads._copy(peer, link, ks, pinned, time.monotonic() - 1) == 0  # type: ignore[arg-type]
         assert reads.stats.failed == 2 and reads.stats.quarantined_slots == 0 and g2.free_slots() == free
-        reads.close()
+        await reads.close()
+        await mgr.close()
+
+    asyncio.run(go())
+
+
+def test_a_failed_read_leaves_a_shared_link_to_the_read_still_in_nixl_and_close_waits_for_its_thread():
+    """Two reads share a peer's link; one fails (no Pinned): the link is dropped, but its NIXL remote goes only when the
+    other read's thread has left its READ. A close waits for a read's thread still in NIXL before the agent goes."""
+    import asyncio
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from kvbm.daemon import peer_reads as pr
+    from kvbm.manager import BlockManager
+    from kvbm.tiers.host import HostTier
+
+    mib = 1 << 20
+    in_read, go_on = threading.Event(), threading.Event()
+    removed: list[bool] = []  # per remove_remote: was a READ in flight then?
+    reading = [0]
+
+    class Agent:
+        pool_addr = 0
+
+        def read(self, *_a: object) -> None:
+            reading[0] += 1
+            in_read.set()
+            go_on.wait(10)
+            reading[0] -= 1
+
+        def remove_remote(self, _name: str) -> None:
+            removed.append(reading[0] > 0)
+
+    class FakeLink:
+        endpoint, instance, remote_name = "tcp://a-p2p", "i1", "agent-a"
+        remote = SimpleNamespace(pool_addr=0, slot_bytes=mib)
+
+        def __init__(self) -> None:
+            self.users, self.dropped, self.closed, self.asked = 0, False, False, 0
+            self.lock = asyncio.Lock()
+
+        async def request(self, _msg: object, _timeout: float) -> p2p.Pinned:
+            self.asked += 1
+            if self.asked in (2,):
+                raise OSError("no reply within 2 s")
+            return p2p.Pinned(lease=self.asked, slots=[0], nbytes=[mib], checksums=[0], lease_ms=5000)
+
+        def unpin(self, *_a: object) -> None:
+            pass
+
+        def close(self) -> None:
+            self.closed = True
+
+    g2 = HostTier(8 * mib, mib)
+    mgr = BlockManager([g2])
+    reads = pr.PeerReads(load_config(None).fleet, mgr, lambda: [], "b")
+    reads.agent = Agent()  # type: ignore[assignment]
+    reads._ctx = object()  # type: ignore[assignment]
+    hello = SimpleNamespace(instance="i1", endpoint="tcp://a-p2p", node_id="a")
+    peer = SimpleNamespace(endpoint="tcp://a-ev", hello=hello, stats=SimpleNamespace(node_id="a"))
+    ks = [BlockKey("ns-0000000000000000", bytes([i]) * 16) for i in range(3)]
+
+    async def wait_for(ev: threading.Event) -> None:
+        while not ev.is_set():
+            await asyncio.sleep(0.005)
+
+    async def go() -> None:
+        await mgr.start(index=False)
+        link = FakeLink()
+        reads._links[peer.endpoint] = link  # type: ignore[assignment]
+        first = asyncio.ensure_future(reads._read(peer, [ks[0]]))  # type: ignore[arg-type]
+        await wait_for(in_read)
+        assert await reads._read(peer, [ks[1]]) == 0  # type: ignore[arg-type]  # its Pin failed: link dropped
+        assert not link.closed and removed == []  # the first read is still in its READ on this link
+        assert reads.stats.failed == 1 and link.dropped and peer.endpoint not in reads._links
+        go_on.set()
+        await first
+        await asyncio.gather(*reads._removals)
+        assert link.closed and removed == [False]  # closed by its last user, no READ in flight
+        # A close while a read's thread is in NIXL: it returns only after that thread has left.
+        in_read.clear()
+        go_on.clear()
+        again = FakeLink()
+        again.asked = 2
+        reads._links[peer.endpoint] = again  # type: ignore[assignment]
+        third = asyncio.ensure_future(reads._read(peer, [ks[2]]))  # type: ignore[arg-type]
+        reads._reading[ks[2]] = third
+        await wait_for(in_read)
+        threading.Timer(0.3, go_on.set).start()
+        t0 = time.monotonic()
+        await reads.close()
+        assert time.monotonic() - t0 >= 0.25 and reading[0] == 0 and again.closed and removed == [False, False]
         await mgr.close()
 
     asyncio.run(go())
