@@ -18,6 +18,8 @@ from kvbm.manager import policy
 from kvbm.manager.owed import DEFAULT_MAX_OWED, OwedWrites
 from kvbm.manager.state import ManagerState, Move, RealCopies
 
+SHED_KEPT = 65536  # shed blocks remembered for a purge's catch-up (a key and a dict slot each: a few MiB at most)
+
 
 class WriteThrough:
     """Owns the background cascades (``pending``) and the writes owed after an outage (``owed``)."""
@@ -32,6 +34,9 @@ class WriteThrough:
         # Every cascade of each block queued or under way: background ones (from their scheduling), a durable
         # store's and the owed drain's direct ones (from their call). A purge of the tiers above waits for them.
         self._of_key: dict[BlockKey, set[asyncio.Future[bool]]] = {}
+        # Blocks whose background cascade was shed (too many queued), latest last, at most SHED_KEPT: a purge of
+        # the tiers above starts them again first (their only copy would go with it otherwise).
+        self._shed: dict[BlockKey, None] = {}
         self._slots = asyncio.Semaphore(max(1, max_concurrent))
         self.owed = OwedWrites(state, self.cascade, max_blocks=max_owed)
 
@@ -39,12 +44,27 @@ class WriteThrough:
         """Start a background cascade of ``key``; False (shed, counted) when too many are queued."""
         if len(self.pending) >= self.max_pending:
             self.s.stats.shed_offloads += 1
+            self._shed.pop(key, None)
+            self._shed[key] = None
+            if len(self._shed) > SHED_KEPT:
+                del self._shed[next(iter(self._shed))]
             return False
+        self._start(key)
+        return True
+
+    def _start(self, key: BlockKey) -> None:
         task = asyncio.get_running_loop().create_task(self.cascade(key))
         self.pending.add(task)
         self._track(key, task)
         task.add_done_callback(self.pending.discard)
-        return True
+
+    def catch_up(self, keys: Iterable[BlockKey]) -> int:
+        """Start now the background cascades shed earlier of those of ``keys`` (past ``max_pending``: a purge of
+        the tiers above lets them land first); how many started."""
+        shed = [k for k in keys if k in self._shed]
+        for k in shed:
+            self._start(k)
+        return len(shed)
 
     def _track(self, key: BlockKey, fut: asyncio.Future[bool]) -> None:
         self._of_key.setdefault(key, set()).add(fut)
@@ -68,6 +88,7 @@ class WriteThrough:
 
     async def cascade(self, key: BlockKey) -> bool:
         """Copy ``key`` to every lower tier that lacks it; True if it ends on a persistent tier."""
+        self._shed.pop(key, None)  # written down now (or tried): no longer owed a catch-up
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._track(key, done)  # seen by a purge from its call on, while it waits for a slot too
         try:

@@ -86,7 +86,8 @@ class BlockManager:
         self.leases = ReadLeases(self.state, lambda keys, tier, stopped: self.onboard(keys, to=tier, stopped=stopped))
         self.supersedes = Supersedes(self.state, self.moves.in_flight)  # partial blocks a full one covers
         # An Evict: the write-throughs in flight into the purged tiers undone, those below them let land first.
-        self.purges = Purges(self.state, self.moves, self.owed_writes, self.write_through.of)
+        self.purges = Purges(self.state, self.moves, self.owed_writes, self.write_through.of,
+                             self.write_through.catch_up)
         self._pools_registered = False
         self.reconciled = Reconciled()  # bucket scopes (a namespace, None: all) reconciled with the disk, bounded
 

@@ -57,25 +57,29 @@ class Purges:
     """The manager's purges: :func:`purge_copies` with its moves and owed writes."""
 
     def __init__(self, state: ManagerState, moves: Moves, owed: OwedWrites,
-                 cascades: Callable[[Iterable[BlockKey]], dict[BlockKey, set[asyncio.Future[bool]]]]) -> None:
+                 cascades: Callable[[Iterable[BlockKey]], dict[BlockKey, set[asyncio.Future[bool]]]],
+                 catch_up: Callable[[Iterable[BlockKey]], int] = lambda _keys: 0) -> None:
         self.s = state
         self.moves = moves
         self.owed = owed
         self.cascades = cascades  # the write-throughs of some blocks, queued or under way
+        self.catch_up = catch_up  # starts again the write-throughs of some blocks that were shed
         self.wait_s = PURGE_WAIT_S
 
     async def settle(self, keys: Sequence[BlockKey], tiers: Sequence[str], *, gone: bool = False) -> set[BlockKey]:
         """Before a purge of ``keys`` from ``tiers`` that leaves another tier: of those no tier it leaves holds yet,
         wait (at most ``wait_s``) for the write-throughs queued or under way (background, a durable store's, the
-        owed drain's), so the copies they make below are kept. Returns the keys the purge must skip, their only
-        copies still on their way down: a write-through still under way after the wait, or a write owed to a tier
-        it leaves (failed in an outage: the drain pays it once that tier is back). Not for ``gone`` (the blocks
-        were deleted from the lower tiers already: a write-through now would only put them back)."""
+        owed drain's, and those shed in a burst, started again now), so the copies they make below are kept.
+        Returns the keys the purge must skip, their only copies still on their way down: a write-through still
+        under way after the wait, or a write owed to a tier it leaves (failed in an outage: the drain pays it once
+        that tier is back). Not for ``gone`` (the blocks were deleted from the lower tiers already: a write-through
+        now would only put them back)."""
         left = [t.name for t in self.s.tiers if t.name not in tiers]
         if gone or not left:
             return set()
         reg = self.s.registry
         alone = [k for k in keys if not any(reg.holds(t, k) for t in left)]
+        self.catch_up(alone)  # a write-through shed in a burst: started now, waited for as the others
         pending = self.cascades(alone)
         if pending:
             await asyncio.wait({f for fs in pending.values() for f in fs}, timeout=self.wait_s)

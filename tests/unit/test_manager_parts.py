@@ -205,3 +205,39 @@ def test_a_purge_of_g2_sees_a_durable_stores_direct_write_through_and_skips_a_bl
         await g2.close()
 
     asyncio.run(go())
+
+
+def test_a_purge_of_g2_starts_again_the_write_through_a_burst_shed_and_lets_it_land(tmp_path):
+    """A background cascade shed past ``max_pending`` left the block in G2 alone, never owed: an Evict of G2 deleted
+    its only copy. The purge starts it again first and waits for it as for the others."""
+    from kvbm.manager.purges import Purges
+
+    g2, g3 = HostTier(4 * SLOT, SLOT), disk(tmp_path, 4)
+    s = state_of(g2, g3)
+    for i in (1, 2):
+        s.registry.add("G2", key(i), SLOT)
+
+    async def go() -> None:
+        await g3.start()
+        release = asyncio.Event()
+
+        async def move(k: BlockKey, dst: str) -> bool:
+            await (release.wait() if k == key(1) else asyncio.sleep(0.01))
+            s.registry.add(dst, k, SLOT)
+            return True
+
+        wt = WriteThrough(s, move, trusted, max_pending=1, max_concurrent=4)
+        purges = Purges(s, None, wt.owed, wt.of, wt.catch_up)  # type: ignore[arg-type]  # settle needs no moves
+        purges.wait_s = 0.3
+        assert wt.schedule(key(1)) and not wt.schedule(key(2))  # the second is shed: one queued at most
+        assert s.stats.shed_offloads == 1 and not s.registry.holds("G3", key(2))
+        assert await purges.settle([key(2)], ["G2"]) == set()
+        assert s.registry.holds("G3", key(2))  # written down before the purge of G2 takes its copy
+        assert wt.catch_up([key(2)]) == 0  # once: no longer shed
+        release.set()
+        await wt.drain()
+        wt.owed.cancel()
+        await g3.close()
+        await g2.close()
+
+    asyncio.run(go())
