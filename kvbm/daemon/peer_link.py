@@ -1,6 +1,6 @@
 """One peer's peer-read socket as the asking side holds it (:mod:`kvbm.daemon.peer_reads`): a DEALER with CURVE
 when the peer has keys, requests matched to replies by id, a late Pinned (the asker gave up waiting) handed back
-at once, and an Unpin the asker does not wait for."""
+at once, and an Unpin the asker does not wait for; and :class:`Links`, the asker's links by peer."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import asyncio
 import errno
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from kvbm.daemon.logs import logj
 from kvbm.errors import KvbmError
 from kvbm.fleet import p2p as m
+from kvbm.fleet.peers import PeerFollower
 
 
 class PeerRefused(KvbmError):
@@ -105,3 +108,76 @@ class Link:
             if not fut.done():
                 fut.cancel()
         self.sock.close(0)
+
+
+class Links:
+    """The asking side's links, by peer (events endpoint): made on first use (Connect: NIXL agent metadata over the
+    peer channel, never the bucket), dropped when a read on it fails or the peer leaves or restarts, and closed
+    (its NIXL remote removed, in a thread) by the last read using it: never under a READ in flight."""
+
+    def __init__(self, lease_s: float, node_id: str) -> None:
+        self.lease_s = lease_s
+        self.node_id = node_id
+        self.agent: Any = None  # the PeerAgent, once started
+        self.token = ""
+        self.ctx: zmq.asyncio.Context | None = None
+        self.curve: Callable[[PeerFollower], tuple[str, str, str] | None] = lambda _p: None
+        self._links: dict[str, Link] = {}
+        self.removals: set[asyncio.Task[None]] = set()
+
+    def start(self, ctx: zmq.asyncio.Context, agent: Any, token: str,
+              curve: Callable[[PeerFollower], tuple[str, str, str] | None]) -> None:
+        self.ctx, self.agent, self.token, self.curve = ctx, agent, token, curve
+
+    async def acquire(self, peer: PeerFollower) -> Link:
+        """``peer``'s link, connected, counted as used until :meth:`release`."""
+        hello = peer.hello
+        assert hello is not None and self.ctx is not None and self.agent is not None
+        link = self._links.get(peer.endpoint)
+        if link is not None and (link.instance != hello.instance or link.endpoint != hello.endpoint):
+            self.forget(peer.endpoint)  # the peer restarted: its agent and pins are gone
+            link = None
+        if link is None:
+            link = self._links[peer.endpoint] = Link(self.ctx, hello.endpoint, hello.instance, self.curve(peer))
+        link.users += 1
+        try:
+            async with link.lock:
+                if link.remote is None:
+                    meta = await asyncio.to_thread(self.agent.metadata)
+                    got: m.Connected = await link.request(
+                        m.Connect(node_id=self.node_id, agent=meta, token=self.token), self.lease_s)
+                    link.remote_name = await asyncio.to_thread(self.agent.add_remote, got.agent)
+                    link.remote = got
+                    logj("p2p.linked", peer=hello.node_id, endpoint=hello.endpoint, agent=got.agent_name)
+        except BaseException:
+            self.release(link)
+            raise
+        return link
+
+    def release(self, link: Link) -> None:
+        link.users -= 1
+        if link.dropped and not link.users:
+            self._close(link)
+
+    def forget(self, endpoint: str) -> None:
+        """Drop ``endpoint``'s link: later reads connect afresh; closed once the reads still using it end."""
+        link = self._links.pop(endpoint, None)
+        if link is not None:
+            link.dropped = True
+            if not link.users:
+                self._close(link)
+
+    def _close(self, link: Link) -> None:
+        if link.remote_name and self.agent is not None:
+            name, agent = link.remote_name, self.agent
+            link.remote_name = ""
+            task = asyncio.ensure_future(asyncio.to_thread(agent.remove_remote, name))  # it may block: a thread
+            self.removals.add(task)
+            task.add_done_callback(self.removals.discard)
+        link.close()
+
+    async def close(self) -> None:
+        """Every link (the reads using them ended first: :meth:`PeerReads.close`)."""
+        for ep in list(self._links):
+            self.forget(ep)
+        await asyncio.gather(*self.removals, return_exceptions=True)

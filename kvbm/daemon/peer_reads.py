@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -29,8 +26,8 @@ import zmq.asyncio
 from kvbm.blocks import BlockKey
 from kvbm.config.fleet import FleetConfig
 from kvbm.daemon.logs import logj
-from kvbm.daemon.peer_link import Link, PeerRefused
-from kvbm.daemon.peer_sums import slot_checksum
+from kvbm.daemon.peer_fetch import Fetcher
+from kvbm.daemon.peer_link import Link, Links, PeerRefused
 from kvbm.errors import KvbmError
 from kvbm.fleet import p2p as m
 from kvbm.fleet.peers import PeerFollower
@@ -43,9 +40,6 @@ from kvbm.transfer.peer import PeerAgent
 log = logging.getLogger(__name__)
 COOLDOWN_S = 1.0  # a peer whose read failed (no reply, no connection) is not asked again for this long
 LOCAL_ENOUGH = frozenset({TierName.G1, TierName.G2, TierName.G3})  # held here: no reason to ask a peer
-# A read goes in parts of this many bytes, each checksummed while the next is read: the asker's checksum (about
-# a fifth of a read's time on one core) hides behind the READ but for the last part.
-PART_BYTES = 32 << 20
 # Own slots a READ may still be writing into when it failed (a timeout, a transfer error, a cancel while its thread
 # runs) stay referenced this long before reuse: NIXL may not stop a one-sided GET already posted when its handle is
 # released, and its bytes landing in a slot another block then holds would be wrong bytes no one checks.
@@ -84,24 +78,25 @@ class PeerReads:
         # Told the blocks committed after a read, with the checksums they were verified against (peer_sums).
         self.verified: Callable[[list[tuple[BlockKey, int, int]]], None] | None = None
         self.per_peer: dict[str, dict[str, int]] = {}  # node (or endpoint) -> blocks, bytes, refused, failed
-        self.agent: PeerAgent | None = None
-        self.token = ""
-        self._ctx: zmq.asyncio.Context | None = None
-        self._curve: Callable[[PeerFollower], tuple[str, str, str] | None] = lambda _p: None
-        self._links: dict[str, Link] = {}
+        self.links = Links(fc.peer_read_lease_ms / 1000, node_id)
         self._reading: dict[BlockKey, asyncio.Task[int]] = {}
         self._stalled: dict[str, int] = {}  # peer endpoint -> its reads still running past a lookup's budget
         self._late: set[asyncio.Task[int]] = set()
         self._owner: dict[asyncio.Task[int], str] = {}  # a read in flight -> its peer's endpoint
         self._cooldown: dict[str, float] = {}  # peer endpoint -> when it may be asked again after a failure
-        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kvbm-p2p-verify")
-        self._removals: set[asyncio.Task[None]] = set()
-        self._fetching = 0  # read threads in NIXL now (close waits for them before the agent goes)
-        self._fetching_lock = threading.Lock()
+        self.fetcher = Fetcher()
 
     def start(self, ctx: zmq.asyncio.Context, agent: PeerAgent, token: str,
               curve: Callable[[PeerFollower], tuple[str, str, str] | None]) -> None:
-        self._ctx, self.agent, self.token, self._curve = ctx, agent, token, curve
+        self.links.start(ctx, agent, token, curve)
+
+    @property
+    def agent(self) -> PeerAgent | None:
+        return self.links.agent
+
+    @agent.setter
+    def agent(self, agent: PeerAgent | None) -> None:
+        self.links.agent = agent
 
     @property
     def g2(self) -> SlotPoolTier:
@@ -179,46 +174,9 @@ class PeerReads:
                                             "checksum_failures": 0})
         c[field] += n
 
-    async def _link(self, peer: PeerFollower) -> Link:
-        hello = peer.hello
-        assert hello is not None and self._ctx is not None and self.agent is not None
-        link = self._links.get(peer.endpoint)
-        if link is not None and (link.instance != hello.instance or link.endpoint != hello.endpoint):
-            self._forget(peer.endpoint)  # the peer restarted: its agent and pins are gone
-            link = None
-        if link is None:
-            link = self._links[peer.endpoint] = Link(self._ctx, hello.endpoint, hello.instance, self._curve(peer))
-        async with link.lock:
-            if link.remote is None:
-                meta = await asyncio.to_thread(self.agent.metadata)
-                got: m.Connected = await link.request(
-                    m.Connect(node_id=self.node_id, agent=meta, token=self.token), self.fc.peer_read_lease_ms / 1000)
-                link.remote_name = await asyncio.to_thread(self.agent.add_remote, got.agent)
-                link.remote = got
-                logj("p2p.linked", peer=hello.node_id, endpoint=hello.endpoint, agent=got.agent_name)
-        return link
-
-    def _forget(self, endpoint: str) -> None:
-        """Drop ``endpoint``'s link: later reads connect afresh; it is closed (its NIXL remote removed) once the
-        reads still using it end, never under a READ in flight on another thread."""
-        link = self._links.pop(endpoint, None)
-        if link is not None:
-            link.dropped = True
-            if not link.users:
-                self._close_link(link)
-
-    def _close_link(self, link: Link) -> None:
-        if link.remote_name and self.agent is not None:
-            name, agent = link.remote_name, self.agent
-            link.remote_name = ""
-            task = asyncio.ensure_future(asyncio.to_thread(agent.remove_remote, name))  # it may block: a thread
-            self._removals.add(task)
-            task.add_done_callback(self._removals.discard)
-        link.close()
-
     def forget_peer(self, endpoint: str) -> None:
-        """A peer left the fleet: its link, cooldown and stall counts go (a departed peer is never asked again)."""
-        self._forget(endpoint)
+        """A peer left the fleet: its link and cooldown go (a departed peer is never asked again)."""
+        self.links.forget(endpoint)
         self._cooldown.pop(endpoint, None)
 
     async def _read(self, peer: PeerFollower, keys: list[BlockKey]) -> int:
@@ -230,14 +188,11 @@ class PeerReads:
             return await self._pin_and_copy(peer, keys, t0, held)
         finally:
             for link in held:
-                link.users -= 1
-                if link.dropped and not link.users:
-                    self._close_link(link)
+                self.links.release(link)
 
     async def _pin_and_copy(self, peer: PeerFollower, keys: list[BlockKey], t0: float, held: list[Link]) -> int:
         try:
-            link = await self._link(peer)
-            link.users += 1
+            link = await self.links.acquire(peer)
             held.append(link)
             pinned: m.Pinned = await link.request(m.Pin(namespace=keys[0].namespace, hashes=[k.hash for k in keys]),
                                                   self.fc.peer_read_lease_ms / 1000)
@@ -249,7 +204,7 @@ class PeerReads:
         except OSError as e:
             self.stats.failed += 1
             self._count(peer, "failed")
-            self._forget(peer.endpoint)  # a later read connects afresh (the peer may come back another process)
+            self.links.forget(peer.endpoint)  # a later read connects afresh (the peer may come back another process)
             self._cooldown[peer.endpoint] = time.monotonic() + COOLDOWN_S
             logj("p2p.read_failed", level=logging.WARNING, peer=peer.endpoint, why=str(e))
             return 0
@@ -282,8 +237,10 @@ class PeerReads:
                         prepared.append(keys[i])
             self.stats.reading_slots += len(prepared)
             self.stats.prepare_seconds += time.monotonic() - t0
-            good, read_s, verify_s = await asyncio.to_thread(self._fetch, link, sorted(mine.items()), pinned,
-                                                             deadline, started)
+            assert self.agent is not None and link.remote is not None
+            good, read_s, verify_s = await asyncio.to_thread(
+                self.fetcher.fetch, self.agent, link.remote_name, link.remote, self.g2, sorted(mine.items()), pinned,
+                deadline, started)
             self.stats.read_seconds += read_s
             self.stats.verify_seconds += verify_s
         except BaseException as e:
@@ -330,39 +287,6 @@ class PeerReads:
 
         asyncio.get_running_loop().call_later(QUARANTINE_S, release)
 
-    def _fetch(self, link: Link, mine: list[tuple[int, int]], pinned: m.Pinned, deadline: float,
-               started: list[bool]) -> tuple[set[int], float, float]:
-        """READ ``mine`` ((index in the pin, own slot) pairs) from the peer's slots into this pool, a part of about
-        ``PART_BYTES`` at a time, each part checksummed on the verify thread while the next one is read; returns
-        the indexes whose bytes match the peer's checksums, the seconds in READs and those verifying after the last
-        READ. A thread: it blocks. Every part it started hashing is
-        done when it returns or raises (the slots are given back after that)."""
-        assert self.agent is not None and link.remote is not None
-        g2, remote = self.g2, link.remote
-        base = self.agent.pool_addr
-        checks: list[Future[set[int]]] = []
-        t1 = time.monotonic()
-        with self._fetching_lock:
-            self._fetching += 1
-        try:
-            for part in _parts(mine, pinned.nbytes, PART_BYTES):
-                if time.monotonic() >= deadline:  # the peer's pin has ended: its slots may hold other blocks now
-                    raise OSError(f"the peer's pin ended before the read ({len(checks)} parts read)")
-                started.append(True)
-                pairs = [(base + s * g2.slot_bytes, remote.pool_addr + pinned.slots[i] * remote.slot_bytes,
-                          pinned.nbytes[i]) for i, s in part]
-                self.agent.read(link.remote_name, pairs, max(0.05, deadline - time.monotonic()))
-                checks.append(self._verifier.submit(_verify, g2, part, pinned))
-            t2 = time.monotonic()
-            good: set[int] = set()
-            for c in checks:
-                good |= c.result()
-            return good, t2 - t1, time.monotonic() - t2
-        finally:
-            futures_wait(checks)
-            with self._fetching_lock:
-                self._fetching -= 1
-
     def describe(self) -> dict[str, Any]:
         d = msgspec.structs.asdict(self.stats)
         d["peers"] = self.per_peer
@@ -376,31 +300,10 @@ class PeerReads:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         deadline = time.monotonic() + self.fc.peer_read_lease_ms / 1000 + CLOSE_WAIT_S
-        while self._fetching and time.monotonic() < deadline:
+        while self.fetcher.busy and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        for ep in list(self._links):
-            self._forget(ep)
-        await asyncio.gather(*self._removals, return_exceptions=True)
-        self._verifier.shutdown(wait=False)
-
-
-def _verify(g2: SlotPoolTier, part: list[tuple[int, int]], pinned: m.Pinned) -> set[int]:
-    """The indexes of ``part`` ((index in the pin, own slot) pairs) whose bytes match the peer's xxh3-64."""
-    return {i for i, s in part if slot_checksum(g2, s, pinned.nbytes[i]) == pinned.checksums[i]}
-
-
-def _parts(mine: list[tuple[int, int]], nbytes: Sequence[int], size: int) -> Iterator[list[tuple[int, int]]]:
-    """``mine`` in consecutive runs of about ``size`` bytes (at least one block each)."""
-    part: list[tuple[int, int]] = []
-    got = 0
-    for item in mine:
-        part.append(item)
-        got += nbytes[item[0]]
-        if got >= size:
-            yield part
-            part, got = [], 0
-    if part:
-        yield part
+        await self.links.close()
+        self.fetcher.shutdown()
 
 
 def read_token(fc: FleetConfig) -> str:

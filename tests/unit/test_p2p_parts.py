@@ -77,7 +77,7 @@ def test_a_pins_namespaces_are_those_of_the_askers_credential():
 
 
 def test_a_read_goes_in_parts_of_about_part_bytes_in_order_every_block_once():
-    from kvbm.daemon.peer_reads import _parts
+    from kvbm.daemon.peer_fetch import parts as _parts
 
     nbytes = [8, 8, 8, 3, 8, 8]
     mine = [(0, 10), (1, 11), (2, 12), (3, 13), (5, 15)]  # block 4 had no slot of its own: not read
@@ -208,7 +208,7 @@ def test_a_failed_read_leaves_a_shared_link_to_the_read_still_in_nixl_and_close_
     mgr = BlockManager([g2])
     reads = pr.PeerReads(load_config(None).fleet, mgr, lambda: [], "b")
     reads.agent = Agent()  # type: ignore[assignment]
-    reads._ctx = object()  # type: ignore[assignment]
+    reads.links.ctx = object()  # type: ignore[assignment]
     hello = SimpleNamespace(instance="i1", endpoint="tcp://a-p2p", node_id="a")
     peer = SimpleNamespace(endpoint="tcp://a-ev", hello=hello, stats=SimpleNamespace(node_id="a"))
     ks = [BlockKey("ns-0000000000000000", bytes([i]) * 16) for i in range(3)]
@@ -220,22 +220,22 @@ def test_a_failed_read_leaves_a_shared_link_to_the_read_still_in_nixl_and_close_
     async def go() -> None:
         await mgr.start(index=False)
         link = FakeLink()
-        reads._links[peer.endpoint] = link  # type: ignore[assignment]
+        reads.links._links[peer.endpoint] = link  # type: ignore[assignment]
         first = asyncio.ensure_future(reads._read(peer, [ks[0]]))  # type: ignore[arg-type]
         await wait_for(in_read)
         assert await reads._read(peer, [ks[1]]) == 0  # type: ignore[arg-type]  # its Pin failed: link dropped
         assert not link.closed and removed == []  # the first read is still in its READ on this link
-        assert reads.stats.failed == 1 and link.dropped and peer.endpoint not in reads._links
+        assert reads.stats.failed == 1 and link.dropped and peer.endpoint not in reads.links._links
         go_on.set()
         await first
-        await asyncio.gather(*reads._removals)
+        await asyncio.gather(*reads.links.removals)
         assert link.closed and removed == [False]  # closed by its last user, no READ in flight
         # A close while a read's thread is in NIXL: it returns only after that thread has left.
         in_read.clear()
         go_on.clear()
         again = FakeLink()
         again.asked = 2
-        reads._links[peer.endpoint] = again  # type: ignore[assignment]
+        reads.links._links[peer.endpoint] = again  # type: ignore[assignment]
         third = asyncio.ensure_future(reads._read(peer, [ks[2]]))  # type: ignore[arg-type]
         reads._reading[ks[2]] = third
         await wait_for(in_read)
