@@ -123,6 +123,10 @@ class Links:
         self.ctx: zmq.asyncio.Context | None = None
         self.curve: Callable[[PeerFollower], tuple[str, str, str] | None] = lambda _p: None
         self._links: dict[str, Link] = {}
+        # Links per NIXL remote name: a peer process has one name, and a dropped link closing late must not remove
+        # the remote a newer link to the same process loaded again (NIXL keeps one entry per name).
+        self._remote_refs: dict[str, int] = {}
+        self._remote_lock = asyncio.Lock()
         self.removals: set[asyncio.Task[None]] = set()
 
     def start(self, ctx: zmq.asyncio.Context, agent: Any, token: str,
@@ -146,7 +150,9 @@ class Links:
                     meta = await asyncio.to_thread(self.agent.metadata)
                     got: m.Connected = await link.request(
                         m.Connect(node_id=self.node_id, agent=meta, token=self.token), self.lease_s)
-                    link.remote_name = await asyncio.to_thread(self.agent.add_remote, got.agent)
+                    async with self._remote_lock:  # never interleaved with a closed link's removal of it
+                        link.remote_name = await asyncio.to_thread(self.agent.add_remote, got.agent)
+                        self._remote_refs[link.remote_name] = self._remote_refs.get(link.remote_name, 0) + 1
                     link.remote = got
                     logj("p2p.linked", peer=hello.node_id, endpoint=hello.endpoint, agent=got.agent_name)
         except BaseException:
@@ -168,13 +174,21 @@ class Links:
                 self._close(link)
 
     def _close(self, link: Link) -> None:
-        if link.remote_name and self.agent is not None:
-            name, agent = link.remote_name, self.agent
-            link.remote_name = ""
-            task = asyncio.ensure_future(asyncio.to_thread(agent.remove_remote, name))  # it may block: a thread
+        name, link.remote_name = link.remote_name, ""
+        if name:
+            self._remote_refs[name] = self._remote_refs.get(name, 1) - 1
+            task = asyncio.ensure_future(self._remove(name))
             self.removals.add(task)
             task.add_done_callback(self.removals.discard)
         link.close()
+
+    async def _remove(self, name: str) -> None:
+        """Remove remote ``name`` unless a link still uses it (or loaded it again meanwhile)."""
+        async with self._remote_lock:
+            if self._remote_refs.get(name, 0) > 0 or self.agent is None:
+                return
+            self._remote_refs.pop(name, None)
+            await asyncio.to_thread(self.agent.remove_remote, name)  # NIXL's endpoint teardown may block
 
     async def close(self) -> None:
         """Every link (the reads using them ended first: :meth:`PeerReads.close`)."""

@@ -42,7 +42,9 @@ COOLDOWN_S = 1.0  # a peer whose read failed (no reply, no connection) is not as
 LOCAL_ENOUGH = frozenset({TierName.G1, TierName.G2, TierName.G3})  # held here: no reason to ask a peer
 # Own slots a READ may still be writing into when it failed (a timeout, a transfer error, a cancel while its thread
 # runs) stay referenced this long before reuse: NIXL may not stop a one-sided GET already posted when its handle is
-# released, and its bytes landing in a slot another block then holds would be wrong bytes no one checks.
+# released, and its bytes landing in a slot another block then holds would be wrong bytes no one checks. (Its READs
+# end by the pin's deadline, far sooner.) A peer whose READ failed is not asked for COOLDOWN_S, and no read starts
+# while a quarter of G2 is held back so.
 QUARANTINE_S = 30.0
 CLOSE_WAIT_S = 5.0  # past a read's pin deadline, the longest a close waits for its thread to leave NIXL
 
@@ -116,6 +118,8 @@ class PeerReads:
         first = BlockKey(namespace, hashes[start])
         task = self._reading.get(first)
         if task is None:
+            if self.stats.quarantined_slots >= max(1, self.g2.num_slots // 4):
+                return tiers  # failed READs hold a quarter of G2 back already: the bucket until they are released
             now = time.monotonic()
             peer = next((pf for pf in self._peers() if pf.hello is not None and pf.stats.connected
                          and not self._stalled.get(pf.endpoint) and self._cooldown.get(pf.endpoint, 0.0) <= now
@@ -244,7 +248,8 @@ class PeerReads:
             self.stats.read_seconds += read_s
             self.stats.verify_seconds += verify_s
         except BaseException as e:
-            if started:  # a READ may still land in these slots: held back from reuse for a while
+            # A READ may still land in these slots (posted; or, cancelled, its thread runs on): held back a while.
+            if started or isinstance(e, asyncio.CancelledError):
                 self._quarantine(prepared)
             else:
                 self.manager.complete_store(prepared, ok=False)
@@ -252,6 +257,10 @@ class PeerReads:
             if isinstance(e, (OSError, KvbmError)):
                 self.stats.failed += 1
                 self._count(peer, "failed")
+                # Not asked again for a while (each failed READ holds slots back), and linked afresh after that.
+                self._cooldown[peer.endpoint] = time.monotonic() + COOLDOWN_S
+                if started:
+                    self.links.forget(peer.endpoint)
                 logj("p2p.read_failed", level=logging.WARNING, peer=peer.endpoint, why=str(e))
                 return 0
             raise

@@ -10,7 +10,7 @@ whose stale shared-tier entry could not be re-checked (its HEAD failed).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from kvbm.blocks import BlockKey
 from kvbm.errors import TierUnavailableError
@@ -86,11 +86,30 @@ class WriteThrough:
         while self.pending:
             await asyncio.gather(*list(self.pending), return_exceptions=True)
 
-    async def cascade(self, key: BlockKey) -> bool:
+    def tracked(self, key: BlockKey) -> asyncio.Future[bool]:
+        """A future a purge sees as ``key``'s cascade from now on: hand it to :meth:`cascade`, which resolves it
+        (a caller that awaits something before cascading makes it first, so no purge slips in between)."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._track(key, done)
+        return done
+
+    async def durably(self, keys: Sequence[BlockKey], first: Callable[[], Awaitable[None]]) -> int:
+        """Cascade ``keys`` now and wait for them; how many end on a persistent tier. ``first`` runs before, once
+        the blocks are seen by a purge as being written down (so none slips in while it awaits)."""
+        dones = [self.tracked(k) for k in keys]
+        try:
+            await first()
+            return sum(await asyncio.gather(*(self.cascade(k, d) for k, d in zip(keys, dones, strict=True))))
+        finally:
+            for d in dones:
+                if not d.done():
+                    d.set_result(False)
+
+    async def cascade(self, key: BlockKey, done: asyncio.Future[bool] | None = None) -> bool:
         """Copy ``key`` to every lower tier that lacks it; True if it ends on a persistent tier."""
         self._shed.pop(key, None)  # written down now (or tried): no longer owed a catch-up
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._track(key, done)  # seen by a purge from its call on, while it waits for a slot too
+        if done is None:
+            done = self.tracked(key)  # seen by a purge from its call on, while it waits for a slot too
         try:
             async with self._slots:
                 ok = await self._cascade_now(key)

@@ -199,11 +199,12 @@ class BlockManager:
         self.stats.offloads += 1
         self.stats.offload_blocks += len(keys)
         if durable:
-            for tier in self.tiers:  # stale shared-tier entries re-checked in one batch, not one HEAD per cascade
-                if tier.kind == "s3":
-                    await self.index.real_copies(tier.name, keys)
-            results = await asyncio.gather(*(self.write_through.cascade(k) for k in keys))
-            return sum(results)
+            async def recheck() -> None:  # stale shared-tier entries re-checked in one batch, not one HEAD each
+                for tier in self.tiers:
+                    if tier.kind == "s3":
+                        await self.index.real_copies(tier.name, keys)
+
+            return await self.write_through.durably(keys, recheck)
         started = 0
         for key in keys:
             started += self.write_through.schedule(key)

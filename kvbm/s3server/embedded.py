@@ -151,6 +151,8 @@ class EmbeddedS3:
         deadline = time.monotonic() + timeout_s
         client = s3_client(self.endpoint, self.access_key, self.secret_key, timeout=3.0)
         last = "no answer yet"
+        # Launched here: this start's part of the log; reused or adopted: from now (not a refusal logged days ago).
+        log_from = self._log_from if self._proc is not None else _size(self.log_path)
         try:
             while True:
                 if self._proc is not None and self._proc.poll() is not None:
@@ -161,7 +163,7 @@ class EmbeddedS3:
                 ok, last = probe_put(client, self.bucket)
                 if ok:
                     return
-                refusal = disk_refusal(self.log_path, self._log_from)
+                refusal = disk_refusal(self.log_path, log_from)
                 if refusal:  # it would refuse until the deadline: say why now
                     raise TierUnavailableError(f"{refusal} (log {self.log_path})")
                 if time.monotonic() > deadline:
@@ -268,3 +270,10 @@ class EmbeddedS3:
             with contextlib.suppress(Exception):
                 terminate(proc.pid, 0.0, proc)
 
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -9,6 +9,7 @@ call blocks (run it in a thread); the agent is in strict thread-sync mode, so th
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import secrets
 import threading
@@ -99,8 +100,11 @@ class PeerAgent:
         local = [(la, n, 0) for la, _ra, n in pairs]
         far = [(ra, n, 0) for _la, ra, n in pairs]
         with self._lock:
-            handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
-                                                 self._agent.get_xfer_descs(far, "DRAM"), remote)
+            try:
+                handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
+                                                     self._agent.get_xfer_descs(far, "DRAM"), remote)
+            except Exception as e:  # NIXL's own errors (a remote not loaded, a bad descriptor): a failed read
+                raise OSError(errno.EIO, f"peer READ from {remote} could not start: {e}") from e
         wait_xfer(self._agent, handle, f"peer READ of {len(pairs)} blocks from {remote}", timeout_s)
 
     def close(self) -> None:

@@ -143,6 +143,7 @@ def test_a_read_that_failed_after_its_first_read_was_posted_holds_its_own_slots_
         assert reads.stats.failed == 1 and reads.stats.reading_slots == 0
         assert g2.detached_slots() == 2 and g2.free_slots() == free - 2  # out of reuse
         assert reads.stats.quarantined_slots == 2
+        assert reads._cooldown[peer.endpoint] > time.monotonic()  # not asked again at once: each try holds slots
         assert not mgr.registry.holds("G2", ks[0])  # aborted: never a block
         await asyncio.sleep(0.5)
         assert reads.stats.quarantined_slots == 0 and g2.detached_slots() == 0 and g2.free_slots() == free
@@ -244,5 +245,31 @@ def test_a_failed_read_leaves_a_shared_link_to_the_read_still_in_nixl_and_close_
         await reads.close()
         assert time.monotonic() - t0 >= 0.25 and reading[0] == 0 and again.closed and removed == [False, False]
         await mgr.close()
+
+    asyncio.run(go())
+
+
+def test_a_dropped_link_closing_late_leaves_the_remote_a_newer_link_to_the_same_peer_loaded():
+    """NIXL keeps one remote per peer process: a link dropped (a failed read) and closed by its last user after a
+    newer link loaded the same remote again must not remove it from under the newer one."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvbm.daemon.peer_link import Links
+
+    removed: list[str] = []
+    links = Links(2.0, "b")
+    links.agent = SimpleNamespace(remove_remote=removed.append)
+    old = SimpleNamespace(remote_name="agent-a", close=lambda: None)
+    new = SimpleNamespace(remote_name="agent-a", close=lambda: None)
+
+    async def go() -> None:
+        links._remote_refs["agent-a"] = 2  # as two acquires that each loaded it leave it
+        links._close(old)  # type: ignore[arg-type]
+        await asyncio.gather(*links.removals)
+        assert removed == []  # the newer link uses it
+        links._close(new)  # type: ignore[arg-type]
+        await asyncio.gather(*links.removals)
+        assert removed == ["agent-a"] and "agent-a" not in links._remote_refs
 
     asyncio.run(go())
