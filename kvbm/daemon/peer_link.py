@@ -51,6 +51,7 @@ class Link:
         self.lock = asyncio.Lock()  # one Connect at a time
         self.users = 0  # reads using it now: a link dropped (failed, the peer gone) is closed by its last one
         self.dropped = False
+        self.shut = False  # closed by Links (once)
 
     async def request(self, msg: msgspec.Struct, timeout_s: float) -> Any:
         if self._reader is None:
@@ -89,11 +90,12 @@ class Link:
             elif isinstance(reply, m.Pinned) and reply.lease:
                 self.unpin(reply.lease)  # a pin answered after we gave up on it (a peer that was stopped)
 
-    def unpin(self, lease: int, timeout_s: float = 5.0) -> None:
+    def unpin(self, lease: int, timeout_s: float = 5.0) -> asyncio.Task[None]:
         """Give a pin back without waiting for the answer (the peer drops it at its lease's end otherwise)."""
         task = asyncio.ensure_future(self._drop(lease, timeout_s))
         self._drops.add(task)
         task.add_done_callback(self._drops.discard)
+        return task
 
     async def _drop(self, lease: int, timeout_s: float) -> None:
         try:
@@ -127,6 +129,7 @@ class Links:
         # the remote a newer link to the same process loaded again (NIXL keeps one entry per name).
         self._remote_refs: dict[str, int] = {}
         self._remote_lock = asyncio.Lock()
+        self._retired: set[Link] = set()  # dropped, still used (a read, an Unpin on its way)
         self.removals: set[asyncio.Task[None]] = set()
 
     def start(self, ctx: zmq.asyncio.Context, agent: Any, token: str,
@@ -160,9 +163,15 @@ class Links:
             raise
         return link
 
+    def unpin(self, link: Link, lease: int, timeout_s: float) -> None:
+        """``link.unpin``, the link kept open (counted as used) until the Unpin is sent and answered or given up:
+        a link dropped meanwhile would otherwise lose it, and the peer hold the pin to its lease's end."""
+        link.users += 1
+        link.unpin(lease, timeout_s).add_done_callback(lambda _t: self.release(link))
+
     def release(self, link: Link) -> None:
         link.users -= 1
-        if link.dropped and not link.users:
+        if link.dropped and link.users <= 0:
             self._close(link)
 
     def forget(self, endpoint: str) -> None:
@@ -170,10 +179,16 @@ class Links:
         link = self._links.pop(endpoint, None)
         if link is not None:
             link.dropped = True
-            if not link.users:
+            if link.users <= 0:
                 self._close(link)
+            else:
+                self._retired.add(link)
 
     def _close(self, link: Link) -> None:
+        if link.shut:
+            return
+        link.shut = True
+        self._retired.discard(link)
         name, link.remote_name = link.remote_name, ""
         if name:
             self._remote_refs[name] = self._remote_refs.get(name, 1) - 1
@@ -194,4 +209,6 @@ class Links:
         """Every link (the reads using them ended first: :meth:`PeerReads.close`)."""
         for ep in list(self._links):
             self.forget(ep)
+        for link in list(self._retired):  # only Unpins on their way use them now: the peers' leases end them
+            self._close(link)
         await asyncio.gather(*self.removals, return_exceptions=True)

@@ -82,6 +82,7 @@ class PeerReads:
         self.per_peer: dict[str, dict[str, int]] = {}  # node (or endpoint) -> blocks, bytes, refused, failed
         self.links = Links(fc.peer_read_lease_ms / 1000, node_id)
         self._reading: dict[BlockKey, asyncio.Task[int]] = {}
+        self._tasks: set[asyncio.Task[int]] = set()
         self._stalled: dict[str, int] = {}  # peer endpoint -> its reads still running past a lookup's budget
         self._late: set[asyncio.Task[int]] = set()
         self._owner: dict[asyncio.Task[int], str] = {}  # a read in flight -> its peer's endpoint
@@ -136,6 +137,8 @@ class PeerReads:
             self._owner[task] = peer.endpoint
             for k in keys:
                 self._reading[k] = task
+            self._tasks.add(task)  # every read, for close (another read may take over some of its keys above)
+            task.add_done_callback(self._tasks.discard)
             task.add_done_callback(lambda _t, ks=keys: self._done(ks, _t))
         if task in self._late:  # already past another lookup's budget: do not wait for it again
             self.stats.late += 1
@@ -220,7 +223,7 @@ class PeerReads:
             return await self._copy(peer, link, keys[: len(pinned.slots)], pinned, deadline)
         finally:
             if pinned.lease:  # not waited for: the lookup has its blocks (the pin expires on its own otherwise)
-                link.unpin(pinned.lease, max(0.5, self.fc.peer_read_lease_ms / 1000))
+                self.links.unpin(link, pinned.lease, max(0.5, self.fc.peer_read_lease_ms / 1000))
 
     async def _copy(self, peer: PeerFollower, link: Link, keys: list[BlockKey], pinned: m.Pinned,
                     deadline: float) -> int:
@@ -304,7 +307,7 @@ class PeerReads:
     async def close(self) -> None:
         """Cancel the reads in flight and wait for their threads to leave NIXL (each READ has its pin's deadline),
         then close the links: the agent and G2 they READ into are closed after this, never under a READ."""
-        tasks = set(self._reading.values())
+        tasks = set(self._tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

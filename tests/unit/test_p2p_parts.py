@@ -190,7 +190,7 @@ def test_a_failed_read_leaves_a_shared_link_to_the_read_still_in_nixl_and_close_
         remote = SimpleNamespace(pool_addr=0, slot_bytes=mib)
 
         def __init__(self) -> None:
-            self.users, self.dropped, self.closed, self.asked = 0, False, False, 0
+            self.users, self.dropped, self.closed, self.asked, self.shut = 0, False, False, 0, False
             self.lock = asyncio.Lock()
 
         async def request(self, _msg: object, _timeout: float) -> p2p.Pinned:
@@ -199,8 +199,8 @@ def test_a_failed_read_leaves_a_shared_link_to_the_read_still_in_nixl_and_close_
                 raise OSError("no reply within 2 s")
             return p2p.Pinned(lease=self.asked, slots=[0], nbytes=[mib], checksums=[0], lease_ms=5000)
 
-        def unpin(self, *_a: object) -> None:
-            pass
+        def unpin(self, *_a: object) -> asyncio.Future[None]:
+            return asyncio.ensure_future(asyncio.sleep(0))
 
         def close(self) -> None:
             self.closed = True
@@ -229,6 +229,7 @@ def test_a_failed_read_leaves_a_shared_link_to_the_read_still_in_nixl_and_close_
         assert reads.stats.failed == 1 and link.dropped and peer.endpoint not in reads.links._links
         go_on.set()
         await first
+        await asyncio.sleep(0.05)  # its Unpin on the way (the link kept open for it)
         await asyncio.gather(*reads.links.removals)
         assert link.closed and removed == [False]  # closed by its last user, no READ in flight
         # A close while a read's thread is in NIXL: it returns only after that thread has left.
@@ -260,8 +261,13 @@ def test_a_dropped_link_closing_late_leaves_the_remote_a_newer_link_to_the_same_
     removed: list[str] = []
     links = Links(2.0, "b")
     links.agent = SimpleNamespace(remove_remote=removed.append)
-    old = SimpleNamespace(remote_name="agent-a", close=lambda: None)
-    new = SimpleNamespace(remote_name="agent-a", close=lambda: None)
+    class FakeLink:
+        remote_name, shut = "agent-a", False
+
+        def close(self) -> None:
+            pass
+
+    old, new = FakeLink(), FakeLink()
 
     async def go() -> None:
         links._remote_refs["agent-a"] = 2  # as two acquires that each loaded it leave it
