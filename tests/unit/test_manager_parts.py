@@ -133,8 +133,6 @@ def test_a_purge_of_g2_waits_for_the_write_through_below_and_names_the_one_still
     """Purges.settle before a purge of G2 alone: the write-throughs of blocks G3 lacks land first; one still under way
     after the wait is named (the Evict skips it: its only copy is still being written down); a block G3 holds is not
     waited for; a purge of every tier, or of blocks already gone below, does not wait."""
-    from kvbm.manager.purges import Purges
-
     g2, g3 = HostTier(4 * SLOT, SLOT), disk(tmp_path, 4)
     s = state_of(g2, g3)
     for i in (1, 2, 3):
@@ -143,16 +141,7 @@ def test_a_purge_of_g2_waits_for_the_write_through_below_and_names_the_one_still
 
     async def go() -> None:
         await g3.start()
-        release = asyncio.Event()
-
-        async def move(k: BlockKey, dst: str) -> bool:
-            await (release.wait() if k == key(2) else asyncio.sleep(0.01))
-            s.registry.add(dst, k, SLOT)
-            return True
-
-        wt = WriteThrough(s, move, trusted, max_pending=8, max_concurrent=4)
-        purges = Purges(s, None, wt.owed, wt.of)  # type: ignore[arg-type]  # settle needs no moves
-        purges.wait_s = 0.3
+        wt, purges, release = _purges_over(s, {key(2)})
         assert wt.schedule(key(1)) and wt.schedule(key(2))
         assert set(wt.of([key(1), key(2), key(3)])) == {key(1), key(2)}
         assert await purges.settle([key(1), key(2), key(3)], ["G2"]) == {key(2)}
@@ -172,8 +161,6 @@ def test_a_purge_of_g2_waits_for_the_write_through_below_and_names_the_one_still
 def test_a_purge_of_g2_sees_a_durable_stores_direct_write_through_and_skips_a_block_owed_below(tmp_path):
     """Not only background cascades: a durable store's direct ``cascade()`` (and the owed drain's) is waited for too;
     a block no remaining tier holds whose write there failed (owed, an outage) is skipped, never purged."""
-    from kvbm.manager.purges import Purges
-
     g2, g3 = HostTier(4 * SLOT, SLOT), disk(tmp_path, 4)
     s = state_of(g2, g3)
     for i in (1, 2):
@@ -181,16 +168,7 @@ def test_a_purge_of_g2_sees_a_durable_stores_direct_write_through_and_skips_a_bl
 
     async def go() -> None:
         await g3.start()
-        release = asyncio.Event()
-
-        async def move(k: BlockKey, dst: str) -> bool:
-            await release.wait()
-            s.registry.add(dst, k, SLOT)
-            return True
-
-        wt = WriteThrough(s, move, trusted, max_pending=8, max_concurrent=4)
-        purges = Purges(s, None, wt.owed, wt.of)  # type: ignore[arg-type]  # settle needs no moves
-        purges.wait_s = 0.3
+        wt, purges, release = _purges_over(s, {key(1), key(2)})
         direct = asyncio.ensure_future(wt.cascade(key(1)))  # as offload(durable=True) calls it
         await asyncio.sleep(0)
         assert set(wt.of([key(1)])) == {key(1)}
@@ -210,8 +188,6 @@ def test_a_purge_of_g2_sees_a_durable_stores_direct_write_through_and_skips_a_bl
 def test_a_purge_of_g2_starts_again_the_write_through_a_burst_shed_and_lets_it_land(tmp_path):
     """A background cascade shed past ``max_pending`` left the block in G2 alone, never owed: an Evict of G2 deleted
     its only copy. The purge starts it again first and waits for it as for the others."""
-    from kvbm.manager.purges import Purges
-
     g2, g3 = HostTier(4 * SLOT, SLOT), disk(tmp_path, 4)
     s = state_of(g2, g3)
     for i in (1, 2):
@@ -219,16 +195,7 @@ def test_a_purge_of_g2_starts_again_the_write_through_a_burst_shed_and_lets_it_l
 
     async def go() -> None:
         await g3.start()
-        release = asyncio.Event()
-
-        async def move(k: BlockKey, dst: str) -> bool:
-            await (release.wait() if k == key(1) else asyncio.sleep(0.01))
-            s.registry.add(dst, k, SLOT)
-            return True
-
-        wt = WriteThrough(s, move, trusted, max_pending=1, max_concurrent=4)
-        purges = Purges(s, None, wt.owed, wt.of, wt.catch_up)  # type: ignore[arg-type]  # settle needs no moves
-        purges.wait_s = 0.3
+        wt, purges, release = _purges_over(s, {key(1)}, max_pending=1)
         assert wt.schedule(key(1)) and not wt.schedule(key(2))  # the second is shed: one queued at most
         assert s.stats.shed_offloads == 1 and not s.registry.holds("G3", key(2))
         assert await purges.settle([key(2)], ["G2"]) == set()
@@ -241,3 +208,21 @@ def test_a_purge_of_g2_starts_again_the_write_through_a_burst_shed_and_lets_it_l
         await g2.close()
 
     asyncio.run(go())
+
+
+def _purges_over(s, slow: set[BlockKey], max_pending: int = 8):  # type: ignore[no-untyped-def]
+    """A WriteThrough whose moves land at once but those of ``slow`` (after ``release``), and a Purges over it
+    that waits 0.3 s. Call it inside the test's event loop."""
+    from kvbm.manager.purges import Purges
+
+    release = asyncio.Event()
+
+    async def move(k: BlockKey, dst: str) -> bool:
+        await (release.wait() if k in slow else asyncio.sleep(0.01))
+        s.registry.add(dst, k, SLOT)
+        return True
+
+    wt = WriteThrough(s, move, trusted, max_pending=max_pending, max_concurrent=4)
+    purges = Purges(s, None, wt.owed, wt.of, wt.catch_up)  # settle needs no moves
+    purges.wait_s = 0.3
+    return wt, purges, release
