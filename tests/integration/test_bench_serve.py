@@ -80,18 +80,24 @@ def test_bench_serve_smoke(s3_server, tmp_path: Path) -> None:
     # (the model's "kv_token_bytes": a key ending in "_token" is masked as a credential in the JSON)
     bpt, vbs = report["model"]["kv_token_bytes"], report["options"]["block_size"]
     assert bpt == report["kvbm_block_bytes"] // report["kvbm_block_tokens"], report["model"]
+    # After the daemon's restart the warm-up hit its prompt until a hit's blocks were copied in (the workers had met
+    # the new daemon and mapped its pool): the timed hits after it are steady-state hits.
+    for name, tries in report["ttft_length"]["after_restart"].items():
+        assert tries[-1]["copy_in_bytes"] > 0 and tries[-1]["cached_tokens"] > 0, (name, json.dumps(tries))
     stages = {(r["source"], r["tokens"]): r for r in stage_rows(report)}
     assert {("G2", 600), ("G3", 600), ("G4-http", 600), ("long-doc-qa queries", None)} <= set(stages), stages
     for src in ("G2", "G3", "G4-http"):
         st = stages[(src, 600)]
-        assert st["copy_in_bytes"] == st["cached_tokens"] * bpt == 512 * bpt, st
-        assert st["copy_in_vblocks"] == st["cached_tokens"] // vbs and st["copy_in_gbps"] > 0, st
-        assert st["computed_after_hit_tokens"] == st["prompt_tokens"] - st["cached_tokens"] > 0, st
-        assert st["load_hook_ms"] >= st["copy_in_ms"] > 0, st
+        # (a str message is printed whole: a dict's is cut short)
+        what = json.dumps({"row": st, "after_restart": report["ttft_length"]["after_restart"]})
+        assert st["copy_in_bytes"] == st["cached_tokens"] * bpt == 512 * bpt, what
+        assert st["copy_in_vblocks"] == st["cached_tokens"] // vbs and st["copy_in_gbps"] > 0, what
+        assert st["computed_after_hit_tokens"] == st["prompt_tokens"] - st["cached_tokens"] > 0, what
+        assert st["load_hook_ms"] >= st["copy_in_ms"] > 0, what
         # the lookup's round trip and the sync load's pins (scheduler; an async load's Onboards: the worker's) are
         # counted where they happen
-        assert st["lookups"] >= 1 and st["lookup_ms"] > 0 and st["pins"] >= 1 and st["pin_ms"] > 0, st
-        assert st["ttft_ms"] > 0 and st["tier_hits"] == report["ttft_length"][src]["600"][0]["tier_hits"], st
+        assert st["lookups"] >= 1 and st["lookup_ms"] > 0 and st["pins"] >= 1 and st["pin_ms"] > 0, what
+        assert st["ttft_ms"] > 0 and st["tier_hits"] == report["ttft_length"][src]["600"][0]["tier_hits"], what
     ld = stages[("long-doc-qa queries", None)]
     assert ld["copy_in_bytes"] % (vbs * bpt) == 0, ld  # whole vLLM blocks (none if vLLM kept the documents)
     assert ld["copy_in_bytes"] <= q["cached_tokens_mean"] * q["requests"] * bpt, ld  # G1 hits copy nothing
