@@ -182,10 +182,13 @@ class Onboarding:
     @contextmanager
     def loaded(self) -> Iterator[Loaded]:
         rep = self.client.finish(self._msg, p.Onboarded)
+        token = self.client.token
         try:
             yield Loaded(self.client.g2, rep)
         finally:
-            if rep.count:
+            # Registered again since (another reply said the daemon forgot us): the pins went with the old
+            # registration, and a Release under the new one would drop pins it took on the same keys.
+            if rep.count and self.client.token == token:
                 self._release = self.client.begin(p.Release(namespace=self.namespace, hashes=self.hashes[: rep.count]))
 
     def released(self) -> None:
@@ -211,10 +214,11 @@ async def aonboarded(client: Any, hashes: list[bytes], namespace: str = "") -> A
     """:func:`onboarded` for the asyncio client."""
     ns = namespace or client.namespace
     rep = await client.request(p.Onboard(namespace=ns, hashes=hashes), p.Onboarded)
+    token = client.token
     try:
         yield Loaded(client.g2, rep)
     finally:
-        if rep.count:
+        if rep.count and client.token == token:  # (as :meth:`Onboarding.loaded`: pins are the registration's)
             await client.request(p.Release(namespace=ns, hashes=hashes[: rep.count]), p.Released)
 
 

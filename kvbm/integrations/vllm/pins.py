@@ -47,6 +47,14 @@ class RankPins:
     nbytes: list[int]
     client: Any = field(default=None, repr=False, compare=False)  # the session holding them (not sent)
     held: int = -1  # the leading keys the daemon holds in any tier (-1: unsaid): more than pinned, short of room
+    token: str = field(default="", repr=False, compare=False)  # the registration that took them (not sent)
+
+    def releasable(self, link: Link) -> bool:
+        """Whether the registration that took these pins is still the link's: a session that registered again
+        in place (the daemon restarted, or let its lease run out) lost them, and a Release under its new
+        registration would drop the pins it took since, on the same keys, for another request."""
+        c = self.client
+        return bool(self.count) and link.client is c and c.token == self.token and c.generation == self.generation
 
     @property
     def count(self) -> int:
@@ -112,7 +120,7 @@ def pin_all(links: list[Link], runs: list[list[bytes]]) -> list[Pinned]:
                 link.error(e)
                 continue
             pinned.ranks[r] = RankPins(client.generation, list(rep.slots[: rep.count]), list(rep.nbytes[: rep.count]),
-                                       client, rep.held)
+                                       client, rep.held, client.token)
     return out
 
 
@@ -120,7 +128,7 @@ def release_all(links: list[Link], pinned: Pinned) -> None:
     """Release what each rank's session pinned (a session that is gone released them with it)."""
     sent: list[tuple[Link, Any, p.Release]] = []
     for link, rp in zip(links, pinned.ranks, strict=True):
-        if rp is None or not rp.count or link.client is not rp.client:
+        if rp is None or not rp.releasable(link):
             continue
         try:
             sent.append((link, rp.client,
