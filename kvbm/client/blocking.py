@@ -60,6 +60,10 @@ class WorkerClient(_Core):
                 sock.close(200)  # delivered in the background if the daemon is there, dropped soon if not
         self._forget()
 
+    def lost(self) -> bool:
+        """Whether the daemon's connection dropped since it was last used (fail-fast clients; no round trip)."""
+        return self._wire.lost()
+
     def request(self, msg: Any, expect: type[R], timeout_s: float | None = None) -> R:
         """Send ``msg`` and wait for the reply with its rid (registering again if the daemon forgot us)."""
         reply = self._roundtrip(msg, timeout_s)

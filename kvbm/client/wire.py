@@ -77,6 +77,15 @@ class Wire:
                 self.reset()
                 raise DaemonUnavailable(f"connection to {self.endpoint} {what}")
 
+    def lost(self) -> bool:
+        """(Fail-fast.) Whether the connection dropped, or could not be made, as far as the monitor said until now
+        (read without waiting); a lost socket is closed, as a request would find it."""
+        try:
+            self._watch()
+        except DaemonUnavailable:
+            return True
+        return False
+
     def send(self, rid: int, buf: bytes) -> None:
         """Send request ``rid`` without waiting: several requests may be in flight, see :meth:`wait`."""
         sock = self._socket()

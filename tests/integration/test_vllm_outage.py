@@ -275,6 +275,72 @@ def test_a_silent_daemon_never_holds_the_scheduler_and_every_rank_is_asked_at_on
         quick.shutdown()
 
 
+def test_pins_taken_before_a_daemon_restart_never_release_those_a_request_took_after_it(daemon):
+    """A synchronous load's pins are released by the scheduler's session that took them. After the daemon was
+    killed and restarted, that session registered again in place (the same client, a new token and pool): a
+    request's Release of pins taken before the restart went out under the new registration and dropped the pins
+    another request of the same prefix took after it, so the daemon could give those slots to other blocks before
+    that request's step copied them (wrong KV). Pins are released only by the registration that took them."""
+    sched = _scheduler(daemon.endpoint, "restart", 1, async_load=False)
+    # No idle tick of the lookup thread between the kill and the next lookup (it would let the lost session go
+    # and open a new one): the session registers again in place, as when the restart is quicker than that tick.
+    sched._lookups.idle_s = 3600.0
+    try:
+        time.sleep(0.5)  # the thread's current idle wait (0.25 s) ends; it waits on the new one from then on
+        (lay,) = sched.layouts()
+        before = _request("before", 2, 700)
+        _store(daemon, lay, before)
+        sched.on_new_request(before)
+        assert step_until_known(sched, before)[0] == (32, False)
+        assert _stats(daemon)["daemon"]["pins"] == 2
+        daemon.kill9()
+        daemon.start()
+        after = _request("after", 2, 700)  # the same prefix
+        _store(daemon, lay, after)
+        sched.on_new_request(after)
+        assert step_until_known(sched, after)[0] == (32, False)
+        assert _stats(daemon)["daemon"]["pins"] == 2
+        sched.request_finished(before, [])  # its pins went with the daemon that held them
+        time.sleep(1.0)  # the lookup thread's Releases are sent within a step or two
+        assert _stats(daemon)["daemon"]["pins"] == 2, "a Release from before the restart dropped another's pins"
+        sched.request_finished(after, [])
+        assert wait_until(lambda: _stats(daemon)["daemon"]["pins"] == 0, timeout=10), "the pins were not released"
+    finally:
+        sched.shutdown()
+
+
+def _mapped_deleted(shm_name: str) -> int:
+    """This process's mappings of the pool ``shm_name`` once its file was removed (a dead daemon's pool)."""
+    return sum(1 for line in Path("/proc/self/maps").read_text().splitlines()
+               if shm_name in line and line.endswith("(deleted)"))
+
+
+def test_an_idle_engines_sessions_unmap_a_dead_daemons_pool_so_its_memory_is_freed(daemon):
+    """A killed daemon's G2 pool is removed by its restart, but its memory is freed only when nothing maps it. The
+    worker's and the scheduler's sessions let go of it at their next request, and the engine's own session, which
+    nothing uses after start-up under async loads, never did: every restart held a second pool for the engine's
+    life (on a /dev/shm with room for one, the restart could never allocate its own). Now each session whose
+    connection dropped lets it go within a step or an idle tick, with no request."""
+    w = _worker(daemon.endpoint, 1, async_load=True, async_save=True)
+    sched = _scheduler(daemon.endpoint, "idle", 1)
+    try:
+        w.loader._pool.submit(lambda: None).result(timeout=60)  # the loader's session (warm) is open
+        assert step_until_known(sched, _request("warm", 1, 100))[0] == (0, False)  # the scheduler's link is up
+        shm = w._link.client.registered.shm_name
+        daemon.kill9()
+        daemon.start()  # removes the dead daemon's pool file
+        assert _mapped_deleted(shm) > 0  # the engine's session, at least, maps it still
+
+        def freed() -> bool:
+            w.handle_preemptions(None)  # the first hook of each engine step
+            return _mapped_deleted(shm) == 0
+
+        assert wait_until(freed, timeout=15), f"{_mapped_deleted(shm)} mappings of the dead daemon's pool left"
+    finally:
+        sched.shutdown()
+        w.shutdown()
+
+
 def test_a_next_turn_waits_for_saves_in_flight_only_while_the_daemon_answers(daemon):
     """A next turn whose lookup stops right before a block this engine is still saving is asked again for up to
     ``save_wait_ms`` (the save lands meanwhile). A stopped daemon stores nothing meanwhile, yet each such

@@ -100,6 +100,17 @@ class Link:
         self.failures = 0
         return client
 
+    def drop_if_lost(self) -> bool:
+        """Let the session go now if its daemon's connection dropped (seen without a request): with it goes the
+        mapping of that daemon's G2 pool, whose memory a restarted daemon needs back, where this link's next
+        request may never come (an idle engine; the engine's thread under async loads). On the thread that
+        uses the link, as every other call."""
+        c = self.client
+        if c is None or not c.lost():
+            return False
+        self.fail(DaemonUnavailable(f"connection to {self.endpoint} lost"))
+        return True
+
     def error(self, e: BaseException) -> None:
         """A request on this link failed: the link goes down unless the daemon only said it is loaded."""
         if not is_load(e):

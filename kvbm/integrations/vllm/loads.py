@@ -81,6 +81,11 @@ class Loader:
         trips would come before the first hit's blocks)."""
         self._pool.submit(self._async_link.get)
 
+    def drop_if_lost(self) -> None:
+        """Let the loader's session go, on its thread, if its daemon's connection dropped (see
+        :meth:`Link.drop_if_lost`)."""
+        self._pool.submit(self._async_link.drop_if_lost)
+
     def fail_all(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
         """Loads never started, reported as failed (vLLM recomputes them, and never waits for them)."""
         for tr in trs:

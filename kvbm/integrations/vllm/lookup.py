@@ -251,6 +251,7 @@ class Lookups:
     def _reconnect(self) -> None:
         """Bring links that are down back up (each retries on its own backoff)."""
         for link in self._links:
+            link.drop_if_lost()  # a daemon gone while idle: its G2 pool is unmapped now (a restart needs it)
             if link.client is None:
                 link.get()
 

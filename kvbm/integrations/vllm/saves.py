@@ -107,6 +107,11 @@ class Saver:
         if self.enabled:
             self._pool.submit(self._link.get)
 
+    def drop_if_lost(self) -> None:
+        """Let the saver's session go, on its thread, if its daemon's connection dropped (see
+        :meth:`Link.drop_if_lost`)."""
+        self._pool.submit(self._link.drop_if_lost)
+
     def pending(self) -> bool:
         self._unreported = [j for j in self._unreported if not j.future.done()]
         return bool(self._unreported) or any(not j.future.done() for jobs in self._jobs.values() for j in jobs)

@@ -20,6 +20,10 @@ from kvbm.integrations.vllm.saves import Saver
 
 log = logging.getLogger("kvbm.vllm")
 
+# How often the engine's step asks whether the worker's daemon sessions lost their connection (a poll without
+# waiting on the engine's thread, a task on the loader's and saver's).
+LINK_CHECK_S = 1.0
+
 
 class WorkerSide:
     """Copies between vLLM's paged KV cache and G2 slots; reports loads that failed and saves still running.
@@ -50,6 +54,7 @@ class WorkerSide:
                              self._load_copy, self._nbytes_of, tp_rank if pin_rank is None else pin_rank)
         self._copied_step = -1  # the step whose pinned loads this worker copied, until vLLM collects it
         self._hook_thread = -1  # the engine's thread, as start_load_kv last saw it
+        self._links_checked = 0.0  # when _drop_lost_links last ran
         self.saver = Saver(links.open(tp_rank, f"saver-r{tp_rank}-{pid}"),
                            lambda view, ids, stream: self._cache.copy(view, ids, False, stream is not None),
                            self._nbytes_of, saves, self.stats, int(cfg.stage_mib * 2**20))
@@ -115,6 +120,7 @@ class WorkerSide:
         request's skipped blocks (any request's). Saves of them not copying yet are staged to host buffers (past the
         staging budget: waited for up to fence_wait_ms, then dropped)."""
         with self.hooks.time("handle_preemptions"):
+            self._drop_lost_links()
             self._follow(meta)
             if not isinstance(meta, KvbmConnectorMetadata):
                 return
@@ -128,6 +134,18 @@ class WorkerSide:
                 self.saver.fence([*meta.preempted, *meta.released], self.cfg.fence_wait_ms / 1000)
             # Aborted requests vLLM freed at once: fenced above, never reported finished (vLLM forgot them).
             self.saver.forget(meta.released)
+
+    def _drop_lost_links(self) -> None:
+        """At most every LINK_CHECK_S: sessions whose daemon went away are let go with their mappings of its G2
+        pool (a restarted daemon needs that memory back), the engine's own here, the loader's and saver's on
+        their threads; else the engine's session, unused under async loads, kept the dead pool mapped for good."""
+        now = time.monotonic()
+        if now < self._links_checked + LINK_CHECK_S:
+            return
+        self._links_checked = now
+        self._link.drop_if_lost()
+        self.loader.drop_if_lost()
+        self.saver.drop_if_lost()
 
     def start_load_kv(self, meta: Any) -> None:
         self._hook_thread = threading.get_ident()
