@@ -187,3 +187,46 @@ def test_a_short_load_of_a_hybrid_model_is_recomputed_and_the_engine_lives(tmp_p
         assert again["tokens"] == store["tokens"]  # the engine is alive and serves the next request
     finally:
         daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def gemma2_all_sliding(tmp_path_factory) -> str:
+    """A tiny random Gemma-2 whose every layer attends within a 128-token window (one vLLM block): one KV-cache
+    group, and it slides."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-gemma2-sliding")
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=VLLM_BS,
+                       layer_types=["sliding_attention"] * 2, max_position_embeddings=4096)
+    Gemma2ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def test_a_model_whose_every_layer_slides_stores_no_partial_block_and_its_engine_lives(tmp_path, gemma2_all_sliding):
+    """One KV-cache group that slides: partial blocks were saved for it as for full attention, but a sliding
+    window's request holds vLLM's null block before its window after a prefix hit, and blocks the window freed
+    during decoding: its partial block at the finish named the null block and the staged copy raised on the
+    engine's thread (EngineCore died). Partial blocks are for full attention only; full blocks are saved and
+    loaded as for any sliding window, and the engine answers as it computed."""
+    prompt = [(i * 19 + 5) % 971 + 3 for i in range(800)]  # 6 full vLLM blocks: a kvbm block and a partial of 2
+    daemon = g2_daemon(tmp_path, block_bytes="256KiB")  # 64 KiB per vLLM block: k = 4
+    try:
+        daemon.start()
+        steps = [{"settle": True, "keep_prefix_cache": True, "max_tokens": 8},
+                 # vLLM's own hit (768 tokens): the window's block, vLLM's null block before it; the answer ends in
+                 # the next vLLM block, so the partial block at the finish (vLLM blocks 4-6) is a new one
+                 {"settle": True, "max_tokens": 140},
+                 {"settle": True, "max_tokens": 140}]
+        first, local, again = run_vllm(tmp_path, "all-swa", gemma2_all_sliding, daemon, steps, prompt=prompt)
+        for r in (first, local, again):
+            assert r["kv_transfer_params"]["kvbm"]["degraded"] is False, r["kv_transfer_params"]
+        assert local["num_cached_tokens"] == 6 * VLLM_BS  # vLLM's own hit, the case that named the null block
+        kv = again["kv_transfer_params"]["kvbm"]
+        # kvbm's hit: the full block (the window's part of it loaded), no partial block
+        assert again["num_cached_tokens"] == 4 * VLLM_BS and kv["hit_blocks"] == 1 and kv["hit_partial_vblocks"] == 0
+        assert local["tokens"] == again["tokens"] and local["tokens"][:8] == first["tokens"]
+    finally:
+        daemon.stop()

@@ -78,9 +78,11 @@ class SavePlanner:
 
     @property
     def partials(self) -> bool:
-        """Whether partial blocks are saved and loaded (one KV-cache group: a sliding window's partial block
-        would need its own intactness rules)."""
-        return self.cfg.partial_blocks and self.groups.count == 1 and self.geometry.known_k > 1
+        """Whether partial blocks are saved and loaded: one KV-cache group, of full attention. A sliding one (every
+        layer windowed) names vLLM's null block before its window after a prefix hit, and blocks its window freed
+        while decoding: a partial block would need the full blocks' intactness rules."""
+        return (self.cfg.partial_blocks and self.groups.count == 1 and not self.groups.sliding
+                and self.geometry.known_k > 1)
 
     def plan(self, meta: KvbmConnectorMetadata, st: ReqState, computed: int, scheduled: int, new_block_ids: Any,
              resumed: bool = False) -> None:
