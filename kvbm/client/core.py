@@ -107,8 +107,12 @@ class _Core:
         curve_keypair: tuple[bytes, bytes] | None = None,
         admin_token: str = "",
         tenant_token: str = "",
+        map_g2: bool = True,
     ) -> None:
         self.endpoint = endpoint
+        # False for a session that only pins and looks up (the connector's scheduler): another process copies
+        # out of the pool, so this one neither maps it nor (on a CUDA host) registers it with the driver.
+        self.map_g2 = map_g2
         self.admin_token = admin_token
         self.tenant_token = tenant_token
         self.timeout_s = timeout_s
@@ -119,7 +123,7 @@ class _Core:
         self.namespace = ""
         self.registered: p.Registered | None = None
         self.g2: HostTier | None = None
-        self.generation = ""  # of the G2 pool mapped in self.g2
+        self.generation = ""  # of the G2 pool mapped in self.g2 (or registered with, unmapped)
         self._reg_msg: p.Register | None = None
         self._rids = itertools.count(1)
 
@@ -180,6 +184,9 @@ class _Core:
         if isinstance(reg, p.Error):
             raise DaemonError(reg.code, reg.message)
         self.token, self.namespace, self.registered = reg.token, reg.namespace, reg
+        if not self.map_g2:
+            self.generation = reg.generation  # what this session's pins name
+            return
         # A new generation is a new pool even under the same name: the old mapping is an orphan.
         if self.g2 is None or self.g2.shm_name != reg.shm_name or self.generation != reg.generation:
             self._detach()
@@ -197,7 +204,7 @@ class _Core:
         if self.g2 is not None:
             self.g2.release()
             self.g2 = None
-            self.generation = ""
+        self.generation = ""
 
     def _store_msgs(self, keys: Sequence[BlockKey | bytes], bufs: Sequence[Buffer]) -> tuple[str, list[bytes], int]:
         if len(keys) != len(bufs):

@@ -341,6 +341,29 @@ def test_an_idle_engines_sessions_unmap_a_dead_daemons_pool_so_its_memory_is_fre
         w.shutdown()
 
 
+def test_the_schedulers_sessions_pin_without_mapping_the_pool(daemon):
+    """The scheduler's sessions only look up and pin (the worker copies out of its own mapping): each mapped the
+    whole G2 pool all the same, one mapping per TP rank in the engine's process, each registered with the CUDA
+    driver on a GPU host (page-locking the pool again per rank). They name the pool's generation, unmapped."""
+    sched = _scheduler(daemon.endpoint, "unmapped", 2)
+    try:
+        req = _request("pinned", 2, 700)
+        for lay in sched.layouts():
+            _store(daemon, lay, req)
+        sched.on_new_request(req)
+        assert step_until_known(sched, req)[0] == (32, False)
+        assert _stats(daemon)["daemon"]["pins"] == 4  # two blocks on each rank
+        for link in sched._links:
+            c = link.client
+            assert c.g2 is None and c.generation == c.registered.generation, c.generation
+            maps = Path("/proc/self/maps").read_text()
+            assert c.registered.shm_name not in maps, "a scheduler's session maps the G2 pool"
+        sched.request_finished(req, [])
+        assert wait_until(lambda: _stats(daemon)["daemon"]["pins"] == 0, timeout=10), "the pins were not released"
+    finally:
+        sched.shutdown()
+
+
 def test_a_next_turn_waits_for_saves_in_flight_only_while_the_daemon_answers(daemon):
     """A next turn whose lookup stops right before a block this engine is still saving is asked again for up to
     ``save_wait_ms`` (the save lands meanwhile). A stopped daemon stores nothing meanwhile, yet each such

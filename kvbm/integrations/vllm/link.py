@@ -158,7 +158,9 @@ class Links:
     client_kw: dict[str, Any] = field(default_factory=dict)
     epoch: WeightsEpoch | None = None  # the process's weights epoch, shared by its links
 
-    def open(self, rank: int, worker_id: str) -> Link:
-        """The link of worker ``rank`` (``pp_rank * tp_size + tp_rank``)."""
+    def open(self, rank: int, worker_id: str, map_g2: bool = True) -> Link:
+        """The link of worker ``rank`` (``pp_rank * tp_size + tp_rank``); ``map_g2`` False for one that never
+        copies (the scheduler's: it pins, the worker copies)."""
         return Link(self.endpoint, self.geometry, lambda k: self.layout_of(rank, k), self.engine_id,
-                    f"{self.engine_id}-{worker_id}", self.timeout_s, self.client_kw, self.epoch)
+                    f"{self.engine_id}-{worker_id}", self.timeout_s, {**self.client_kw, "map_g2": map_g2},
+                    self.epoch)

@@ -34,7 +34,7 @@ class SchedulerSide:
         self.epoch = links.epoch or WeightsEpoch(cfg.weights_version)
         self._step = 0  # build_connector_meta calls so far
         # One scheduler serves every worker (TP rank x PP stage): a prefix counts only if each stored it.
-        self._links = [links.open(r, f"scheduler-r{r}") for r in ranks]
+        self._links = [links.open(r, f"scheduler-r{r}", map_g2=False) for r in ranks]
         for link in self._links:
             link.unregister = False  # its pins are read by the workers: a dropped session must not free them
         self._ranks = list(ranks)
