@@ -6,6 +6,7 @@ every tier; G3's header records it, so a restarted daemon still knows it."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import numpy as np
 import pytest
@@ -153,6 +154,35 @@ def test_a_superseded_partial_block_leaves_the_bucket_too(tmp_path, s3_server, s
         assert wait_until(lambda: not in_bucket(srv, s3_prefix, part), 60), "the superseded partial stayed in G4"
         assert not tier_of(c, part) and not (tmp_path / "disk" / disk_relpath(part)).exists()
         assert in_bucket(srv, s3_prefix, full)
+        c.close()
+    finally:
+        d.stop()
+
+
+def test_a_partial_block_known_only_from_the_bucket_is_still_partial_and_superseded(tmp_path, s3_server, s3_prefix):
+    """A bucket's listing shows no header flags: a restart that lost G3's copy (or another node listing the bucket)
+    indexed a partial block in G4 as an ordinary one, so its full block never superseded it and it stayed in the
+    bucket. A block shorter than its namespace's full blocks is partial."""
+    srv = s3_server
+    cfg = daemon_cfg(tmp_path, host=f"{G2_SLOTS * SLOT // 1024}KiB", prefetch=False)
+    cfg["s3"] = {"endpoint": srv.endpoint, "bucket": srv.bucket, "prefix": s3_prefix, "access_key": srv.access_key,
+                 "secret_key": srv.secret_key}
+    d = ServeProc(tmp_path, cfg).start()
+    try:
+        c = d.client()
+        c.register(LAYOUT, worker_id="g4")
+        part, other, full = keys(3, b"bucket-only")
+        assert c.store([part], [half(part)], partial=True, durable=True).durable == 1
+        assert c.store([other], [payload(other)], durable=True).durable == 1  # a full block of the namespace
+        assert wait_until(lambda: in_bucket(srv, s3_prefix, part), 60), "the partial block never reached G4"
+        d.stop()
+        shutil.rmtree(tmp_path / "disk")  # G3 and G2 gone: the bucket's listing is all the restart knows
+        d.start()
+        assert tier_of(c, part) == "G4"  # the same client registers again
+        assert c.stats()["manager"]["partial_blocks"] == 1, c.stats()["manager"]
+        assert c.store([full], [payload(full)], covers=[[part]], durable=True).durable == 1
+        assert wait_until(lambda: not in_bucket(srv, s3_prefix, part), 60), "the superseded partial stayed in G4"
+        assert in_bucket(srv, s3_prefix, other) and in_bucket(srv, s3_prefix, full)
         c.close()
     finally:
         d.stop()
