@@ -341,6 +341,59 @@ def test_an_idle_engines_sessions_unmap_a_dead_daemons_pool_so_its_memory_is_fre
         w.shutdown()
 
 
+def test_a_sync_engines_mapping_of_a_restarted_daemons_pool_goes_when_that_daemon_goes_too(daemon):
+    """Under synchronous loads (the CPU default) the loader's thread maps a restarted daemon's pool for the engine's
+    copies. When that daemon went in turn, the mapping stayed until a hit on a newer pool (for good, with none)."""
+    from test_vllm_connector import _empty_scheduler_output
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvbm.integrations.vllm import ConnectorConfig, Geometry, Links, SchedulerSide
+
+    w = _worker(daemon.endpoint, 1, async_load=False, async_save=True)
+    sched = SchedulerSide(ConnectorConfig.parse({"timeout_s": TIMEOUT_S, "async_load": False}),
+                          Links(daemon.endpoint, Geometry(16, 4096, 1), "outage-engine", TIMEOUT_S, _layout), [0])
+    tries = iter(range(1000))
+
+    def loaded() -> bool:
+        """One request of one stored block, looked up, pinned and loaded as vLLM steps it: whether it loaded."""
+        req = _request(f"after-{next(tries)}", 1, 2000)  # the same block every time
+        sched.on_new_request(req)
+        ok = step_until_known(sched, req)[0] == (16, False)
+        if ok:
+            sched.update_state_after_alloc(req, KVCacheBlocks(((KVCacheBlock(3),),)), 16)
+            meta = sched.build_connector_meta(_empty_scheduler_output())
+            w.handle_preemptions(meta)
+            w.start_load_kv(meta)
+            ok = not w.get_block_ids_with_load_errors()
+            sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=w.worker_meta()))
+        sched.request_finished(req, [])
+        return ok
+
+    try:
+        daemon.kill9()
+        daemon.start()
+        _store_filled(daemon, w, _request("stored", 1, 2000), fill=40)
+        # The first hit on the new daemon has its pool mapped on the loader's thread (and is recomputed); a later
+        # one copies out of that mapping.
+        assert wait_until(loaded, timeout=30), "no load from the restarted daemon"
+        _assert_loaded(w, (3,), fill=40)
+        (pool,) = w.loader._maps.values()
+        daemon.kill9()
+        daemon.start()
+        assert _mapped_deleted(pool.shm_name) > 0
+
+        def freed() -> bool:
+            w.handle_preemptions(None)
+            return _mapped_deleted(pool.shm_name) == 0
+
+        assert wait_until(freed, timeout=15), f"{_mapped_deleted(pool.shm_name)} mappings of the dead pool left"
+    finally:
+        sched.shutdown()
+        w.shutdown()
+
+
 def test_the_schedulers_sessions_pin_without_mapping_the_pool(daemon):
     """The scheduler's sessions only look up and pin (the worker copies out of its own mapping): each mapped the
     whole G2 pool all the same, one mapping per TP rank in the engine's process, each registered with the CUDA

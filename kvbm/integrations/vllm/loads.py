@@ -74,6 +74,7 @@ class Loader:
         self._maps: dict[str, HostTier] = {}  # (the engine's thread) the newest daemon's pool, once mapped
         self._fresh: tuple[str, HostTier] | None = None  # mapped on the loader's thread, not taken yet
         self._maps_lock = threading.Lock()
+        self._gone: set[str] = set()  # generations whose daemon the loader's thread saw go (their maps released)
         self._mapping: dict[str, float] = {}  # generations the loader's thread was asked to map, and when
 
     def warm(self) -> None:
@@ -82,9 +83,29 @@ class Loader:
         self._pool.submit(self._async_link.get)
 
     def drop_if_lost(self) -> None:
-        """Let the loader's session go, on its thread, if its daemon's connection dropped (see
-        :meth:`Link.drop_if_lost`)."""
-        self._pool.submit(self._async_link.drop_if_lost)
+        """(The engine's thread.) Release the pools mapped for synchronous loads whose daemon the loader's thread saw
+        go, and have that thread check its session again (see :meth:`Link.drop_if_lost`)."""
+        with self._maps_lock:
+            gone, self._gone = self._gone, set()
+            fresh = self._fresh if self._fresh is not None and self._fresh[0] in gone else None
+            if fresh is not None:
+                self._fresh = None
+        for g in gone:
+            tier = self._maps.pop(g, None)
+            if tier is not None:
+                tier.release()  # no copy runs: this is the engine's thread, between its steps' copies
+        if fresh is not None:
+            fresh[1].release()
+        self._pool.submit(self._drop_session_if_lost)
+
+    def _drop_session_if_lost(self) -> None:
+        """(The loader's thread.) Drop the session if its daemon went; that daemon's pool is then released by the
+        engine's thread (:meth:`drop_if_lost`), which alone copies out of it."""
+        client = self._async_link.client
+        generation = client.generation if client is not None else ""
+        if self._async_link.drop_if_lost() and generation:
+            with self._maps_lock:
+                self._gone.add(generation)
 
     def fail_all(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
         """Loads never started, reported as failed (vLLM recomputes them, and never waits for them)."""

@@ -143,9 +143,12 @@ class WorkerSide:
         if now < self._links_checked + LINK_CHECK_S:
             return
         self._links_checked = now
-        self._link.drop_if_lost()
-        self.loader.drop_if_lost()
-        self.saver.drop_if_lost()
+        try:
+            self._link.drop_if_lost()
+            self.loader.drop_if_lost()
+            self.saver.drop_if_lost()
+        except Exception as e:  # never the engine's death: the sessions are checked again in a second
+            log.warning("kvbm: checking the daemon sessions failed: %r", e)
 
     def start_load_kv(self, meta: Any) -> None:
         self._hook_thread = threading.get_ident()
