@@ -9,7 +9,7 @@ registry's (:mod:`kvbm.index.keycodes`); every method runs under the registry's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from itertools import chain
 
 from kvbm.index.footprints import Footprints
@@ -32,6 +32,19 @@ class PartialMarks:
             first = self.first[i]
             first.pop(code, None)
             first[code] = code
+
+    def mark(self, i: int, codes: Iterable[int | None], held: Mapping[int, int], hits: Mapping[int, int]) -> int:
+        """Mark partial, in place, the blocks of ``codes`` that tier ``i`` holds (``held``: its LRU, code -> canonical
+        code) and no onboard hit (``hits``): blocks found to be partial after they were indexed (a bucket listing
+        shows no header flags). How many were marked."""
+        n = 0
+        for code in codes:
+            c = held.get(code) if code is not None else None
+            if c is None or c in self.kinds or hits.get(c):
+                continue
+            self.added(i, c, True)
+            n += 1
+        return n
 
     def removed(self, i: int, code: int, anywhere: bool) -> None:
         """Tier ``i`` let go of ``code``; ``anywhere``: another tier still holds it."""

@@ -224,6 +224,12 @@ class Registry:
     def hits(self, key: BlockKey) -> int:
         return self._hits.get(self._peek(key), 0)  # type: ignore[arg-type]
 
+    def mark_partial(self, tier: str, keys: Iterable[BlockKey]) -> int:
+        """Mark the never-hit blocks of ``keys`` that ``tier`` holds partial, in place (no LRU move, no event)."""
+        i = self._ti[tier]
+        with self._lock:
+            return self.partials.mark(i, map(self._peek, keys), self._lru[i], self._hits)
+
     def is_partial(self, key: BlockKey) -> bool:
         """Whether ``key`` was stored as a partial block (and some tier still holds it)."""
         return self._peek(key) in self.partials.kinds

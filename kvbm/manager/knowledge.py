@@ -50,7 +50,7 @@ class IndexSync:
             # too, not only the tier's own index (which the scan already dropped it from). The whole index is
             # walked, in batches between which requests are served (a fresh namespace's listing must not stall
             # the daemon for every block another namespace holds).
-            longest: dict[str, int] = {}
+            sizes: dict[str, tuple[int, int]] = {}  # per namespace, its blocks' shortest and longest payload
             for i, key in enumerate(self.s.registry.iter_keys(name)):
                 if i % YIELD_EVERY == YIELD_EVERY - 1:
                     await asyncio.sleep(0)
@@ -58,28 +58,29 @@ class IndexSync:
                     size = tier.nbytes(key)
                     if size is None:
                         self.s.registry.remove(name, key)
-                    elif size > longest.get(key.namespace, 0):
-                        longest[key.namespace] = size
-            await self._mark_partials(name, namespace, longest)
+                    else:
+                        lo, hi = sizes.get(key.namespace, (size, size))
+                        sizes[key.namespace] = (min(lo, size), max(hi, size))
+            longest = {ns: hi for ns, (lo, hi) in sizes.items() if lo < hi}  # namespaces with blocks of two sizes
+            if longest:
+                await self._mark_partials(name, longest)
         return n
 
-    async def _mark_partials(self, name: str, namespace: str | None, longest: dict[str, int]) -> None:
+    async def _mark_partials(self, name: str, longest: dict[str, int]) -> None:
         """A bucket's listing shows no header flags, so a partial block listed there (after a restart that lost the
         disk's copy, or another node's) was indexed as an ordinary one: never evicted first, never superseded by
         its full block, left in the bucket. Every full block of a namespace has one size (its layout's), a
-        partial one fewer vLLM blocks: a block shorter than its namespace's longest is partial (a namespace
-        with partial blocks alone has none marked)."""
+        partial one fewer vLLM blocks: a block shorter than its namespace's longest is partial (``longest``: the
+        namespaces holding blocks of several sizes; one with partial blocks alone has none marked)."""
         tier, reg = self.s.by_name[name], self.s.registry
-        short: list[tuple[BlockKey, int]] = []
+        short: list[BlockKey] = []
         for i, key in enumerate(reg.iter_keys(name)):
             if i % YIELD_EVERY == YIELD_EVERY - 1:
                 await asyncio.sleep(0)
-            if namespace is None or key.namespace == namespace:
-                size = tier.nbytes(key)
-                if size is not None and size < longest.get(key.namespace, 0) and not reg.is_partial(key):
-                    short.append((key, size))
-        for key, size in short:
-            reg.add(name, key, tier.footprint(size), partial=True)
+            hi = longest.get(key.namespace)
+            if hi is not None and (tier.nbytes(key) or hi) < hi:
+                short.append(key)
+        reg.mark_partial(name, short)  # those still held, in place: a block removed meanwhile stays removed
 
     async def local_namespaces(self) -> set[str]:
         """The namespaces of the blocks the local (disk) tiers hold, yielding to the loop between batches."""

@@ -203,3 +203,23 @@ def test_random_operations_match_a_plain_model():
     # Memory: the common footprint is the tier's base and the rare one the exception, whichever came first.
     g2 = r._ti["G2"]
     assert r._sizes[g2].base == 100 and len(r._sizes[g2].odd) < r.count("G2") / 4
+
+
+def test_marking_held_blocks_partial_keeps_their_lru_place_and_spares_hit_and_removed_ones() -> None:
+    """Blocks found partial after they were indexed (a bucket listing shows no header flags) are marked in place:
+    evicted first from then on, their LRU place and the listeners untouched; a block hit since, or removed since
+    (while the listing's pass yielded), is left as it is."""
+    reg = Registry(["G2", "G4"])
+    heard: list[tuple[str, str, list[BlockKey]]] = []
+    for i in range(5):
+        reg.add("G4", k(i), 100)
+    reg.listeners.append(lambda kind, tier, keys: heard.append((kind, tier, keys)))
+    reg.record_hit([k(1)])
+    reg.remove("G4", k(2))
+    heard.clear()
+    before = list(reg.iter_keys("G4"))
+    assert reg.mark_partial("G4", [k(1), k(2), k(3)]) == 1  # 1 was hit, 2 is gone
+    assert [reg.is_partial(k(i)) for i in range(5)] == [False, False, False, True, False]
+    assert list(reg.iter_keys("G4")) == before and not heard and not reg.holds("G4", k(2))
+    assert reg.victims("G4", 100, 400) == [k(3)]  # a never-hit partial block goes first, ahead of older ones
+    assert reg.mark_partial("G4", [k(3)]) == 0  # already marked
