@@ -9,9 +9,12 @@ registry's (:mod:`kvbm.index.keycodes`); every method runs under the registry's 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from itertools import chain
+from typing import Any
 
+from kvbm.blocks import BlockKey
 from kvbm.index.footprints import Footprints
 
 
@@ -63,6 +66,20 @@ class PartialMarks:
             self.unhit.discard(code)
             for first in self.first:
                 first.pop(code, None)
+
+
+def marker(lock: AbstractContextManager[Any], ti: Mapping[str, int], lru: Sequence[Mapping[int, int]],
+           hits: Mapping[int, int], peek: Callable[[BlockKey], int | None],
+           marks: PartialMarks) -> Callable[[str, Iterable[BlockKey]], int]:
+    """The registry's ``mark_partial(tier, keys)``: :meth:`PartialMarks.mark` of the blocks ``keys`` under its lock
+    (``ti``: tier indexes, ``lru``: each tier's LRU, ``hits``: hit counts, ``peek``: a key's code)."""
+
+    def mark_partial(tier: str, keys: Iterable[BlockKey]) -> int:
+        """Mark the never-hit blocks of ``keys`` that ``tier`` holds partial, in place (no LRU move, no event)."""
+        with lock:
+            return marks.mark(ti[tier], map(peek, keys), lru[ti[tier]], hits)
+
+    return mark_partial
 
 
 def lru_victims(lru: dict[int, int], first: dict[int, int], sizes: Footprints, excess: int,

@@ -23,7 +23,7 @@ from itertools import takewhile
 from kvbm.blocks import BlockKey
 from kvbm.index.footprints import Footprints
 from kvbm.index.keycodes import KeyCodes
-from kvbm.index.partials import PartialMarks, lru_victims
+from kvbm.index.partials import PartialMarks, lru_victims, marker
 from kvbm.index.pinning import PinTable
 
 
@@ -45,6 +45,7 @@ class Registry:
         self._hits: dict[int, int] = {}
         self.partials = PartialMarks(len(self.tiers))  # partial blocks, evicted first until hit (kvbm.index.partials)
         self._kinds, self._unhit = self.partials.kinds, self.partials.unhit  # its sets (never replaced), bound once
+        self.mark_partial = marker(self._lock, self._ti, self._lru, self._hits, self._peek, self.partials)
         # Called as listener(kind, tier, keys) with kind "stored" or "removed" and the blocks that changed (one
         # call per batch: a store of 64 blocks is one call, not 64), outside the lock.
         self.listeners: list[Callable[[str, str, list[BlockKey]], None]] = []
@@ -223,12 +224,6 @@ class Registry:
 
     def hits(self, key: BlockKey) -> int:
         return self._hits.get(self._peek(key), 0)  # type: ignore[arg-type]
-
-    def mark_partial(self, tier: str, keys: Iterable[BlockKey]) -> int:
-        """Mark the never-hit blocks of ``keys`` that ``tier`` holds partial, in place (no LRU move, no event)."""
-        i = self._ti[tier]
-        with self._lock:
-            return self.partials.mark(i, map(self._peek, keys), self._lru[i], self._hits)
 
     def is_partial(self, key: BlockKey) -> bool:
         """Whether ``key`` was stored as a partial block (and some tier still holds it)."""

@@ -137,12 +137,17 @@ def in_bucket(srv, prefix: str, key: BlockKey) -> bool:
     return asyncio.run(go())
 
 
+def g4_daemon(tmp_path, srv, prefix: str) -> ServeProc:
+    """:func:`daemon` with the bucket of ``srv`` under ``prefix`` as G4."""
+    cfg = daemon_cfg(tmp_path, host=f"{G2_SLOTS * SLOT // 1024}KiB", prefetch=False)
+    cfg["s3"] = {"endpoint": srv.endpoint, "bucket": srv.bucket, "prefix": prefix, "access_key": srv.access_key,
+                 "secret_key": srv.secret_key}
+    return ServeProc(tmp_path, cfg).start()
+
+
 def test_a_superseded_partial_block_leaves_the_bucket_too(tmp_path, s3_server, s3_prefix):
     srv = s3_server
-    cfg = daemon_cfg(tmp_path, host=f"{G2_SLOTS * SLOT // 1024}KiB", prefetch=False)
-    cfg["s3"] = {"endpoint": srv.endpoint, "bucket": srv.bucket, "prefix": s3_prefix, "access_key": srv.access_key,
-                 "secret_key": srv.secret_key}
-    d = ServeProc(tmp_path, cfg).start()
+    d = g4_daemon(tmp_path, srv, s3_prefix)
     try:
         c = d.client()
         c.register(LAYOUT, worker_id="g4")
@@ -164,10 +169,7 @@ def test_a_partial_block_known_only_from_the_bucket_is_still_partial_and_superse
     indexed a partial block in G4 as an ordinary one, so its full block never superseded it and it stayed in the
     bucket. A block shorter than its namespace's full blocks is partial."""
     srv = s3_server
-    cfg = daemon_cfg(tmp_path, host=f"{G2_SLOTS * SLOT // 1024}KiB", prefetch=False)
-    cfg["s3"] = {"endpoint": srv.endpoint, "bucket": srv.bucket, "prefix": s3_prefix, "access_key": srv.access_key,
-                 "secret_key": srv.secret_key}
-    d = ServeProc(tmp_path, cfg).start()
+    d = g4_daemon(tmp_path, srv, s3_prefix)
     try:
         c = d.client()
         c.register(LAYOUT, worker_id="g4")

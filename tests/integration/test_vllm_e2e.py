@@ -98,11 +98,12 @@ def kvbm_stored(prompt_len: int, answer: int, vllm_bs: int, k: int) -> int:
 def run_vllm(tmp: Path, name: str, model: str, daemon: ServeProc | None, steps: list[dict], *, tp: int = 1,
              pp: int = 1, prompt: list[int] = PROMPT, digest_blocks: int = 0, events: str | None = None,
              extra: dict | None = None, group_digest_blocks: int = 0, attention_backend: str = "",
-             evict_before_load: int = 0, engine: dict | None = None) -> list[dict]:
+             evict_before_load: int = 0, engine: dict | None = None, evict_partial: bool = False) -> list[dict]:
     """One engine in a fresh process; ``daemon`` None runs it without the connector."""
     spec = {"model": model, "prompt": prompt, "steps": steps, "events": events, "tp": tp, "pp": pp,
             "digest_blocks": digest_blocks, "group_digest_blocks": group_digest_blocks,
-            "attention_backend": attention_backend, "evict_before_load": evict_before_load, "engine": engine}
+            "attention_backend": attention_backend, "evict_before_load": evict_before_load, "engine": engine,
+            "evict_partial": evict_partial}
     if daemon is not None:
         # Default settings: no vllm_blocks_per_kvbm_block, the connector derives it from the daemon.
         spec["connector"] = {"daemon": daemon.endpoint, "model_name": "tiny-llama-e2e", "timeout_s": 5,

@@ -379,7 +379,7 @@ def test_a_sync_engines_mapping_of_a_restarted_daemons_pool_goes_when_that_daemo
         # one copies out of that mapping.
         assert wait_until(loaded, timeout=30), "no load from the restarted daemon"
         _assert_loaded(w, (3,), fill=40)
-        (pool,) = w.loader._maps.values()
+        (pool,) = w.loader.pools.mapped()
         daemon.kill9()
         daemon.start()
         assert _mapped_deleted(pool.shm_name) > 0

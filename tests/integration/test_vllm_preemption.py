@@ -124,6 +124,31 @@ def test_a_request_whose_load_came_up_short_saves_the_blocks_it_then_computed(tm
         daemon.stop()
 
 
+def test_a_request_whose_partial_block_did_not_load_saves_it_again(tmp_path, tiny_model):
+    """A load whose partial block was gone by the load (evicted first between lookup and load): vLLM recomputes
+    its vLLM blocks, but the request remembered the partial block as loaded and never saved it again, so every
+    later hit stopped at the full blocks. Now it is saved again once recomputed, and the next load brings it."""
+    prompt = [(i * 23 + 9) % 977 + 3 for i in range(1200)]
+    full = (len(prompt) - 1) // BLOCK_TOKENS  # 4 kvbm blocks, and a partial block of one vLLM block
+    daemon = g2_daemon(tmp_path)
+    try:
+        daemon.start()
+        first, short, last = run_vllm(
+            tmp_path, "partial-short", tiny_model, daemon,
+            [{"settle": True}, {"settle": True, "poison": True}, {"poison": True, "evict_before_load": False}],
+            prompt=prompt, evict_before_load=full, evict_partial=True)
+        assert first["kv_transfer_params"]["kvbm"]["degraded"] is False
+        assert short["evicted_before_load"] >= 1, short
+        assert short["tokens"] == first["tokens"]
+        was, now = short["kv_transfer_params"]["kvbm"], last["kv_transfer_params"]["kvbm"]  # the engine's totals
+        assert was["partial_saves"] == 2, was  # the first run's, and the short one's again
+        assert last["num_cached_tokens"] == full * BLOCK_TOKENS + VLLM_BS, "the partial block was not saved again"
+        assert now["hit_partial_vblocks"] - was["hit_partial_vblocks"] == 1, (was, now)
+        assert last["tokens"] == first["tokens"]
+    finally:
+        daemon.stop()
+
+
 def test_a_short_sync_load_never_makes_another_request_store_what_did_not_load(tmp_path, tiny_model):
     """Two requests with one stored prefix admitted in one step; the first one's sync load comes up short
     (its blocks evicted between lookup and load). vLLM caches the first one's blocks when it allocates them,

@@ -150,11 +150,13 @@ class EvictBeforeLoad:
             k = conn.scheduler.geometry.known_k
             if self.active and num_external_tokens > 0 and k:
                 hashes = [bytes(h) for h in request.block_hashes[k - 1 :: k]][from_block:]
+                st = conn.scheduler._reqs.get(request.request_id)
+                if spec.get("evict_partial") and st is not None and st.partial:
+                    hashes.append(st.partial)  # the partial block its load planned, gone too
                 for layout in conn.layouts():
                     with WorkerClient(spec["connector"]["daemon"], timeout_s=10, admin_token=token) as c:
                         c.register(layout, worker_id=f"e2e-evictor-r{layout.tp_rank}")
                         self.evicted += c.evict(hashes).removed
-                st = conn.scheduler._reqs.get(request.request_id)
                 load = st.load if st is not None else None
                 if load is not None and load.pins:
                     keep = max(0, from_block - st.load_from)

@@ -15,7 +15,6 @@ asks for: the vLLM block ids that did not arrive (vLLM recomputes from the first
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,13 +26,10 @@ from kvbm.client.lease import Onboarding, pin_window
 from kvbm.integrations.vllm.groups import NULL_BLOCK
 from kvbm.integrations.vllm.link import LINK_ERRORS, Link
 from kvbm.integrations.vllm.metadata import BlockTransfer
+from kvbm.integrations.vllm.pool_maps import PoolMaps
 from kvbm.integrations.vllm.stages import stages_of
-from kvbm.tiers.host import HostTier
 
 log = logging.getLogger("kvbm.vllm")
-
-MAP_RETRY_S = 1.0  # a pool that could not be mapped (a daemon gone again) is tried again this often at most
-
 
 def failed_ids(tr: BlockTransfer, loaded: int) -> set[int]:
     """The vLLM block ids of ``tr`` from its first kvbm block that did not arrive on (vLLM recomputes them)."""
@@ -69,13 +65,7 @@ class Loader:
         self.failed_now: set[str] = set()  # requests whose sync load of the current step came up short
         self.failed_blocks_now: set[int] = set()  # and the vLLM block ids that did not load
         self._pin_rank = pin_rank  # whose pins this worker copies (its own; under MLA its TP group's storing rank)
-        # After a daemon restart the engine thread's session maps an earlier pool: the loader's thread maps the new
-        # one, and the engine's thread takes it (and unmaps the old ones: it is the one thread that copies).
-        self._maps: dict[str, HostTier] = {}  # (the engine's thread) the newest daemon's pool, once mapped
-        self._fresh: tuple[str, HostTier] | None = None  # mapped on the loader's thread, not taken yet
-        self._maps_lock = threading.Lock()
-        self._gone: set[str] = set()  # generations whose daemon the loader's thread saw go (their maps released)
-        self._mapping: dict[str, float] = {}  # generations the loader's thread was asked to map, and when
+        self.pools = PoolMaps(link, async_link, self._pool.submit)  # what synchronous loads copy out of
 
     def warm(self) -> None:
         """Open the async link's session now, on the loader's thread, not at the first load (its set-up round
@@ -83,29 +73,10 @@ class Loader:
         self._pool.submit(self._async_link.get)
 
     def drop_if_lost(self) -> None:
-        """(The engine's thread.) Release the pools mapped for synchronous loads whose daemon the loader's thread saw
-        go, and have that thread check its session again (see :meth:`Link.drop_if_lost`)."""
-        with self._maps_lock:
-            gone, self._gone = self._gone, set()
-            fresh = self._fresh if self._fresh is not None and self._fresh[0] in gone else None
-            if fresh is not None:
-                self._fresh = None
-        for g in gone:
-            tier = self._maps.pop(g, None)
-            if tier is not None:
-                tier.release()  # no copy runs: this is the engine's thread, between its steps' copies
-        if fresh is not None:
-            fresh[1].release()
-        self._pool.submit(self._drop_session_if_lost)
-
-    def _drop_session_if_lost(self) -> None:
-        """(The loader's thread.) Drop the session if its daemon went; that daemon's pool is then released by the
-        engine's thread (:meth:`drop_if_lost`), which alone copies out of it."""
-        client = self._async_link.client
-        generation = client.generation if client is not None else ""
-        if self._async_link.drop_if_lost() and generation:
-            with self._maps_lock:
-                self._gone.add(generation)
+        """(The engine's thread.) Release the pools whose daemon the loader's thread saw go, and have that thread
+        check its session again (see :meth:`Link.drop_if_lost`)."""
+        self.pools.release_gone()
+        self._pool.submit(self.pools.drop_session_if_lost)
 
     def fail_all(self, trs: list[BlockTransfer], asynchronous: bool) -> None:
         """Loads never started, reported as failed (vLLM recomputes them, and never waits for them)."""
@@ -157,7 +128,7 @@ class Loader:
         if pins is None:
             return 0
         generation, slots, nbytes = pins
-        g2 = self._pool_of(generation)
+        g2 = self.pools.pool_of(generation)
         if g2 is None:
             return 0
         loaded = 0
@@ -179,44 +150,6 @@ class Loader:
             self._copy(views[i], ids, tr.first_unused(a + i), unused)
             n += 1
         return n
-
-    def _pool_of(self, generation: str) -> HostTier | None:
-        """This process's mapping of the pool of ``generation`` (no round trip); None, and mapped on the loader's
-        thread for the next loads, when it has none yet."""
-        client = self._link.client  # the engine thread's own session, mapped at start-up
-        if client is not None and client.generation == generation and client.g2 is not None:
-            return client.g2
-        with self._maps_lock:  # what the loader's thread mapped since: only this thread unmaps (it copies)
-            fresh, self._fresh = self._fresh, None
-        if fresh is not None:
-            for old in self._maps.values():
-                old.release()  # an earlier daemon's pool: its memory goes with the last mapping
-            self._maps = {fresh[0]: fresh[1]}
-        g2 = self._maps.get(generation)
-        if g2 is not None and client is not None:
-            self._link.drop()  # its session and mapping are an earlier daemon's: let that pool's memory go
-        now = time.monotonic()
-        if g2 is None and now - self._mapping.get(generation, -MAP_RETRY_S) >= MAP_RETRY_S:
-            self._mapping[generation] = now
-            self._pool.submit(self._map, generation)
-        return g2
-
-    def _map(self, generation: str) -> None:
-        """(The loader's thread.) Map the pool of ``generation``: its session registers again if it is another's."""
-        try:
-            client = self._async_link.get()
-            if client is not None and client.generation != generation:
-                self._async_link.close()  # registered with an earlier daemon: register with this one
-                client = self._async_link.get()
-            if client is not None and client.generation == generation and client.registered is not None:
-                reg = client.registered
-                tier = HostTier.attach(reg.shm_name, reg.capacity_bytes, reg.slot_bytes)
-                with self._maps_lock:
-                    stale, self._fresh = self._fresh, (generation, tier)
-                if stale is not None:
-                    stale[1].release()  # never handed to the engine's thread
-        except Exception as e:
-            log.warning("kvbm: mapping G2 pool %s failed: %s", generation, e)
 
     def busy(self, req_id: str) -> bool:
         """Whether an async load of ``req_id`` is still to be reported (it may be writing its blocks)."""

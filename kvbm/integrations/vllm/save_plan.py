@@ -183,10 +183,13 @@ def replan_failed_loads(reqs: dict[str, ReqState], failed: set[str], bad: set[in
             first = min((i for ids in st.block_ids for i, b in enumerate(ids) if b in bad), default=None)
             if first is not None and k:
                 st.saved_blocks = min(st.saved_blocks, first // k)
+                st.partial = b""  # its partial block, loaded or saved, is saved again too
     for rid in failed:
         st = reqs.get(rid)
         if st is not None and st.load_from >= 0:
-            # vLLM recomputes from the failed load on: those blocks are saved once they are computed.
+            # vLLM recomputes from the failed load on: those blocks are saved once they are computed, its partial
+            # block too (remembered as loaded, it was never saved again: gone from the daemon, it stayed gone).
             st.saved_blocks = min(st.saved_blocks, st.load_from)
             st.load_from = -1
+            st.partial = b""
     return failed
