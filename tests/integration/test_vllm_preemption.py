@@ -108,18 +108,25 @@ def test_a_request_whose_load_came_up_short_saves_the_blocks_it_then_computed(tm
     brings every block, with the bytes the first step computed."""
     prompt = [(i * 23 + 9) % 977 + 3 for i in range(1100)]
     full = (len(prompt) - 1) // BLOCK_TOKENS  # 4 kvbm blocks
+    first, short, last = _short_load(tmp_path, tiny_model, "short", prompt, digest_blocks=full * K,
+                                     evict_before_load=1)
+    assert short["evicted_before_load"] == full - 1, short
+    assert short["tokens"] == first["tokens"]
+    assert last["num_cached_tokens"] == full * BLOCK_TOKENS, "the recomputed blocks were not saved again"
+    assert last["kv_digests"] == first["kv_digests"]
+    assert last["tokens"] == first["tokens"]
+
+
+def _short_load(tmp_path, model: str, name: str, prompt: list[int], **kw) -> list[dict]:
+    """One engine, one G2 daemon: the prompt stored, then loaded with its blocks evicted between lookup and load
+    (``kw``: :func:`run_vllm`'s), then loaded whole; each with vLLM's cache reset and its KV caches poisoned."""
     daemon = g2_daemon(tmp_path)
     try:
         daemon.start()
-        first, short, last = run_vllm(
-            tmp_path, "short", tiny_model, daemon,
+        return run_vllm(
+            tmp_path, name, model, daemon,
             [{"settle": True}, {"settle": True, "poison": True}, {"poison": True, "evict_before_load": False}],
-            prompt=prompt, digest_blocks=full * K, evict_before_load=1)
-        assert short["evicted_before_load"] == full - 1, short
-        assert short["tokens"] == first["tokens"]
-        assert last["num_cached_tokens"] == full * BLOCK_TOKENS, "the recomputed blocks were not saved again"
-        assert last["kv_digests"] == first["kv_digests"]
-        assert last["tokens"] == first["tokens"]
+            prompt=prompt, **kw)
     finally:
         daemon.stop()
 
@@ -130,23 +137,16 @@ def test_a_request_whose_partial_block_did_not_load_saves_it_again(tmp_path, tin
     later hit stopped at the full blocks. Now it is saved again once recomputed, and the next load brings it."""
     prompt = [(i * 23 + 9) % 977 + 3 for i in range(1200)]
     full = (len(prompt) - 1) // BLOCK_TOKENS  # 4 kvbm blocks, and a partial block of one vLLM block
-    daemon = g2_daemon(tmp_path)
-    try:
-        daemon.start()
-        first, short, last = run_vllm(
-            tmp_path, "partial-short", tiny_model, daemon,
-            [{"settle": True}, {"settle": True, "poison": True}, {"poison": True, "evict_before_load": False}],
-            prompt=prompt, evict_before_load=full, evict_partial=True)
-        assert first["kv_transfer_params"]["kvbm"]["degraded"] is False
-        assert short["evicted_before_load"] >= 1, short
-        assert short["tokens"] == first["tokens"]
-        was, now = short["kv_transfer_params"]["kvbm"], last["kv_transfer_params"]["kvbm"]  # the engine's totals
-        assert was["partial_saves"] == 2, was  # the first run's, and the short one's again
-        assert last["num_cached_tokens"] == full * BLOCK_TOKENS + VLLM_BS, "the partial block was not saved again"
-        assert now["hit_partial_vblocks"] - was["hit_partial_vblocks"] == 1, (was, now)
-        assert last["tokens"] == first["tokens"]
-    finally:
-        daemon.stop()
+    first, short, last = _short_load(tmp_path, tiny_model, "partial-short", prompt, evict_before_load=full,
+                                     evict_partial=True)
+    assert first["kv_transfer_params"]["kvbm"]["degraded"] is False
+    assert short["evicted_before_load"] >= 1, short
+    assert short["tokens"] == first["tokens"]
+    was, now = short["kv_transfer_params"]["kvbm"], last["kv_transfer_params"]["kvbm"]  # the engine's totals
+    assert was["partial_saves"] == 2, was  # the first run's, and the short one's again
+    assert last["num_cached_tokens"] == full * BLOCK_TOKENS + VLLM_BS, "the partial block was not saved again"
+    assert now["hit_partial_vblocks"] - was["hit_partial_vblocks"] == 1, (was, now)
+    assert last["tokens"] == first["tokens"]
 
 
 def test_a_short_sync_load_never_makes_another_request_store_what_did_not_load(tmp_path, tiny_model):

@@ -25,6 +25,10 @@ MAX_RETRY_AFTER_S = 8.0
 LINK_ERRORS = (DaemonUnavailable, DaemonError, OSError)
 
 
+def _now(fn: Callable[..., Any], *args: Any) -> None:
+    fn(*args)
+
+
 class Link:
     """A daemon client that degrades instead of failing: errors mark it down for a few seconds.
 
@@ -100,24 +104,31 @@ class Link:
         self.failures = 0
         return client
 
-    def drop_if_lost(self) -> bool:
+    def drop_if_lost(self, dispose: Callable[..., Any] | None = None) -> bool:
         """Let the session go now if its daemon's connection dropped (seen without a request): with it goes the
         mapping of that daemon's G2 pool, whose memory a restarted daemon needs back, where this link's next
         request may never come (an idle engine; the engine's thread under async loads). On the thread that
-        uses the link, as every other call."""
+        uses the link, as every other call; ``dispose(fn, *args)`` runs the unmapping elsewhere (the engine's
+        thread hands it to another: unmapping a big pool, unregistering it from CUDA, takes milliseconds or more)."""
         c = self.client
         if c is None or not c.lost():
             return False
-        self.fail(DaemonUnavailable(f"connection to {self.endpoint} lost"))
+        self.fail(DaemonUnavailable(f"connection to {self.endpoint} lost"), dispose)
         return True
+
+    def take(self) -> WorkerClient | None:
+        """Forget the session and hand it over (the caller abandons it, on any thread: nothing here uses it again)."""
+        c, self.client = self.client, None
+        return c
 
     def error(self, e: BaseException) -> None:
         """A request on this link failed: the link goes down unless the daemon only said it is loaded."""
         if not is_load(e):
             self.fail(e)
 
-    def fail(self, e: BaseException) -> None:
-        """Mark the link down: its session is dropped (Unregister sent, not awaited; G2 unmapped)."""
+    def fail(self, e: BaseException, dispose: Callable[..., Any] | None = None) -> None:
+        """Mark the link down: its session is dropped (Unregister sent, not awaited; G2 unmapped; by
+        ``dispose(fn, *args)`` when given)."""
         self.degraded_reason = f"{type(e).__name__}: {e}"
         # Back off so a daemon that stays away costs a reconnection attempt (a millisecond) now and then.
         self.failures += 1
@@ -132,7 +143,9 @@ class Link:
             self.warned = True
         # Unregister (a live daemon releases our pins and slots now rather than at the lease's end) and unmap G2; a
         # new socket next time, so a late reply is never read as the next one.
-        self.drop()
+        c = self.take()
+        if c is not None:
+            (dispose or _now)(c.abandon, self.unregister)
 
     def drop(self) -> None:
         """Forget the session without waiting on the daemon (Unregister sent unless ``unregister`` is False)."""

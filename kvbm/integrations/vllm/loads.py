@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -71,6 +72,10 @@ class Loader:
         """Open the async link's session now, on the loader's thread, not at the first load (its set-up round
         trips would come before the first hit's blocks)."""
         self._pool.submit(self._async_link.get)
+
+    def dispose(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loader's thread: an unmapping the engine's thread hands over."""
+        self._pool.submit(fn, *args)
 
     def drop_if_lost(self) -> None:
         """(The engine's thread.) Release the pools whose daemon the loader's thread saw go, and have that thread

@@ -48,11 +48,15 @@ class PoolMaps:
             fresh, self._fresh = self._fresh, None
         if fresh is not None:
             for old in self._maps.values():
-                old.release()  # an earlier daemon's pool: its memory goes with the last mapping
+                self._submit(old.release)  # an earlier daemon's pool: its memory goes with the last mapping
             self._maps = {fresh[0]: fresh[1]}
         g2 = self._maps.get(generation)
         if g2 is not None and client is not None:
-            self._link.drop()  # its session and mapping are an earlier daemon's: let that pool's memory go
+            # Its session and mapping are an earlier daemon's: let that pool's memory go (not on this thread: a big
+            # pool's unmapping takes milliseconds or more; nothing here copies out of it again).
+            taken = self._link.take()
+            if taken is not None:
+                self._submit(taken.abandon, self._link.unregister)
         now = time.monotonic()
         if g2 is None and now - self._mapping.get(generation, -MAP_RETRY_S) >= MAP_RETRY_S:
             self._mapping[generation] = now
@@ -77,7 +81,7 @@ class PoolMaps:
             log.warning("kvbm: mapping G2 pool %s failed: %s", generation, e)
 
     def release_gone(self) -> None:
-        """(The engine's thread, between its copies.) Release the pools whose daemon the loader's thread saw go."""
+        """(The engine's thread, between its copies.) Let the pools whose daemon the loader's thread saw go."""
         with self._lock:
             gone, self._gone = self._gone, set()
             fresh = self._fresh if self._fresh is not None and self._fresh[0] in gone else None
@@ -86,9 +90,9 @@ class PoolMaps:
         for g in gone:
             tier = self._maps.pop(g, None)
             if tier is not None:
-                tier.release()
+                self._submit(tier.release)  # on the loader's thread: the engine's never copies out of it again
         if fresh is not None:
-            fresh[1].release()
+            self._submit(fresh[1].release)
 
     def drop_session_if_lost(self) -> None:
         """(The loader's thread.) Drop its session if its daemon went (:meth:`Link.drop_if_lost`); that daemon's pool

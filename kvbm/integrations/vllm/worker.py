@@ -144,7 +144,7 @@ class WorkerSide:
             return
         self._links_checked = now
         try:
-            self._link.drop_if_lost()
+            self._link.drop_if_lost(self.loader.dispose)  # the unmapping on the loader's thread, not this one
             self.loader.drop_if_lost()
             self.saver.drop_if_lost()
         except Exception as e:  # never the engine's death: the sessions are checked again in a second
