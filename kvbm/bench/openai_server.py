@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -141,9 +142,26 @@ def words(ids: Sequence[int]) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback TCP port free now, for a server started next. Not one the kernel picks for ``bind(0)``: those come
+    from its ephemeral range, from which it soon hands the same port to an outgoing connection (an S3 client's),
+    which then holds it when the server binds (CI: "Address already in use"). A random port below that range,
+    checked free, instead."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(64):
+        port = 10000 + secrets.randbelow(max(1, low - 10000))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            if port < low:
+                return port
+    with socket.socket() as s:  # no room below the range here: the kernel's pick
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def server_command(model: str, port: int, *, connector: dict[str, Any] | None = None,

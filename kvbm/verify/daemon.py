@@ -4,11 +4,11 @@ can SIGSTOP, SIGCONT, SIGKILL and restart, and whose stored blocks the harness r
 from __future__ import annotations
 
 import signal
-import socket
 from pathlib import Path
 
 import numpy as np
 
+from kvbm.bench.openai_server import free_port as _free_port
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
 from kvbm.client import WorkerClient
@@ -18,9 +18,7 @@ BLOCK_BYTES = "256KiB"  # two 128 KiB vLLM blocks of the harness's float32 model
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_port()  # not from the kernel's ephemeral range (kvbm.bench.openai_server)
 
 
 class VerifyDaemon:

@@ -6,7 +6,6 @@ import contextlib
 import glob
 import os
 import random
-import socket
 import threading
 import time
 import urllib.request
@@ -21,6 +20,7 @@ from needs import needs
 from serve_proc import ServeProc, wait_until
 
 from kvbm import protocol as p
+from kvbm.bench.openai_server import free_port
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
 from kvbm.client import AsyncWorkerClient, DaemonError, DaemonUnavailable, Overloaded, WorkerClient
@@ -366,9 +366,7 @@ def test_durable_blocks_survive_kill9_and_no_torn_block_is_served(tmp_path):
 
 
 def test_daemon_follows_a_vllm_event_stream(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # the daemon binds it: not a port the kernel may hand an outgoing connection meanwhile
     d = DaemonProc(tmp_path, vllm_events=[f"tcp://127.0.0.1:{port}"]).start()
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)

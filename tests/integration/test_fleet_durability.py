@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 from serve_proc import ServeProc, wait_until
 
+from kvbm.bench.openai_server import free_port as _free_port
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
 from kvbm.cli.main import main
@@ -31,9 +31,7 @@ WAIT_S = 30.0  # deadline of the poll loops; never a timing assertion
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return _free_port()  # not from the kernel's ephemeral range (kvbm.bench.openai_server)
 
 
 class Node:

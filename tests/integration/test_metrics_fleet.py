@@ -4,7 +4,6 @@ SeaweedFS bucket, the second following the first's events and probing the bucket
 from __future__ import annotations
 
 import os
-import socket
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from serve_proc import ServeProc, wait_until
 
+from kvbm.bench.openai_server import free_port as _free_port
 from kvbm.blocks import BlockKey
 from kvbm.blocks.layout import KVLayout
 
@@ -21,9 +21,7 @@ NB = LAYOUT.block_nbytes
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return _free_port()  # not from the kernel's ephemeral range (kvbm.bench.openai_server)
 
 
 def node(tmp: Path, srv: Any, prefix: str, **dc: Any) -> ServeProc:

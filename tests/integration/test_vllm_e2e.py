@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 from needs import needs
 from serve_proc import ServeProc
 
+from kvbm.bench.openai_server import free_port as _free_port
 from kvbm.blocks.vllm_hash import vllm_block_hashes
 from kvbm.verify.zygote import run_forked
 
@@ -37,9 +37,7 @@ HASH_SEED = "0"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_port()  # not from the kernel's ephemeral range (kvbm.bench.openai_server)
 
 
 class Daemon(ServeProc):
